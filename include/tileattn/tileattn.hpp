@@ -1,0 +1,5 @@
+#pragma once
+#include "tileattn/attention.hpp"
+#include "tileattn/error.hpp"
+#include "tileattn/flops.hpp"
+#include "tileattn/problem.hpp"

@@ -1,0 +1,32 @@
+#pragma once
+// The float64 oracle: materialises the full score matrix of each (sequence, head) and computes
+// everything in double. It exists for tests, never as a user path. Inputs are read from host
+// memory in the problem's dtype and layout; the problem must be validated and normalised.
+//
+// Results are dense float64 arrays:
+//   o   (rows_q, heads_q, headdim_v)        rows_q = batch * seqlen_q, or total_q for varlen
+//   lse the problem's L layout: (batch, heads_q, seqlen_q) or (heads_q, total_q); -inf for empty rows
+//   dq  (rows_q, heads_q, headdim_qk)
+//   dk  (rows_k, heads_kv, headdim_qk)      rows_k = batch * seqlen_k, or total_k
+//   dv  (rows_k, heads_kv, headdim_v)
+// reference_backward reads Q, K, V and dO only: it recomputes O and L itself, so it does not
+// inherit an error of the implementation under test.
+#include <vector>
+
+#include "tileattn/problem.hpp"
+
+namespace tileattn::cpu {
+
+struct ReferenceForward {
+  std::vector<double> o, lse;
+};
+struct ReferenceBackward {
+  std::vector<double> dq, dk, dv;
+};
+
+ReferenceForward reference_forward(const AttentionProblem& problem);
+ReferenceBackward reference_backward(const AttentionProblem& problem);
+// (batch, d1, d3)
+std::vector<double> reference_softmax_matmul(const SoftmaxMatmulProblem& problem);
+
+}  // namespace tileattn::cpu

@@ -1,0 +1,26 @@
+#pragma once
+// The CUDA backend's entry points, declared in plain C++ so that src/host needs no CUDA headers.
+// Each takes a problem already validated and normalised by src/host/validate.hpp, with tensors
+// in device memory, and runs on problem.stream. Only compiled when the build has CUDA
+// (TILEATTN_WITH_CUDA); src/host reports a clear error otherwise.
+#include <cstddef>
+
+#include "tileattn/problem.hpp"
+
+namespace tileattn::cuda {
+
+bool device_available();
+// True when p is device (or managed) memory of the current device.
+bool is_device_pointer(const void* p);
+// Copies `count` int32 values from device memory to host (for validating cu_seqlens).
+void copy_to_host(int* dst, const int* src, long long count, void* stream);
+
+void forward(const AttentionProblem& problem);
+void backward(const AttentionProblem& problem);
+void softmax_matmul(const SoftmaxMatmulProblem& problem);
+
+size_t forward_workspace_size(const AttentionProblem& problem);
+size_t backward_workspace_size(const AttentionProblem& problem);
+size_t softmax_matmul_workspace_size(const SoftmaxMatmulProblem& problem);
+
+}  // namespace tileattn::cuda
