@@ -1,0 +1,34 @@
+#pragma once
+// Error metrics against a float64 reference.
+//
+//   ErrorStats e = compare(got, want);   // same length, dense float64
+//   EXPECT_LE(e.max_abs, tol) << e;
+//
+// Equal infinities (L = -inf of an empty row) count as exact; NaN or a mismatched infinity in
+// `got` makes max_abs infinite and is counted in `nonfinite`, so one bad element fails any bound.
+#include <cstdint>
+#include <ostream>
+#include <vector>
+
+#include "tileattn/problem.hpp"
+
+namespace tileattn::test {
+
+struct ErrorStats {
+  double max_abs = 0.0;   // max |got - want|
+  double rel_l2 = 0.0;    // ||got - want|| / ||want|| (absolute when ||want|| == 0)
+  double max_ref = 0.0;   // max |want| over finite entries (to scale tolerances)
+  int64_t nonfinite = 0;  // elements where got is NaN or an infinity want does not have
+  int64_t worst = -1;     // index of the max_abs element
+};
+
+ErrorStats compare(const std::vector<double>& got, const std::vector<double>& want);
+std::ostream& operator<<(std::ostream& os, const ErrorStats& e);
+
+// Unit roundoff of a dtype: 2^-24 (f32), 2^-11 (f16), 2^-8 (bf16).
+double unit_roundoff(DType dtype);
+
+// Rounds each element to `dtype` and back (what a correct kernel at best stores).
+std::vector<double> round_to(const std::vector<double>& values, DType dtype);
+
+}  // namespace tileattn::test
