@@ -1,0 +1,373 @@
+#include "host/validate.hpp"
+
+#include <algorithm>
+#include <array>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "tileattn/error.hpp"
+
+#ifdef TILEATTN_WITH_CUDA
+#include "cuda/cuda_backend.hpp"
+#endif
+
+namespace tileattn::host {
+namespace {
+
+constexpr int64_t kMaxHeadDim = 256;
+
+[[noreturn]] void fail(ErrorKind kind, const std::string& message) { throw Error(kind, message); }
+[[noreturn]] void invalid(const std::string& message) { fail(ErrorKind::invalid_argument, message); }
+
+std::string str(int64_t v) { return std::to_string(v); }
+
+std::string str(float v) {
+  if (std::isnan(v)) return "nan";
+  if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
+  std::string s = std::to_string(v);
+  // to_string prints six decimals; trailing zeros only add noise to a message.
+  while (s.size() > 1 && s.back() == '0') s.pop_back();
+  if (s.back() == '.') s.pop_back();
+  return s;
+}
+
+const char* backend_name(Backend b) {
+  switch (b) {
+    case Backend::automatic: return "automatic";
+    case Backend::cpu: return "cpu";
+    case Backend::cuda: return "cuda";
+  }
+  return "?";
+}
+
+void check_dtype(DType dtype) {
+  if (dtype != DType::f32 && dtype != DType::f16 && dtype != DType::bf16) {
+    fail(ErrorKind::invalid_type,
+         "dtype=" + str(int64_t(dtype)) + " is not a supported DType (f32=0, f16=1, bf16=2)");
+  }
+}
+
+void check_fp32_mode(Fp32Mode mode) {
+  if (mode != Fp32Mode::exact && mode != Fp32Mode::fast) {
+    invalid("fp32_mode=" + str(int64_t(mode)) + " is not a Fp32Mode (exact=0, fast=1)");
+  }
+}
+
+// Sizes index int32 offsets (cu_seqlens) and kernel grid coordinates, so they stay below 2^31.
+void check_size(const char* name, int64_t value) {
+  if (value <= 0) invalid(std::string(name) + "=" + str(value) + " must be positive");
+  if (value > INT32_MAX) invalid(std::string(name) + "=" + str(value) + " exceeds INT32_MAX");
+}
+
+void check_head_dim(const char* name, int64_t value) {
+  if (value <= 0) invalid(std::string(name) + "=" + str(value) + " must be positive");
+  if (value > kMaxHeadDim) {
+    fail(ErrorKind::unsupported,
+         std::string(name) + "=" + str(value) + " exceeds " + str(kMaxHeadDim) + ", the largest head dim supported");
+  }
+}
+
+void check_not_null(const void* p, const std::string& name) {
+  if (p == nullptr) invalid(name + " is null");
+}
+
+// One dimension of a strided tensor: the element stride of that dimension and its extent.
+struct Dim {
+  const char* field;  // e.g. "seq_stride"
+  int64_t stride;
+  int64_t extent;
+  const char* extent_name;  // what sets the extent, e.g. "seqlen_q"
+};
+
+int64_t checked_add(int64_t a, int64_t b, const std::string& tensor) {
+  int64_t r;
+  if (__builtin_add_overflow(a, b, &r)) invalid(tensor + " addresses more than INT64_MAX elements");
+  return r;
+}
+
+int64_t checked_mul(int64_t a, int64_t b, const std::string& tensor) {
+  int64_t r;
+  if (__builtin_mul_overflow(a, b, &r)) invalid(tensor + " addresses more than INT64_MAX elements");
+  return r;
+}
+
+// Strides must be positive where a dimension has more than one index (a zero stride would alias
+// every index of it); a dimension of extent 1 never uses its stride. The last dimension is
+// contiguous by contract, with extent `inner`; `dims` come innermost first (the order ties keep).
+//
+// Outputs must not overlap themselves, otherwise two threads write one element and results depend
+// on timing. The test: sorted by stride, each dimension must step past everything the smaller
+// dimensions span. This is sufficient, and for the layouts attention uses (any permutation of
+// (batch, seq, head) over a contiguous headdim) also necessary.
+void check_strides(const std::string& tensor, int64_t inner, std::vector<Dim> dims, bool is_output) {
+  for (const Dim& d : dims) {
+    if (d.stride < 0) {
+      invalid(tensor + "." + d.field + "=" + str(d.stride) + " must not be negative");
+    }
+    if (d.stride == 0 && d.extent > 1) {
+      invalid(tensor + "." + d.field + "=0 must be positive (" + d.extent_name + "=" + str(d.extent) + " > 1)");
+    }
+  }
+  // The highest element addressed must fit in int64 for every backend's offset arithmetic.
+  int64_t last = inner - 1;
+  for (const Dim& d : dims) last = checked_add(last, checked_mul(d.extent - 1, d.stride, tensor), tensor);
+
+  if (!is_output) return;
+  std::erase_if(dims, [](const Dim& d) { return d.extent <= 1; });
+  std::stable_sort(dims.begin(), dims.end(), [](const Dim& a, const Dim& b) { return a.stride < b.stride; });
+  int64_t span = inner;  // elements covered by the dimensions already placed
+  std::string spanned = "headdim";
+  for (const Dim& d : dims) {
+    if (d.stride < span) {
+      invalid(tensor + "." + d.field + "=" + str(d.stride) + " makes output " + tensor +
+              " overlap itself: it must be >= " + str(span) + " (the span of " + spanned + ")");
+    }
+    span = checked_add(span, checked_mul(d.extent - 1, d.stride, tensor), tensor);
+    spanned += std::string(" x ") + d.extent_name;
+  }
+}
+
+// Which memory a pointer lives in must match the backend that will dereference it.
+void check_memory_space(const void* p, const std::string& name, Backend backend) {
+#ifdef TILEATTN_WITH_CUDA
+  if (p == nullptr) return;
+  const bool on_device = tileattn::cuda::is_device_pointer(p);
+  if (backend == Backend::cuda && !on_device) {
+    invalid(name + " is host memory, but backend=cuda needs device memory");
+  }
+  if (backend == Backend::cpu && on_device) {
+    invalid(name + " is device memory, but backend=cpu needs host memory");
+  }
+#else
+  (void)p, (void)name, (void)backend;
+#endif
+}
+
+void check_backend(Backend backend) {
+  if (backend != Backend::cpu && backend != Backend::cuda) {
+    if (backend == Backend::automatic) {
+      invalid("backend=automatic must be resolved to cpu or cuda before validation");
+    }
+    invalid("backend=" + str(int64_t(backend)) + " is not a Backend (automatic=0, cpu=1, cuda=2)");
+  }
+  if (backend == Backend::cuda) {
+#ifdef TILEATTN_WITH_CUDA
+    if (!tileattn::cuda::device_available()) {
+      fail(ErrorKind::device, "backend=cuda requested, but no CUDA device is visible");
+    }
+#else
+    fail(ErrorKind::device,
+         "backend=cuda requested, but this build of tileattn has no CUDA backend (configure with -DTILEATTN_CUDA=ON)");
+#endif
+  }
+}
+
+void check_requested_backend(Backend requested, Backend resolved) {
+  if (requested != Backend::automatic && requested != Backend::cpu && requested != Backend::cuda) {
+    invalid("backend=" + str(int64_t(requested)) + " is not a Backend (automatic=0, cpu=1, cuda=2)");
+  }
+  if (requested != Backend::automatic && requested != resolved) {
+    invalid(std::string("backend=") + backend_name(requested) + " was requested but validation was asked for " +
+            backend_name(resolved));
+  }
+}
+
+void check_num_threads(int num_threads) {
+  if (num_threads < 0) invalid("num_threads=" + str(int64_t(num_threads)) + " must be >= 0 (0 = all hardware threads)");
+}
+
+void check_workspace(const void* workspace, size_t bytes, size_t needed, Backend backend, const char* call) {
+  check_memory_space(workspace, "workspace", backend);
+  if (workspace != nullptr && bytes < needed) {
+    invalid("workspace_bytes=" + std::to_string(bytes) + " is less than " + call + "=" + std::to_string(needed));
+  }
+}
+
+// cu_seqlens: batch + 1 int32 offsets into a buffer of `total` rows, each sequence no longer than
+// `max_len`. Device offsets are copied to the host once here so no kernel ever trusts them unchecked.
+void check_cu_seqlens(const int32_t* cu, const char* name, int64_t batch, int64_t total, const char* total_name,
+                      int64_t max_len, const char* max_name, Backend backend, void* stream) {
+  std::vector<int32_t> host(size_t(batch) + 1);
+  if (backend == Backend::cuda) {
+#ifdef TILEATTN_WITH_CUDA
+    tileattn::cuda::copy_to_host(host.data(), cu, static_cast<long long>(batch) + 1, stream);
+#endif
+  } else {
+    std::copy(cu, cu + batch + 1, host.begin());
+  }
+  (void)stream;
+  const std::string n = name;
+  if (host[0] != 0) invalid(n + "[0]=" + str(int64_t(host[0])) + " must be 0");
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t lo = host[size_t(b)], hi = host[size_t(b) + 1];
+    if (hi < lo) {
+      invalid(n + "[" + str(b + 1) + "]=" + str(hi) + " is less than " + n + "[" + str(b) + "]=" + str(lo) +
+              " (offsets must be non-decreasing)");
+    }
+    if (hi - lo > max_len) {
+      invalid(n + ": sequence " + str(b) + " has length " + str(hi - lo) + " > " + max_name + "=" + str(max_len) +
+              " (" + max_name + " is the maximum length of a variable-length batch)");
+    }
+  }
+  if (host[size_t(batch)] > total) {
+    invalid(n + "[" + str(batch) + "]=" + str(int64_t(host[size_t(batch)])) + " exceeds " + total_name + "=" +
+            str(total) + " (the rows the buffers hold)");
+  }
+}
+
+struct TensorSpec {
+  const TensorView* view;
+  const char* name;
+  bool varlen_k;  // K-side row count (seqlen_k / total_k) rather than Q-side
+  bool kv_heads;  // heads_kv rather than heads_q
+  int64_t headdim;
+  bool is_output;
+};
+
+}  // namespace
+
+AttentionProblem validate_attention(const AttentionProblem& problem, Pass pass, Backend backend) {
+  const AttentionProblem& p = problem;
+  check_backend(backend);
+  check_requested_backend(p.backend, backend);
+  check_dtype(p.dtype);
+  check_fp32_mode(p.fp32_mode);
+  check_num_threads(p.num_threads);
+
+  check_size("batch", p.batch);
+  check_size("seqlen_q", p.seqlen_q);
+  check_size("seqlen_k", p.seqlen_k);
+  check_size("heads_q", p.heads_q);
+  check_size("heads_kv", p.heads_kv);
+  check_head_dim("headdim_qk", p.headdim_qk);
+  check_head_dim("headdim_v", p.headdim_v);
+  if (p.heads_q % p.heads_kv != 0) {
+    invalid("heads_kv=" + str(p.heads_kv) + " must divide heads_q=" + str(p.heads_q) + " (GQA)");
+  }
+
+  // ---- variable length: both or neither, and the totals they index --------------------------
+  const bool varlen = p.is_varlen();
+  if (varlen) {
+    if (p.cu_seqlens_q == nullptr) invalid("cu_seqlens_q is null but cu_seqlens_k is set (variable length needs both)");
+    if (p.cu_seqlens_k == nullptr) invalid("cu_seqlens_k is null but cu_seqlens_q is set (variable length needs both)");
+    check_size("total_q", p.total_q);
+    check_size("total_k", p.total_k);
+  }
+
+  // ---- tensors: presence, memory space, strides ---------------------------------------------
+  std::vector<TensorSpec> tensors = {
+      {&p.q, "q", false, false, p.headdim_qk, false},
+      {&p.k, "k", true, true, p.headdim_qk, false},
+      {&p.v, "v", true, true, p.headdim_v, false},
+      {&p.o, "o", false, false, p.headdim_v, pass == Pass::forward},
+  };
+  if (pass == Pass::backward) {
+    tensors.push_back({&p.dout, "dout", false, false, p.headdim_v, false});
+    tensors.push_back({&p.dq, "dq", false, false, p.headdim_qk, true});
+    tensors.push_back({&p.dk, "dk", true, true, p.headdim_qk, true});
+    tensors.push_back({&p.dv, "dv", true, true, p.headdim_v, true});
+  }
+  for (const TensorSpec& t : tensors) check_not_null(t.view->data, std::string(t.name) + ".data");
+  check_not_null(p.lse, "lse");
+  for (const TensorSpec& t : tensors) check_memory_space(t.view->data, std::string(t.name) + ".data", backend);
+  check_memory_space(p.lse, "lse", backend);
+  if (varlen) {
+    check_memory_space(p.cu_seqlens_q, "cu_seqlens_q", backend);
+    check_memory_space(p.cu_seqlens_k, "cu_seqlens_k", backend);
+  }
+
+  for (const TensorSpec& t : tensors) {
+    const int64_t rows = varlen ? (t.varlen_k ? p.total_k : p.total_q) : (t.varlen_k ? p.seqlen_k : p.seqlen_q);
+    const char* rows_name = varlen ? (t.varlen_k ? "total_k" : "total_q") : (t.varlen_k ? "seqlen_k" : "seqlen_q");
+    std::vector<Dim> dims = {
+        {"head_stride", t.view->head_stride, t.kv_heads ? p.heads_kv : p.heads_q, t.kv_heads ? "heads_kv" : "heads_q"},
+        {"seq_stride", t.view->seq_stride, rows, rows_name},
+    };
+    if (!varlen) dims.push_back({"batch_stride", t.view->batch_stride, p.batch, "batch"});
+    check_strides(t.name, t.headdim, std::move(dims), t.is_output);
+  }
+
+  // ---- options ------------------------------------------------------------------------------
+  AttentionProblem n = p;
+  if (p.softmax_scale.has_value()) {
+    const float s = *p.softmax_scale;
+    if (!std::isfinite(s) || s <= 0.0f) invalid("softmax_scale=" + str(s) + " must be finite and > 0");
+  } else {
+    n.softmax_scale = float(1.0 / std::sqrt(double(p.headdim_qk)));
+  }
+  if (!std::isfinite(p.softcap) || p.softcap < 0.0f) {
+    invalid("softcap=" + str(p.softcap) + " must be finite and >= 0 (0 disables soft-capping)");
+  }
+  if (p.window_left < -1) invalid("window_left=" + str(p.window_left) + " must be >= -1 (-1 = unbounded)");
+  if (p.window_right < -1) invalid("window_right=" + str(p.window_right) + " must be >= -1 (-1 = unbounded)");
+  if (p.causal) {
+    if (p.window_right > 0) {
+      invalid("window_right=" + str(p.window_right) + " contradicts causal=true (causal means window_right=0)");
+    }
+    n.window_right = 0;
+  }
+  // A side reaching past every key (left >= seqlen_k) or every query (right >= seqlen_q) masks
+  // nothing; it is clamped there so the int32 arithmetic of the shared Mask cannot overflow.
+  if (n.window_left > p.seqlen_k) n.window_left = p.seqlen_k;
+  if (n.window_right > p.seqlen_q) n.window_right = p.seqlen_q;
+
+  if (varlen) {
+    check_cu_seqlens(p.cu_seqlens_q, "cu_seqlens_q", p.batch, p.total_q, "total_q", p.seqlen_q, "seqlen_q", backend,
+                     p.stream);
+    check_cu_seqlens(p.cu_seqlens_k, "cu_seqlens_k", p.batch, p.total_k, "total_k", p.seqlen_k, "seqlen_k", backend,
+                     p.stream);
+  }
+
+  n.backend = backend;
+  size_t needed = 0;
+#ifdef TILEATTN_WITH_CUDA
+  if (backend == Backend::cuda && p.workspace != nullptr) {
+    needed = pass == Pass::forward ? tileattn::cuda::forward_workspace_size(n) : tileattn::cuda::backward_workspace_size(n);
+  }
+#endif
+  check_workspace(p.workspace, p.workspace_bytes, needed, backend,
+                  pass == Pass::forward ? "forward_workspace_size" : "backward_workspace_size");
+  return n;
+}
+
+SoftmaxMatmulProblem validate_softmax_matmul(const SoftmaxMatmulProblem& problem, Backend backend) {
+  const SoftmaxMatmulProblem& p = problem;
+  check_backend(backend);
+  check_requested_backend(p.backend, backend);
+  check_dtype(p.dtype);
+  check_fp32_mode(p.fp32_mode);
+  check_num_threads(p.num_threads);
+  check_size("batch", p.batch);
+  check_size("d1", p.d1);
+  check_size("d2", p.d2);
+  check_size("d3", p.d3);
+
+  check_not_null(p.x, "x");
+  check_not_null(p.v, "v");
+  check_not_null(p.out, "out");
+  check_memory_space(p.x, "x", backend);
+  check_memory_space(p.v, "v", backend);
+  check_memory_space(p.out, "out", backend);
+
+  check_strides("x", p.d2, {{"row_stride", p.x_row_stride, p.d1, "d1"}, {"batch_stride", p.x_batch_stride, p.batch, "batch"}},
+                false);
+  check_strides("v", p.d3, {{"row_stride", p.v_row_stride, p.d2, "d2"}, {"batch_stride", p.v_batch_stride, p.batch, "batch"}},
+                false);
+  check_strides("out", p.d3,
+                {{"row_stride", p.out_row_stride, p.d1, "d1"}, {"batch_stride", p.out_batch_stride, p.batch, "batch"}},
+                true);
+
+  SoftmaxMatmulProblem n = p;
+  n.backend = backend;
+  size_t needed = 0;
+#ifdef TILEATTN_WITH_CUDA
+  if (backend == Backend::cuda && p.workspace != nullptr) needed = tileattn::cuda::softmax_matmul_workspace_size(n);
+#endif
+  check_workspace(p.workspace, p.workspace_bytes, needed, backend, "softmax_matmul_workspace_size");
+  return n;
+}
+
+}  // namespace tileattn::host
