@@ -1,13 +1,93 @@
 #include "cuda/fp32/forward_fp32.hpp"
 
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "common/online_softmax.hpp"
+#include "cuda/common/check.cuh"
+#include "cuda/fp32/forward_fp32_kernel.cuh"
 #include "tileattn/error.hpp"
 
 namespace tileattn::cuda {
+namespace {
 
-void forward_fp32(const AttentionProblem&) {
-  throw Error(ErrorKind::unsupported, "fp32 forward on CUDA is not built yet");
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+bool rows_aligned16(const TensorView& t, bool varlen) {
+  return aligned16(t.data) && t.seq_stride % 4 == 0 && t.head_stride % 4 == 0 && (varlen || t.batch_stride % 4 == 0);
 }
 
+// A window side at or beyond what the lengths can reach masks nothing; clamping keeps the
+// int arithmetic of Mask far from overflow.
+int clamp_window(int64_t w, int64_t reach) { return w < 0 ? -1 : int(std::min(w, reach)); }
+
+template <int kD, bool kExact>
+void launch(const fp32::FwdParams& params, int64_t batch, int64_t seqlen_q, int64_t heads_q, cudaStream_t stream) {
+  using Tile = fp32::FwdTile<kD>;
+  const auto kernel = fp32::forward_fp32_kernel<kD, kExact>;
+  const size_t smem = sizeof(float) * Tile::smem_floats(kExact);
+  TA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  const dim3 grid(unsigned((seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM), unsigned(heads_q), unsigned(batch));
+  kernel<<<grid, Tile::kThreads, smem, stream>>>(params);
+  TA_CUDA_CHECK_LAUNCH("forward_fp32_kernel");
+}
+
+template <bool kExact>
+void launch_bucket(int d, const fp32::FwdParams& params, int64_t batch, int64_t seqlen_q, int64_t heads_q,
+                   cudaStream_t stream) {
+  if (d <= 32) return launch<32, kExact>(params, batch, seqlen_q, heads_q, stream);
+  if (d <= 64) return launch<64, kExact>(params, batch, seqlen_q, heads_q, stream);
+  if (d <= 128) return launch<128, kExact>(params, batch, seqlen_q, heads_q, stream);
+  return launch<256, kExact>(params, batch, seqlen_q, heads_q, stream);
+}
+
+}  // namespace
+
 size_t forward_fp32_workspace_size(const AttentionProblem&) { return 0; }
+
+void forward_fp32(const AttentionProblem& pr) {
+  if (pr.batch == 0 || pr.seqlen_q == 0 || pr.heads_q == 0) return;
+  if (pr.batch > 65535 || pr.heads_q > 65535)
+    throw Error(ErrorKind::unsupported, "fp32 forward on CUDA: batch=" + std::to_string(pr.batch) +
+                                            " and heads_q=" + std::to_string(pr.heads_q) + " must be <= 65535");
+  const bool varlen = pr.is_varlen();
+  fp32::FwdParams p{};
+  p.q = static_cast<const float*>(pr.q.data);
+  p.k = static_cast<const float*>(pr.k.data);
+  p.v = static_cast<const float*>(pr.v.data);
+  p.o = static_cast<float*>(pr.o.data);
+  p.lse = pr.lse;
+  p.q_batch_stride = pr.q.batch_stride, p.q_seq_stride = pr.q.seq_stride, p.q_head_stride = pr.q.head_stride;
+  p.k_batch_stride = pr.k.batch_stride, p.k_seq_stride = pr.k.seq_stride, p.k_head_stride = pr.k.head_stride;
+  p.v_batch_stride = pr.v.batch_stride, p.v_seq_stride = pr.v.seq_stride, p.v_head_stride = pr.v.head_stride;
+  p.o_batch_stride = pr.o.batch_stride, p.o_seq_stride = pr.o.seq_stride, p.o_head_stride = pr.o.head_stride;
+  p.cu_seqlens_q = varlen ? pr.cu_seqlens_q : nullptr;
+  p.cu_seqlens_k = varlen ? pr.cu_seqlens_k : nullptr;
+  p.total_q = pr.total_q;
+  p.seqlen_q = int(pr.seqlen_q);
+  p.seqlen_k = int(pr.seqlen_k);
+  p.heads_q = int(pr.heads_q);
+  p.group = int(pr.heads_q / pr.heads_kv);
+  p.dqk = int(pr.headdim_qk);
+  p.dv = int(pr.headdim_v);
+  const int64_t reach = pr.seqlen_q + pr.seqlen_k;
+  p.window_left = clamp_window(pr.window_left, reach);
+  p.window_right = clamp_window(pr.window_right, reach);
+  p.scale = *pr.softmax_scale;
+  p.scale_log2 = p.scale * kLog2e;
+  p.softcap = pr.softcap;
+  p.vec16 = pr.headdim_qk % 4 == 0 && pr.headdim_v % 4 == 0 && rows_aligned16(pr.q, varlen) &&
+            rows_aligned16(pr.k, varlen) && rows_aligned16(pr.v, varlen);
+
+  const int d = int(std::max(pr.headdim_qk, pr.headdim_v));
+  const auto stream = static_cast<cudaStream_t>(pr.stream);
+  if (pr.fp32_mode == Fp32Mode::exact)
+    launch_bucket<true>(d, p, pr.batch, pr.seqlen_q, pr.heads_q, stream);
+  else
+    launch_bucket<false>(d, p, pr.batch, pr.seqlen_q, pr.heads_q, stream);
+}
 
 }  // namespace tileattn::cuda

@@ -1,0 +1,285 @@
+#pragma once
+// fp32 attention forward: one block owns kBlockM query rows of one (sequence, head) and walks
+// the key tiles its mask leaves visible, FlashAttention-2 style. Each warp owns kMTiles x 16
+// rows, so every K/V fragment it splits into TF32 parts feeds kMTiles (x3 in exact mode) MMAs.
+//
+// Pipeline (one K and one V buffer): the V tile loads while S = Q K^T is computed, and the
+// next K tile loads while O += P V is computed.
+#include <cstdint>
+
+#include "common/mask.hpp"
+#include "common/online_softmax.hpp"
+#include "cuda/fp32/async_copy.cuh"
+#include "cuda/fp32/tf32_mma.cuh"
+
+namespace tileattn::cuda::fp32 {
+
+struct FwdParams {
+  const float* q;
+  const float* k;
+  const float* v;
+  float* o;
+  float* lse;
+  int64_t q_batch_stride, q_seq_stride, q_head_stride;
+  int64_t k_batch_stride, k_seq_stride, k_head_stride;
+  int64_t v_batch_stride, v_seq_stride, v_head_stride;
+  int64_t o_batch_stride, o_seq_stride, o_head_stride;
+  const int32_t* cu_seqlens_q;  // null for fixed-length batches
+  const int32_t* cu_seqlens_k;
+  int64_t total_q;
+  int seqlen_q, seqlen_k;  // fixed lengths (varlen: unused, read from cu_seqlens)
+  int heads_q, group;      // group = heads_q / heads_kv
+  int dqk, dv;
+  int window_left, window_right;  // clamped to what the lengths can reach; -1 = unbounded
+  float scale;                    // natural-domain softmax scale (soft-capping works there)
+  float scale_log2;               // scale * log2(e)
+  float softcap;
+  bool vec16;  // every tensor row 16-byte aligned and head dims % 4 == 0
+};
+
+// Tile shapes, the one place they are chosen. kD is the head-dim bucket (max of qk and v).
+// Registers per thread ~ O (kMTiles*kD/2) + S (kMTiles*kBlockN/2): rows per warp shrink and
+// key tiles narrow as kD grows to stay clear of spills.
+template <int kD>
+struct FwdTile {
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kMTiles = kD <= 64 ? 2 : 1;
+  static constexpr int kBlockM = kWarps * 16 * kMTiles;
+  static constexpr int kBlockN = kD <= 128 ? 64 : 32;
+  // Row pitches in floats. Q and K are read as float2 (rows g, columns 2t): a pitch of 8 mod 32
+  // words spreads a half-warp over all banks. V is read as scalars from rows 2t and 2t+1:
+  // pitch 4 mod 32 does the same.
+  static constexpr int kQLd = kD + 8;
+  static constexpr int kKLd = kD + 8;
+  static constexpr int kVLd = kD + 4;
+  static constexpr int smem_floats(bool exact) { return (exact ? 2 : 1) * kBlockM * kQLd + kBlockN * (kKLd + kVLd); }
+};
+
+__device__ __forceinline__ int round_up8(int x) { return (x + 7) & ~7; }
+
+template <int kD, bool kExact>
+__global__ void __launch_bounds__(FwdTile<kD>::kThreads) forward_fp32_kernel(const FwdParams p) {
+  using Tile = FwdTile<kD>;
+  constexpr int kBM = Tile::kBlockM, kBN = Tile::kBlockN, kMT = Tile::kMTiles;
+  constexpr int kNT = kBN / 8, kDT = kD / 8;
+  constexpr int kQLd = Tile::kQLd, kKLd = Tile::kKLd, kVLd = Tile::kVLd, kThreads = Tile::kThreads;
+
+  extern __shared__ __align__(16) float smem[];
+  float* q_hi = smem;
+  float* q_lo = q_hi + kBM * kQLd;  // exact mode only
+  float* k_s = q_hi + (kExact ? 2 : 1) * kBM * kQLd;
+  float* v_s = k_s + kBN * kKLd;
+
+  // Blocks of long causal rows go first so the short ones fill the tail of the grid.
+  const int m_block = gridDim.x - 1 - blockIdx.x;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int hk = h / p.group;
+
+  int sq = p.seqlen_q, sk = p.seqlen_k;
+  int64_t q_off, k_off, v_off, o_off, lse_off;
+  if (p.cu_seqlens_q != nullptr) {
+    const int q_start = p.cu_seqlens_q[b], k_start = p.cu_seqlens_k[b];
+    sq = p.cu_seqlens_q[b + 1] - q_start;
+    sk = p.cu_seqlens_k[b + 1] - k_start;
+    q_off = q_start * p.q_seq_stride;
+    k_off = k_start * p.k_seq_stride;
+    v_off = k_start * p.v_seq_stride;
+    o_off = q_start * p.o_seq_stride;
+    lse_off = int64_t(h) * p.total_q + q_start;
+  } else {
+    q_off = b * p.q_batch_stride;
+    k_off = b * p.k_batch_stride;
+    v_off = b * p.v_batch_stride;
+    o_off = b * p.o_batch_stride;
+    lse_off = (int64_t(b) * p.heads_q + h) * sq;
+  }
+  const int i0 = m_block * kBM;
+  if (i0 >= sq) return;
+  const float* q = p.q + q_off + h * p.q_head_stride + i0 * p.q_seq_stride;
+  const float* k = p.k + k_off + hk * p.k_head_stride;
+  const float* v = p.v + v_off + hk * p.v_head_stride;
+  float* o = p.o + o_off + h * p.o_head_stride + i0 * p.o_seq_stride;
+  float* lse = p.lse + lse_off + i0;
+
+  const Mask mask{sq, sk, p.window_left, p.window_right};
+  const int i1 = min(i0 + kBM, sq);
+  const int n_begin = mask.tile_begin_key(i0), n_end = mask.tile_end_key(i1);
+  const int full_begin = mask.full_begin_key(i1), full_end = mask.full_end_key(i0);
+  const int dqk8 = round_up8(p.dqk), dv8 = round_up8(p.dv);
+
+  load_tile_async<kBM, kD, kQLd, kThreads>(q_hi, q, p.q_seq_stride, i1 - i0, p.dqk, dqk8, p.vec16);
+  cp_async_commit();
+  if (n_begin < n_end)
+    load_tile_async<kBN, kD, kKLd, kThreads>(k_s, k + n_begin * p.k_seq_stride, p.k_seq_stride, sk - n_begin, p.dqk,
+                                             dqk8, p.vec16);
+  cp_async_commit();
+  cp_async_wait<1>();
+  __syncthreads();
+  // Q is split into TF32 parts once; K and V are split per fragment as they are read.
+  for (int idx = threadIdx.x; idx < kBM * kD; idx += kThreads) {
+    const int r = idx / kD, c = idx % kD;
+    if (c >= dqk8) continue;
+    const float x = q_hi[r * kQLd + c];
+    const uint32_t hi = to_tf32(x);
+    q_hi[r * kQLd + c] = __uint_as_float(hi);
+    if constexpr (kExact) q_lo[r * kQLd + c] = __uint_as_float(to_tf32(x - __uint_as_float(hi)));
+  }
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int wm0 = warp * kMT * 16;
+
+  float acc[kMT][kDT][4];
+  float row_max[kMT][2], row_sum[kMT][2];
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+    for (int dt = 0; dt < kDT; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mt][dt][e] = 0.0f;
+    row_max[mt][0] = row_max[mt][1] = -INFINITY;
+    row_sum[mt][0] = row_sum[mt][1] = 0.0f;
+  }
+
+  for (int n0 = n_begin; n0 < n_end; n0 += kBN) {
+    cp_async_wait<0>();
+    __syncthreads();  // K tile (and, first time, the split Q) visible; V buffer free
+    load_tile_async<kBN, kD, kVLd, kThreads>(v_s, v + n0 * p.v_seq_stride, p.v_seq_stride, sk - n0, p.dv, dv8,
+                                             p.vec16);
+    cp_async_commit();
+
+    // S = Q K^T
+    float s[kMT][kNT][4];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.0f;
+#pragma unroll
+    for (int ks = 0; ks < kDT; ++ks) {
+      if (ks * 8 >= dqk8) break;
+      Tf32Frag<4> a[kMT];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        const int r = wm0 + mt * 16 + g;
+        const float2 h0 = *reinterpret_cast<const float2*>(&q_hi[r * kQLd + ks * 8 + 2 * t]);
+        const float2 h1 = *reinterpret_cast<const float2*>(&q_hi[(r + 8) * kQLd + ks * 8 + 2 * t]);
+        a[mt].hi[0] = __float_as_uint(h0.x), a[mt].hi[1] = __float_as_uint(h1.x);
+        a[mt].hi[2] = __float_as_uint(h0.y), a[mt].hi[3] = __float_as_uint(h1.y);
+        if constexpr (kExact) {
+          const float2 l0 = *reinterpret_cast<const float2*>(&q_lo[r * kQLd + ks * 8 + 2 * t]);
+          const float2 l1 = *reinterpret_cast<const float2*>(&q_lo[(r + 8) * kQLd + ks * 8 + 2 * t]);
+          a[mt].lo[0] = __float_as_uint(l0.x), a[mt].lo[1] = __float_as_uint(l1.x);
+          a[mt].lo[2] = __float_as_uint(l0.y), a[mt].lo[3] = __float_as_uint(l1.y);
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt) {
+        const float2 kv = *reinterpret_cast<const float2*>(&k_s[(nt * 8 + g) * kKLd + ks * 8 + 2 * t]);
+        const float kb[2] = {kv.x, kv.y};
+        const Tf32Frag<2> bf = split<kExact>(kb);
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) mma_fp32<kExact>(s[mt][nt], a[mt], bf);
+      }
+    }
+
+    // Scores to the log2 domain; only tiles crossing a mask edge (or the key end) pay for masking.
+    const bool need_mask = n0 < full_begin || n0 + kBN > full_end;
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float x = s[mt][nt][e];
+          x = p.softcap > 0.0f ? apply_softcap(x * p.scale, p.softcap) * kLog2e : x * p.scale_log2;
+          if (need_mask) {
+            const int i = i0 + wm0 + mt * 16 + g + (e >= 2 ? 8 : 0);
+            const int j = n0 + nt * 8 + 2 * t + (e & 1);
+            if (!mask.visible(i, j)) x = -INFINITY;
+          }
+          s[mt][nt][e] = x;
+        }
+
+    // Online softmax: each row lives in the 4 lanes of a quad.
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        float mx = row_max[mt][hf];
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * hf], s[mt][nt][2 * hf + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float factor = rescale_factor(row_max[mt][hf], mx);
+        row_max[mt][hf] = mx;
+        const float base = safe_row_max(mx);
+        float sum = 0.0f;
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+          for (int e = 2 * hf; e < 2 * hf + 2; ++e) {
+            const float pe = exp2f(s[mt][nt][e] - base);
+            s[mt][nt][e] = pe;
+            sum += pe;
+          }
+        row_sum[mt][hf] = row_sum[mt][hf] * factor + sum;
+#pragma unroll
+        for (int dt = 0; dt < kDT; ++dt) {
+          acc[mt][dt][2 * hf] *= factor;
+          acc[mt][dt][2 * hf + 1] *= factor;
+        }
+      }
+
+    cp_async_wait<0>();
+    __syncthreads();  // V tile visible; every warp is done with this K tile
+    if (n0 + kBN < n_end)
+      load_tile_async<kBN, kD, kKLd, kThreads>(k_s, k + (n0 + kBN) * p.k_seq_stride, p.k_seq_stride, sk - n0 - kBN,
+                                               p.dqk, dqk8, p.vec16);
+    cp_async_commit();
+
+    // O += P V; the S accumulator layout is the A fragment layout (see tf32_mma.cuh).
+#pragma unroll
+    for (int kk = 0; kk < kNT; ++kk) {
+      Tf32Frag<4> a[kMT];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        const float pa[4] = {s[mt][kk][0], s[mt][kk][2], s[mt][kk][1], s[mt][kk][3]};
+        a[mt] = split<kExact>(pa);
+      }
+#pragma unroll
+      for (int dt = 0; dt < kDT; ++dt) {
+        if (dt * 8 >= dv8) break;
+        const float vb[2] = {v_s[(kk * 8 + 2 * t) * kVLd + dt * 8 + g], v_s[(kk * 8 + 2 * t + 1) * kVLd + dt * 8 + g]};
+        const Tf32Frag<2> bf = split<kExact>(vb);
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) mma_fp32<kExact>(acc[mt][dt], a[mt], bf);
+      }
+    }
+  }
+
+  // Epilogue: O / sum and L; rows that saw no key get O = 0 and L = -inf.
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      float sum = row_sum[mt][hf];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const float inv = inverse_row_sum(sum);
+      const int r = wm0 + mt * 16 + g + hf * 8;
+      if (i0 + r >= sq) continue;
+      float* orow = o + int64_t(r) * p.o_seq_stride;
+#pragma unroll
+      for (int dt = 0; dt < kDT; ++dt) {
+        const int c = dt * 8 + 2 * t;
+        if (c < p.dv) orow[c] = acc[mt][dt][2 * hf] * inv;
+        if (c + 1 < p.dv) orow[c + 1] = acc[mt][dt][2 * hf + 1] * inv;
+      }
+      if (t == 0) lse[r] = finish_lse(row_max[mt][hf], sum);
+    }
+}
+
+}  // namespace tileattn::cuda::fp32
