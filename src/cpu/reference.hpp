@@ -26,6 +26,16 @@ struct ReferenceBackward {
 
 ReferenceForward reference_forward(const AttentionProblem& problem);
 ReferenceBackward reference_backward(const AttentionProblem& problem);
+
+// The same oracle on dense float64 inputs in the layouts above (q (rows_q, heads_q, headdim_qk),
+// k (rows_k, heads_kv, headdim_qk), v (rows_k, heads_kv, headdim_v), dout like o), for checks that
+// need inputs no DType holds (finite differences). The problem supplies sizes, options and
+// cu_seqlens; its tensor views and dtype are not read.
+ReferenceForward reference_forward_dense(const AttentionProblem& problem, const std::vector<double>& q,
+                                         const std::vector<double>& k, const std::vector<double>& v);
+ReferenceBackward reference_backward_dense(const AttentionProblem& problem, const std::vector<double>& q,
+                                           const std::vector<double>& k, const std::vector<double>& v,
+                                           const std::vector<double>& dout);
 // (batch, d1, d3)
 std::vector<double> reference_softmax_matmul(const SoftmaxMatmulProblem& problem);
 
