@@ -141,6 +141,16 @@ std::vector<double> HostTensor::gather() const {
   return out;
 }
 
+void HostTensor::scatter(const std::vector<double>& dense) {
+  size_t n = 0;
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t s = 0; s < seqlen; ++s)
+      for (int64_t h = 0; h < heads; ++h)
+        for (int64_t d = 0; d < dim; ++d)
+          cpu::store_element(view.data, b * view.batch_stride + s * view.seq_stride + h * view.head_stride + d, dtype,
+                             float(dense.at(n++)));
+}
+
 int64_t HostTensor::touched_outside_view() const {
   std::vector<bool> inside(size_t(elements()), false);
   for (int64_t b = 0; b < batch; ++b)

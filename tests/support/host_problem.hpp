@@ -75,6 +75,8 @@ struct HostTensor {
   void poison();                            // the poison pattern everywhere, view included
   // Dense float64 copy, (batch * seqlen, heads, dim) row-major.
   std::vector<double> gather() const;
+  // The inverse: stores a dense array (as gather returns) into the view, rounded to dtype.
+  void scatter(const std::vector<double>& dense);
   // Elements outside the view (gaps and the guard tail) that no longer hold the poison pattern.
   int64_t touched_outside_view() const;
 };

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <limits>
+#include <sstream>
 
 #include "cpu/convert.hpp"
 
@@ -43,6 +44,25 @@ ErrorStats compare(const std::vector<double>& got, const std::vector<double>& wa
 std::ostream& operator<<(std::ostream& os, const ErrorStats& e) {
   return os << "max_abs=" << e.max_abs << " rel_l2=" << e.rel_l2 << " max_ref=" << e.max_ref
             << " nonfinite=" << e.nonfinite << " worst_index=" << e.worst;
+}
+
+testing::AssertionResult within(const std::vector<double>& got, const std::vector<double>& want, double rel,
+                                double abs) {
+  const ErrorStats e = compare(got, want);
+  if (got.size() != want.size())
+    return testing::AssertionFailure() << "size " << got.size() << " != reference size " << want.size();
+  int64_t bad = 0;
+  std::ostringstream first;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double g = got[i], w = want[i];
+    const bool ok = std::isfinite(w) ? std::abs(g - w) <= rel * std::abs(w) + abs : g == w;
+    if (ok) continue;
+    if (bad < 5) first << "\n  [" << i << "] got " << g << " want " << w;
+    ++bad;
+  }
+  if (bad == 0) return testing::AssertionSuccess();
+  return testing::AssertionFailure() << bad << " of " << got.size() << " elements outside |got - want| <= " << rel
+                                     << "|want| + " << abs << " (" << e << "); first:" << first.str();
 }
 
 double unit_roundoff(DType dtype) {

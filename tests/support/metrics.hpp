@@ -3,9 +3,12 @@
 //
 //   ErrorStats e = compare(got, want);   // same length, dense float64
 //   EXPECT_LE(e.max_abs, tol) << e;
+//   EXPECT_TRUE(within(got, want, rel, abs)) << "O";   // elementwise |got - want| <= rel|want| + abs
 //
 // Equal infinities (L = -inf of an empty row) count as exact; NaN or a mismatched infinity in
 // `got` makes max_abs infinite and is counted in `nonfinite`, so one bad element fails any bound.
+#include <gtest/gtest.h>
+
 #include <cstdint>
 #include <ostream>
 #include <vector>
@@ -24,6 +27,11 @@ struct ErrorStats {
 
 ErrorStats compare(const std::vector<double>& got, const std::vector<double>& want);
 std::ostream& operator<<(std::ostream& os, const ErrorStats& e);
+
+// Success when every element has |got - want| <= rel * |want| + abs (equal infinities pass, NaN
+// fails); otherwise names the worst elements and the overall ErrorStats.
+testing::AssertionResult within(const std::vector<double>& got, const std::vector<double>& want, double rel,
+                                double abs);
 
 // Unit roundoff of a dtype: 2^-24 (f32), 2^-11 (f16), 2^-8 (bf16).
 double unit_roundoff(DType dtype);

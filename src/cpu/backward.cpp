@@ -1,0 +1,180 @@
+// Tiled CPU backward. P is recomputed from the saved L, and D = rowsum(O * dO) replaces the
+// rowsum(P * dP) of the softmax gradient, so nothing quadratic is stored.
+//
+// Two passes, each writing outputs that only its own task owns, so the result is race-free and
+// bitwise deterministic whatever the thread count:
+//  1. one task per (batch, kv head, key tile): dK and dV accumulate locally over the query tiles
+//     that see the key tile and over every query head of the GQA group;
+//  2. one task per (batch, query head, query tile): dQ accumulates over the key tiles it sees.
+// Pass 2 recomputes S and dP (7 tile products instead of 5); the alternative, per-key-tile dQ
+// partials or dQ owned by a (batch, kv head) task, costs memory or parallelism instead.
+#include <cmath>
+#include <vector>
+
+#include "cpu/cpu_backend.hpp"
+#include "cpu/parallel.hpp"
+#include "cpu/tile_ops.hpp"
+
+namespace tileattn::cpu {
+namespace {
+
+struct BackwardScratch {
+  std::vector<float> q, dout, lse2, delta;  // query tile: rows, dO rows, L * log2(e), D
+  std::vector<float> kt, vt, k;             // key tile: K^T, V^T, K rows
+  std::vector<float> p, ds, th;             // kTileQ x kTileK: P, dP then dS, tanh of capped scores
+  std::vector<float> acc, acc2;             // dQ, or dK and dV
+};
+
+void size_scratch(BackwardScratch& w, int64_t dqk, int64_t dv) {
+  w.q.resize(size_t(kTileQ * dqk));
+  w.dout.resize(size_t(kTileQ * dv));
+  w.lse2.resize(size_t(kTileQ));
+  w.delta.resize(size_t(kTileQ));
+  w.kt.resize(size_t(dqk * kTileK));
+  w.vt.resize(size_t(dv * kTileK));
+  w.k.resize(size_t(kTileK * dqk));
+  w.p.resize(size_t(kTileQ * kTileK));
+  w.ds.resize(size_t(kTileQ * kTileK));
+  w.th.resize(size_t(kTileQ * kTileK));
+}
+
+// Loads the query-side tile: Q, dO, L (to log2), D.
+void load_query_tile(const AttentionProblem& p, const std::vector<float>& delta, const Sequence& s, int64_t h,
+                     int64_t i0, int64_t rows, BackwardScratch& w) {
+  load_rows(p, p.q, s, true, h, i0, rows, p.headdim_qk, w.q.data(), p.headdim_qk);
+  load_rows(p, p.dout, s, true, h, i0, rows, p.headdim_v, w.dout.data(), p.headdim_v);
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t li = lse_index(p, s, i0 + i, h);
+    w.lse2[size_t(i)] = p.lse[li] * kLog2e;
+    w.delta[size_t(i)] = delta[size_t(li)];
+  }
+}
+
+// From the loaded Q/dO tile (rows) and K^T/V^T tile (n keys from j0) computes
+// P = exp2(S2 - L2) into w.p and dS = P * (dP - D) (through the cap derivative) into w.ds.
+void probabilities_and_ds(const AttentionProblem& p, const ScoreTransform& transform, const Sequence& s, int64_t i0,
+                          int64_t rows, int64_t j0, int64_t n, BackwardScratch& w) {
+  const int64_t dqk = p.headdim_qk, dv = p.headdim_v;
+  const bool capped = transform.softcap > 0.0f;
+  const bool boundary = j0 < s.mask.full_begin_key(int(i0 + rows)) || j0 + n > s.mask.full_end_key(int(i0));
+  // S = Q K^T;  dP = dO V^T
+  matmul_rows_by_transposed(w.q.data(), dqk, w.kt.data(), kTileK, w.p.data(), kTileK, rows, n, dqk, false);
+  matmul_rows_by_transposed(w.dout.data(), dv, w.vt.data(), kTileK, w.ds.data(), kTileK, rows, n, dv, false);
+  for (int64_t i = 0; i < rows; ++i) {
+    float* pi = &w.p[size_t(i * kTileK)];
+    float* dsi = &w.ds[size_t(i * kTileK)];
+    float* thi = &w.th[size_t(i * kTileK)];
+    const float lse2 = w.lse2[size_t(i)];
+    if (lse2 == -INFINITY) {  // the row sees no key: P = 0, and exp2(-inf - -inf) would be NaN
+      std::fill(pi, pi + n, 0.0f);
+      std::fill(dsi, dsi + n, 0.0f);
+      continue;
+    }
+    transform.apply(pi, n, capped ? thi : nullptr);
+    if (boundary) mask_row(s.mask, i0 + i, j0, n, pi);
+    const float delta = w.delta[size_t(i)];
+    for (int64_t j = 0; j < n; ++j) {
+      pi[j] = exp2f(pi[j] - lse2);
+      dsi[j] = pi[j] * (dsi[j] - delta);
+    }
+    if (capped)
+      for (int64_t j = 0; j < n; ++j) dsi[j] *= softcap_grad(thi[j] * transform.softcap, transform.softcap);
+  }
+}
+
+// D = rowsum(O * dO) per (row, head), in L's layout.
+void compute_delta(const AttentionProblem& p, int64_t tiles, std::vector<float>& delta) {
+  parallel_for(p.batch * p.heads_q * tiles, p.num_threads, [&](int64_t task) {
+    const int64_t tile = task % tiles, bh = task / tiles, b = bh / p.heads_q, h = bh % p.heads_q;
+    const Sequence s = sequence(p, b);
+    const int64_t i0 = tile * kTileQ, i1 = std::min(i0 + kTileQ, s.len_q);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t oo = row_offset(p, p.o, s, true, i, h), od = row_offset(p, p.dout, s, true, i, h);
+      float sum = 0.0f;
+      for (int64_t d = 0; d < p.headdim_v; ++d)
+        sum += load_element(p.o.data, oo + d, p.dtype) * load_element(p.dout.data, od + d, p.dtype);
+      delta[size_t(lse_index(p, s, i, h))] = sum;
+    }
+  });
+}
+
+// Pass 1: dK, dV of one key tile, summed over the GQA group's query heads and the query tiles
+// that see the key tile.
+void dkdv_tile(const AttentionProblem& p, const ScoreTransform& transform, const std::vector<float>& delta, int64_t b,
+               int64_t hk, int64_t tile, BackwardScratch& w) {
+  const Sequence s = sequence(p, b);
+  const int64_t j0 = tile * kTileK;
+  if (j0 >= s.len_k) return;
+  const int64_t n = std::min(kTileK, s.len_k - j0), j1 = j0 + n;
+  const int64_t dqk = p.headdim_qk, dv = p.headdim_v, group = p.heads_q / p.heads_kv;
+  size_scratch(w, dqk, dv);
+  w.acc.assign(size_t(kTileK * dqk), 0.0f);  // dK / scale
+  w.acc2.assign(size_t(kTileK * dv), 0.0f);  // dV
+  load_rows_transposed(p, p.k, s, false, hk, j0, n, dqk, w.kt.data(), kTileK);
+  load_rows_transposed(p, p.v, s, false, hk, j0, n, dv, w.vt.data(), kTileK);
+
+  const int64_t query_begin = s.mask.tile_begin_query(int(j0)), query_end = s.mask.tile_end_query(int(j1));
+  for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+    for (int64_t i0 = query_begin; i0 < query_end; i0 += kTileQ) {
+      const int64_t rows = std::min(kTileQ, query_end - i0);
+      load_query_tile(p, delta, s, h, i0, rows, w);
+      probabilities_and_ds(p, transform, s, i0, rows, j0, n, w);
+      // dV += P^T dO;  dK += dS^T Q
+      accumulate_weighted_rows_transposed(w.p.data(), kTileK, w.dout.data(), dv, w.acc2.data(), dv, n, dv, rows);
+      accumulate_weighted_rows_transposed(w.ds.data(), kTileK, w.q.data(), dqk, w.acc.data(), dqk, n, dqk, rows);
+    }
+  }
+  const std::vector<float> scale(size_t(n), *p.softmax_scale);
+  store_rows(p, p.dk, s, false, hk, j0, n, dqk, w.acc.data(), dqk, scale.data());
+  store_rows(p, p.dv, s, false, hk, j0, n, dv, w.acc2.data(), dv, nullptr);
+}
+
+// Pass 2: dQ of one query tile over the key tiles it sees.
+void dq_tile(const AttentionProblem& p, const ScoreTransform& transform, const std::vector<float>& delta, int64_t b,
+             int64_t h, int64_t tile, BackwardScratch& w) {
+  const Sequence s = sequence(p, b);
+  const int64_t i0 = tile * kTileQ;
+  if (i0 >= s.len_q) return;
+  const int64_t rows = std::min(kTileQ, s.len_q - i0), i1 = i0 + rows;
+  const int64_t dqk = p.headdim_qk, dv = p.headdim_v, hk = h / (p.heads_q / p.heads_kv);
+  size_scratch(w, dqk, dv);
+  w.acc.assign(size_t(kTileQ * dqk), 0.0f);  // dQ / scale
+  load_query_tile(p, delta, s, h, i0, rows, w);
+
+  const int64_t key_begin = s.mask.tile_begin_key(int(i0)), key_end = s.mask.tile_end_key(int(i1));
+  for (int64_t j0 = key_begin; j0 < key_end; j0 += kTileK) {
+    const int64_t n = std::min(kTileK, key_end - j0);
+    load_rows_transposed(p, p.k, s, false, hk, j0, n, dqk, w.kt.data(), kTileK);
+    load_rows_transposed(p, p.v, s, false, hk, j0, n, dv, w.vt.data(), kTileK);
+    load_rows(p, p.k, s, false, hk, j0, n, dqk, w.k.data(), dqk);
+    probabilities_and_ds(p, transform, s, i0, rows, j0, n, w);
+    // dQ += dS K
+    accumulate_weighted_rows(w.ds.data(), kTileK, w.k.data(), dqk, w.acc.data(), dqk, rows, dqk, n);
+  }
+  const std::vector<float> scale(size_t(rows), *p.softmax_scale);
+  store_rows(p, p.dq, s, true, h, i0, rows, dqk, w.acc.data(), dqk, scale.data());
+}
+
+}  // namespace
+
+void backward(const AttentionProblem& p) {
+  int64_t max_q, max_k;
+  max_lengths(p, max_q, max_k);
+  const int64_t q_tiles = ceil_div(max_q, kTileQ), k_tiles = ceil_div(max_k, kTileK);
+  const ScoreTransform transform = ScoreTransform::from(p);
+  const int64_t rows_q = p.is_varlen() ? p.total_q : p.batch * p.seqlen_q;
+  std::vector<float> delta(size_t(p.heads_q * rows_q));
+  compute_delta(p, q_tiles, delta);
+  parallel_for(p.batch * p.heads_kv * k_tiles, p.num_threads, [&](int64_t task) {
+    thread_local BackwardScratch scratch;
+    const int64_t tile = task % k_tiles, bh = task / k_tiles;
+    dkdv_tile(p, transform, delta, bh / p.heads_kv, bh % p.heads_kv, tile, scratch);
+  });
+  parallel_for(p.batch * p.heads_q * q_tiles, p.num_threads, [&](int64_t task) {
+    thread_local BackwardScratch scratch;
+    const int64_t tile = task % q_tiles, bh = task / q_tiles;
+    dq_tile(p, transform, delta, bh / p.heads_q, bh % p.heads_q, tile, scratch);
+  });
+}
+
+}  // namespace tileattn::cpu
