@@ -1,0 +1,418 @@
+// tileattn._ext: the one binding layer. Tensors arrive through DLPack (nb::ndarray), so the module
+// never links libtorch. It checks only what AttentionProblem cannot express (ranks, per-tensor
+// dtypes and devices, shapes of the tensors the struct sees through a pointer alone, contiguous
+// last dimensions); every other rule is the library's (src/host/validate.cpp). tileattn::Error
+// becomes ValueError / TypeError / NotImplementedError / RuntimeError by its kind.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+
+#include <cstdint>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "tileattn/tileattn.hpp"
+
+namespace nb = nanobind;
+using tileattn::Error;
+using tileattn::ErrorKind;
+
+namespace {
+
+using Array = nb::ndarray<>;
+using OptArray = std::optional<Array>;
+
+[[noreturn]] void fail(ErrorKind kind, const std::string& message) { throw Error(kind, message); }
+
+std::string shape_of(const Array& a) {
+  std::ostringstream s;
+  s << "(";
+  for (size_t i = 0; i < a.ndim(); ++i) s << (i ? ", " : "") << a.shape(i);
+  s << (a.ndim() == 1 ? ",)" : ")");
+  return s.str();
+}
+
+std::string dtype_name(nb::dlpack::dtype t) {
+  using Code = nb::dlpack::dtype_code;
+  std::string base;
+  switch (Code(t.code)) {
+    case Code::Int: base = "int"; break;
+    case Code::UInt: base = "uint"; break;
+    case Code::Float: base = "float"; break;
+    case Code::Bfloat: base = "bfloat"; break;
+    case Code::Complex: base = "complex"; break;
+    case Code::Bool: return "bool";
+    default: base = "code" + std::to_string(t.code) + "_"; break;
+  }
+  return base + std::to_string(t.bits);
+}
+
+bool is_cuda(const Array& a) {
+  return a.device_type() == nb::device::cuda::value || a.device_type() == nb::device::cuda_managed::value;
+}
+
+std::string device_name(const Array& a) {
+  if (a.device_type() == nb::device::cpu::value) return "cpu";
+  if (is_cuda(a)) return "cuda:" + std::to_string(a.device_id());
+  return "device type " + std::to_string(a.device_type());
+}
+
+bool same_device(const Array& a, const Array& b) {
+  if (a.device_type() == nb::device::cpu::value || b.device_type() == nb::device::cpu::value)
+    return a.device_type() == b.device_type();
+  return is_cuda(a) == is_cuda(b) && a.device_id() == b.device_id();
+}
+
+std::optional<tileattn::DType> dtype_of(const Array& a) {
+  using Code = nb::dlpack::dtype_code;
+  const auto t = a.dtype();
+  if (t.lanes != 1) return std::nullopt;
+  if (Code(t.code) == Code::Float && t.bits == 32) return tileattn::DType::f32;
+  if (Code(t.code) == Code::Float && t.bits == 16) return tileattn::DType::f16;
+  if (Code(t.code) == Code::Bfloat && t.bits == 16) return tileattn::DType::bf16;
+  return std::nullopt;
+}
+
+// The device every tensor of a call must share; also picks the backend from it.
+tileattn::Backend backend_for(const Array& a, const char* name) {
+  if (a.device_type() == nb::device::cpu::value) return tileattn::Backend::cpu;
+  if (is_cuda(a)) return tileattn::Backend::cuda;
+  fail(ErrorKind::invalid_argument,
+       std::string(name) + " is on " + device_name(a) + "; tileattn runs on cpu and cuda tensors");
+}
+
+// Rank, dtype (one of the attention dtypes and equal to the reference's), device and a contiguous
+// last dimension: the checks the problem struct cannot express because it only sees pointers.
+void check_operand(const Array& a, const char* name, size_t rank, const char* dims, const Array& ref,
+                   const char* ref_name) {
+  if (a.ndim() != rank)
+    fail(ErrorKind::invalid_argument, std::string(name) + " must have " + std::to_string(rank) +
+                                          " dimensions " + dims + ", got shape " + shape_of(a));
+  if (!dtype_of(a))
+    fail(ErrorKind::invalid_type, std::string(name) + ".dtype=" + dtype_name(a.dtype()) +
+                                      " is not supported (float16, bfloat16 or float32)");
+  if (&a != &ref) {
+    if (a.dtype() != ref.dtype())
+      fail(ErrorKind::invalid_type, std::string(name) + ".dtype=" + dtype_name(a.dtype()) + " must equal " +
+                                        ref_name + ".dtype=" + dtype_name(ref.dtype()));
+    if (!same_device(a, ref))
+      fail(ErrorKind::invalid_argument, std::string(name) + " is on " + device_name(a) + " but " + ref_name +
+                                            " is on " + device_name(ref) + "; all tensors must share one device");
+  }
+  if (a.shape(rank - 1) > 1 && a.stride(rank - 1) != 1)
+    fail(ErrorKind::invalid_argument, std::string(name) + ".stride(-1)=" + std::to_string(a.stride(rank - 1)) +
+                                          " must be 1 (the last dimension must be contiguous)");
+}
+
+void check_shape(const Array& a, const char* name, const std::vector<int64_t>& expected, const std::string& why) {
+  bool ok = a.ndim() == expected.size();
+  for (size_t i = 0; ok && i < expected.size(); ++i) ok = int64_t(a.shape(i)) == expected[i];
+  if (ok) return;
+  std::ostringstream e;
+  e << "(";
+  for (size_t i = 0; i < expected.size(); ++i) e << (i ? ", " : "") << expected[i];
+  e << ")";
+  fail(ErrorKind::invalid_argument, std::string(name) + ".shape=" + shape_of(a) + " must be " + e.str() + " " + why);
+}
+
+// A dense row-major tensor of the given dtype on the reference's device (lse, cu_seqlens).
+void check_aux(const Array& a, const char* name, const std::vector<int64_t>& shape, const std::string& why,
+               nb::dlpack::dtype dtype, const char* dtype_text, const Array& ref, const char* ref_name) {
+  if (a.dtype() != dtype)
+    fail(ErrorKind::invalid_type, std::string(name) + ".dtype=" + dtype_name(a.dtype()) + " must be " + dtype_text);
+  if (!same_device(a, ref))
+    fail(ErrorKind::invalid_argument, std::string(name) + " is on " + device_name(a) + " but " + ref_name +
+                                          " is on " + device_name(ref) + "; all tensors must share one device");
+  check_shape(a, name, shape, why);
+  int64_t expect = 1;
+  for (size_t i = a.ndim(); i-- > 0;) {
+    if (a.shape(i) > 1 && a.stride(i) != expect)
+      fail(ErrorKind::invalid_argument, std::string(name) + " must be contiguous");
+    expect *= int64_t(a.shape(i));
+  }
+}
+
+tileattn::TensorView view_of(const Array& a, bool varlen) {
+  tileattn::TensorView t;
+  t.data = a.data();
+  if (varlen) {
+    t.seq_stride = a.stride(0);
+    t.head_stride = a.stride(1);
+  } else {
+    t.batch_stride = a.stride(0);
+    t.seq_stride = a.stride(1);
+    t.head_stride = a.stride(2);
+  }
+  return t;
+}
+
+std::pair<void*, size_t> workspace_of(const OptArray& w, const Array& ref) {
+  if (!w) return {nullptr, 0};
+  if (!same_device(*w, ref))
+    fail(ErrorKind::invalid_argument, "workspace is on " + device_name(*w) + " but q is on " + device_name(ref));
+  if (w->ndim() != 1 || (w->shape(0) > 1 && w->stride(0) != 1))
+    fail(ErrorKind::invalid_argument, "workspace must be a contiguous 1-D tensor, got shape " + shape_of(*w));
+  return {w->data(), w->nbytes()};
+}
+
+const char* backend_name(tileattn::Backend b) {
+  switch (b) {
+    case tileattn::Backend::cpu: return "cpu";
+    case tileattn::Backend::cuda: return "cuda";
+    default: return "automatic";
+  }
+}
+
+constexpr const char* kFixedDims = "(batch, seqlen, heads, headdim)";
+constexpr const char* kVarlenDims = "(total_tokens, heads, headdim)";
+
+// One attention call (forward, and backward when the gradient tensors are given). Holds the
+// arrays so that the pointers in `problem_` stay valid for the object's lifetime.
+class Attention {
+ public:
+  Attention(Array q, Array k, Array v, Array out, Array lse, OptArray dout, OptArray dq, OptArray dk, OptArray dv,
+            OptArray cu_seqlens_q, OptArray cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+            std::optional<float> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
+            float softcap, bool deterministic, bool fp32_fast, int num_threads)
+      : q_(q), k_(k), v_(v), out_(out), lse_(lse), dout_(dout), dq_(dq), dk_(dk), dv_(dv),
+        cu_q_(cu_seqlens_q), cu_k_(cu_seqlens_k) {
+    if (cu_q_.has_value() != cu_k_.has_value())
+      fail(ErrorKind::invalid_argument, "cu_seqlens_q and cu_seqlens_k must be given together (variable length)");
+    const bool varlen = cu_q_.has_value();
+    const size_t rank = varlen ? 3 : 4;
+    const char* dims = varlen ? kVarlenDims : kFixedDims;
+
+    check_operand(q_, "q", rank, dims, q_, "q");
+    check_operand(k_, "k", rank, dims, q_, "q");
+    check_operand(v_, "v", rank, dims, q_, "q");
+    check_operand(out_, "out", rank, dims, q_, "q");
+    const bool has_grads = dout_ || dq_ || dk_ || dv_;
+    if (has_grads && !(dout_ && dq_ && dk_ && dv_))
+      fail(ErrorKind::invalid_argument, "dout, dq, dk and dv must be given together (backward)");
+    if (has_grads) {
+      check_operand(*dout_, "dout", rank, dims, q_, "q");
+      check_operand(*dq_, "dq", rank, dims, q_, "q");
+      check_operand(*dk_, "dk", rank, dims, q_, "q");
+      check_operand(*dv_, "dv", rank, dims, q_, "q");
+    }
+
+    auto dim = [](const Array& a, size_t i) { return int64_t(a.shape(i)); };
+    const size_t h = rank - 2, d = rank - 1;  // heads and headdim axes
+    auto& p = problem_;
+    p.dtype = *dtype_of(q_);
+    p.backend = backend_for(q_, "q");
+    p.heads_q = dim(q_, h);
+    p.heads_kv = dim(k_, h);
+    p.headdim_qk = dim(q_, d);
+    p.headdim_v = dim(v_, d);
+
+    // k and v share every axis but the last; q and k share batch and headdim.
+    std::vector<int64_t> k_shape(k_.shape_ptr(), k_.shape_ptr() + rank);
+    k_shape[d] = p.headdim_qk;
+    check_shape(k_, "k", k_shape, "(its head dim must equal q.shape[-1])");
+    std::vector<int64_t> v_shape = k_shape;
+    v_shape[d] = p.headdim_v;
+    check_shape(v_, "v", v_shape, "(all dimensions but the last must equal k's)");
+    std::vector<int64_t> o_shape(q_.shape_ptr(), q_.shape_ptr() + rank);
+    o_shape[d] = p.headdim_v;
+    check_shape(out_, "out", o_shape, "(q's shape with v's head dim)");
+    if (has_grads) {
+      check_shape(*dout_, "dout", o_shape, "(the shape of out)");
+      check_shape(*dq_, "dq", std::vector<int64_t>(q_.shape_ptr(), q_.shape_ptr() + rank), "(the shape of q)");
+      check_shape(*dk_, "dk", std::vector<int64_t>(k_.shape_ptr(), k_.shape_ptr() + rank), "(the shape of k)");
+      check_shape(*dv_, "dv", std::vector<int64_t>(v_.shape_ptr(), v_.shape_ptr() + rank), "(the shape of v)");
+    }
+
+    const auto f32 = nb::dtype<float>();
+    if (varlen) {
+      const auto i32 = nb::dtype<int32_t>();
+      if (cu_q_->ndim() != 1)
+        fail(ErrorKind::invalid_argument, "cu_seqlens_q must be 1-D (batch + 1,), got shape " + shape_of(*cu_q_));
+      const int64_t n = dim(*cu_q_, 0);
+      check_aux(*cu_q_, "cu_seqlens_q", {n}, "(batch + 1 offsets)", i32, "int32", q_, "q");
+      check_aux(*cu_k_, "cu_seqlens_k", {n}, "(the shape of cu_seqlens_q)", i32, "int32", q_, "q");
+      if (n < 1) fail(ErrorKind::invalid_argument, "cu_seqlens_q must hold batch + 1 >= 1 offsets, got 0");
+      p.batch = n - 1;
+      p.total_q = dim(q_, 0);
+      p.total_k = dim(k_, 0);
+      p.seqlen_q = max_seqlen_q;
+      p.seqlen_k = max_seqlen_k;
+      p.cu_seqlens_q = static_cast<const int32_t*>(cu_q_->data());
+      p.cu_seqlens_k = static_cast<const int32_t*>(cu_k_->data());
+      check_aux(lse_, "lse", {p.heads_q, p.total_q}, "(heads, total_q)", f32, "float32", q_, "q");
+    } else {
+      if (dim(k_, 0) != dim(q_, 0))
+        fail(ErrorKind::invalid_argument, "k.shape[0]=" + std::to_string(dim(k_, 0)) + " must equal q.shape[0]=" +
+                                              std::to_string(dim(q_, 0)) + " (batch)");
+      p.batch = dim(q_, 0);
+      p.seqlen_q = dim(q_, 1);
+      p.seqlen_k = dim(k_, 1);
+      check_aux(lse_, "lse", {p.batch, p.heads_q, p.seqlen_q}, "(batch, heads, seqlen_q)", f32, "float32", q_, "q");
+    }
+
+    p.q = view_of(q_, varlen);
+    p.k = view_of(k_, varlen);
+    p.v = view_of(v_, varlen);
+    p.o = view_of(out_, varlen);
+    p.lse = static_cast<float*>(lse_.data());
+    if (has_grads) {
+      p.dout = view_of(*dout_, varlen);
+      p.dq = view_of(*dq_, varlen);
+      p.dk = view_of(*dk_, varlen);
+      p.dv = view_of(*dv_, varlen);
+    }
+    p.softmax_scale = softmax_scale;
+    p.causal = causal;
+    p.window_left = window_left;
+    p.window_right = window_right;
+    p.softcap = softcap;
+    p.deterministic = deterministic;
+    p.fp32_mode = fp32_fast ? tileattn::Fp32Mode::fast : tileattn::Fp32Mode::exact;
+    p.num_threads = num_threads;
+  }
+
+  size_t forward_workspace_size() const { return tileattn::forward_workspace_size(problem_); }
+  size_t backward_workspace_size() const {
+    require_grads();
+    return tileattn::backward_workspace_size(problem_);
+  }
+
+  void forward(OptArray workspace, uintptr_t stream) {
+    auto p = with_execution(workspace, stream);
+    nb::gil_scoped_release release;
+    tileattn::forward(p);
+  }
+
+  void backward(OptArray workspace, uintptr_t stream) {
+    require_grads();
+    auto p = with_execution(workspace, stream);
+    nb::gil_scoped_release release;
+    tileattn::backward(p);
+  }
+
+  std::string backend() const { return backend_name(problem_.backend); }
+
+ private:
+  void require_grads() const {
+    if (!dout_) fail(ErrorKind::invalid_argument, "backward needs dout, dq, dk and dv");
+  }
+
+  tileattn::AttentionProblem with_execution(const OptArray& workspace, uintptr_t stream) const {
+    auto p = problem_;
+    auto [data, bytes] = workspace_of(workspace, q_);
+    p.workspace = data;
+    p.workspace_bytes = bytes;
+    p.stream = reinterpret_cast<void*>(stream);
+    return p;
+  }
+
+  Array q_, k_, v_, out_, lse_;
+  OptArray dout_, dq_, dk_, dv_, cu_q_, cu_k_;
+  tileattn::AttentionProblem problem_;
+};
+
+// out = softmax(x, dim=-1) @ v for x (batch, d1, d2), v (batch, d2, d3), out (batch, d1, d3).
+class SoftmaxMatmul {
+ public:
+  SoftmaxMatmul(Array x, Array v, Array out, bool fp32_fast, int num_threads) : x_(x), v_(v), out_(out) {
+    check_operand(x_, "x", 3, "(batch, d1, d2)", x_, "x");
+    check_operand(v_, "v", 3, "(batch, d2, d3)", x_, "x");
+    check_operand(out_, "out", 3, "(batch, d1, d3)", x_, "x");
+    auto& p = problem_;
+    p.batch = int64_t(x_.shape(0));
+    p.d1 = int64_t(x_.shape(1));
+    p.d2 = int64_t(x_.shape(2));
+    p.d3 = int64_t(v_.shape(2));
+    check_shape(v_, "v", {p.batch, p.d2, p.d3}, "(batch and d2 from x.shape)");
+    check_shape(out_, "out", {p.batch, p.d1, p.d3}, "(batch, d1 from x; d3 from v)");
+    p.dtype = *dtype_of(x_);
+    p.backend = backend_for(x_, "x");
+    p.x = x_.data();
+    p.x_batch_stride = x_.stride(0);
+    p.x_row_stride = x_.stride(1);
+    p.v = v_.data();
+    p.v_batch_stride = v_.stride(0);
+    p.v_row_stride = v_.stride(1);
+    p.out = out_.data();
+    p.out_batch_stride = out_.stride(0);
+    p.out_row_stride = out_.stride(1);
+    p.fp32_mode = fp32_fast ? tileattn::Fp32Mode::fast : tileattn::Fp32Mode::exact;
+    p.num_threads = num_threads;
+  }
+
+  size_t workspace_size() const { return tileattn::softmax_matmul_workspace_size(problem_); }
+
+  void run(OptArray workspace, uintptr_t stream) {
+    auto p = problem_;
+    auto [data, bytes] = workspace_of(workspace, x_);
+    p.workspace = data;
+    p.workspace_bytes = bytes;
+    p.stream = reinterpret_cast<void*>(stream);
+    nb::gil_scoped_release release;
+    tileattn::softmax_matmul(p);
+  }
+
+ private:
+  Array x_, v_, out_;
+  tileattn::SoftmaxMatmulProblem problem_;
+};
+
+}  // namespace
+
+NB_MODULE(_ext, m) {
+  m.doc() = "tileattn's binding layer (DLPack tensors in; no libtorch link)";
+
+  nb::register_exception_translator([](const std::exception_ptr& e, void*) {
+    try {
+      std::rethrow_exception(e);
+    } catch (const Error& err) {
+      PyObject* type = PyExc_RuntimeError;
+      switch (err.kind()) {
+        case ErrorKind::invalid_argument: type = PyExc_ValueError; break;
+        case ErrorKind::invalid_type: type = PyExc_TypeError; break;
+        case ErrorKind::unsupported: type = PyExc_NotImplementedError; break;
+        case ErrorKind::device: type = PyExc_RuntimeError; break;
+      }
+      PyErr_SetString(type, err.what());
+    }
+  });
+
+  nb::class_<Attention>(m, "Attention")
+      .def(nb::init<Array, Array, Array, Array, Array, OptArray, OptArray, OptArray, OptArray, OptArray, OptArray,
+                    int64_t, int64_t, std::optional<float>, bool, int64_t, int64_t, float, bool, bool, int>(),
+           nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("lse"), nb::kw_only(),
+           nb::arg("dout").none() = nb::none(), nb::arg("dq").none() = nb::none(), nb::arg("dk").none() = nb::none(),
+           nb::arg("dv").none() = nb::none(), nb::arg("cu_seqlens_q").none() = nb::none(),
+           nb::arg("cu_seqlens_k").none() = nb::none(), nb::arg("max_seqlen_q") = 0, nb::arg("max_seqlen_k") = 0,
+           nb::arg("softmax_scale").none() = nb::none(), nb::arg("causal") = false, nb::arg("window_left") = -1,
+           nb::arg("window_right") = -1, nb::arg("softcap") = 0.0f, nb::arg("deterministic") = false,
+           nb::arg("fp32_fast") = false, nb::arg("num_threads") = 0)
+      .def("forward_workspace_size", &Attention::forward_workspace_size)
+      .def("backward_workspace_size", &Attention::backward_workspace_size)
+      .def("forward", &Attention::forward, nb::arg("workspace").none() = nb::none(), nb::arg("stream") = 0)
+      .def("backward", &Attention::backward, nb::arg("workspace").none() = nb::none(), nb::arg("stream") = 0)
+      .def_prop_ro("backend", &Attention::backend);
+
+  nb::class_<SoftmaxMatmul>(m, "SoftmaxMatmul")
+      .def(nb::init<Array, Array, Array, bool, int>(), nb::arg("x"), nb::arg("v"), nb::arg("out"), nb::kw_only(),
+           nb::arg("fp32_fast") = false, nb::arg("num_threads") = 0)
+      .def("workspace_size", &SoftmaxMatmul::workspace_size)
+      .def("run", &SoftmaxMatmul::run, nb::arg("workspace").none() = nb::none(), nb::arg("stream") = 0);
+
+  m.def("attention_forward_flops", &tileattn::attention_forward_flops, nb::arg("batch"), nb::arg("heads_q"),
+        nb::arg("seqlen_q"), nb::arg("seqlen_k"), nb::arg("headdim_qk"), nb::arg("headdim_v"), nb::arg("causal"));
+  m.def("attention_backward_flops", &tileattn::attention_backward_flops, nb::arg("batch"), nb::arg("heads_q"),
+        nb::arg("seqlen_q"), nb::arg("seqlen_k"), nb::arg("headdim_qk"), nb::arg("headdim_v"), nb::arg("causal"));
+  m.def("softmax_matmul_flops", &tileattn::softmax_matmul_flops, nb::arg("batch"), nb::arg("d1"), nb::arg("d2"),
+        nb::arg("d3"));
+  m.def("cuda_available", &tileattn::cuda_available);
+  m.def("version", &tileattn::version);
+#ifdef TILEATTN_WITH_CUDA
+  m.attr("built_with_cuda") = true;
+#else
+  m.attr("built_with_cuda") = false;
+#endif
+}

@@ -1,0 +1,43 @@
+"""tileattn: exact, memory-efficient attention (FlashAttention-style) for PyTorch.
+
+- ``flash_attn_func`` / ``flash_attn_varlen_func``: flash-attn's signatures and layout
+  (batch, seqlen, heads, headdim).
+- ``scaled_dot_product_attention``: PyTorch SDPA's signature and layout (batch, heads, seqlen, headdim).
+- ``softmax_matmul``: softmax(x, dim=-1) @ v without materialising softmax(x).
+- ``FlashAttentionFunction``: (batch, seqlen, headdim) autograd function on the kernels;
+  ``tileattn.reference.FlashAttentionPytorch`` is its readable pure-PyTorch counterpart.
+
+All of them are differentiable, traceable by torch.compile(fullgraph=True) and run on the current
+CUDA stream (CUDA graphs included) or on the CPU.
+"""
+
+from . import _ext
+from .autograd import FlashAttentionFunction
+from .functional import flash_attn_func, flash_attn_varlen_func, scaled_dot_product_attention, softmax_matmul
+from . import reference
+
+__version__ = _ext.version()
+
+# The one FLOP count the benchmarks report (include/tileattn/flops.hpp).
+attention_forward_flops = _ext.attention_forward_flops
+attention_backward_flops = _ext.attention_backward_flops
+softmax_matmul_flops = _ext.softmax_matmul_flops
+
+
+def cuda_available() -> bool:
+    """True when this build has the CUDA backend and a CUDA device is visible."""
+    return _ext.cuda_available()
+
+
+__all__ = [
+    "FlashAttentionFunction",
+    "attention_backward_flops",
+    "attention_forward_flops",
+    "cuda_available",
+    "flash_attn_func",
+    "flash_attn_varlen_func",
+    "reference",
+    "scaled_dot_product_attention",
+    "softmax_matmul",
+    "softmax_matmul_flops",
+]

@@ -1,0 +1,224 @@
+"""The torch.library operators every public function goes through.
+
+Three operators, each with a fake (meta) implementation and, where it has a gradient, an autograd
+formula, so that torch.compile(fullgraph=True) traces forward and backward without graph breaks:
+
+- ``tileattn::attention_forward``  -> (out, lse)
+- ``tileattn::attention_backward`` -> (dq, dk, dv)
+- ``tileattn::softmax_matmul``     -> out
+
+Tensors use flash-attn's layout: (batch, seqlen, heads, headdim), or (total_tokens, heads, headdim)
+when ``cu_seqlens_q``/``cu_seqlens_k`` describe a variable-length batch. Any strides are accepted as
+long as the last dimension is contiguous. Outputs and workspaces are allocated with torch, so the
+caching allocator and CUDA-graph capture see every byte, and kernels run on the current stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+import torch.utils.dlpack
+from torch import Tensor
+
+from . import _ext
+
+__all__ = ["attention_forward", "attention_backward", "softmax_matmul"]
+
+_SUPPORTED_DEVICES = ("cpu", "cuda")
+
+
+def _capsule(t: Tensor):
+    # to_dlpack never synchronises streams: `__dlpack__()` may make the legacy default stream wait
+    # on the current one, which is both a needless dependency and illegal under graph capture.
+    return torch.utils.dlpack.to_dlpack(t.detach())
+
+
+def _check_device(t: Tensor, name: str) -> None:
+    if t.device.type not in _SUPPORTED_DEVICES:
+        raise ValueError(f"{name} is on {t.device}; tileattn runs on cpu and cuda tensors")
+
+
+def _device_context(device: torch.device):
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _stream(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+
+
+def _num_threads(device: torch.device) -> int:
+    return torch.get_num_threads() if device.type == "cpu" else 0
+
+
+def _workspace(nbytes: int, device: torch.device) -> Optional[Tensor]:
+    return torch.empty(nbytes, dtype=torch.uint8, device=device) if nbytes > 0 else None
+
+
+def _lse_shape(q: Tensor, varlen: bool) -> tuple:
+    # (batch, heads, seqlen_q) like flash-attn; (heads, total_q) for a variable-length batch.
+    return (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
+
+
+def _out_shape(q: Tensor, v: Tensor) -> tuple:
+    return (*q.shape[:-1], v.shape[-1])
+
+
+def _check_rank(t: Tensor, name: str, rank: int, dims: str) -> None:
+    # Ranks are checked before outputs are shaped from them; the extension checks the rest.
+    if t.dim() != rank:
+        raise ValueError(f"{name} must have {rank} dimensions {dims}, got shape {tuple(t.shape)}")
+
+
+def _check_attention_ranks(q: Tensor, k: Tensor, v: Tensor, varlen: bool) -> None:
+    rank, dims = (3, "(total_tokens, heads, headdim)") if varlen else (4, "(batch, seqlen, heads, headdim)")
+    for t, name in ((q, "q"), (k, "k"), (v, "v")):
+        _check_rank(t, name, rank, dims)
+
+
+def _attention(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+               causal, window_left, window_right, softcap, deterministic, grads=None):
+    names = ["q", "k", "v", "out", "lse"]
+    tensors = [q, k, v, out, lse]
+    if cu_seqlens_q is not None:
+        names += ["cu_seqlens_q"]
+        tensors += [cu_seqlens_q]
+    if cu_seqlens_k is not None:
+        names += ["cu_seqlens_k"]
+        tensors += [cu_seqlens_k]
+    for t, name in zip(tensors, names):
+        _check_device(t, name)
+    optional = lambda t: None if t is None else _capsule(t)  # noqa: E731
+    dout, dq, dk, dv = grads if grads is not None else (None, None, None, None)
+    return _ext.Attention(
+        _capsule(q), _capsule(k), _capsule(v), _capsule(out), _capsule(lse),
+        dout=optional(dout), dq=optional(dq), dk=optional(dk), dv=optional(dv),
+        cu_seqlens_q=optional(cu_seqlens_q), cu_seqlens_k=optional(cu_seqlens_k),
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
+        window_left=window_left, window_right=window_right, softcap=softcap, deterministic=deterministic,
+        num_threads=_num_threads(q.device))
+
+
+@torch.library.custom_op("tileattn::attention_forward", mutates_args=())
+def attention_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
+                      cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
+                      softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int,
+                      softcap: float, deterministic: bool) -> tuple[Tensor, Tensor]:
+    """Forward: returns (out, lse). ``deterministic`` is only carried to the backward."""
+    _check_device(q, "q")
+    varlen = cu_seqlens_q is not None
+    _check_attention_ranks(q, k, v, varlen)
+    out = torch.empty(_out_shape(q, v), dtype=q.dtype, device=q.device)
+    lse = torch.empty(_lse_shape(q, varlen), dtype=torch.float32, device=q.device)
+    call = _attention(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                      causal, window_left, window_right, softcap, deterministic)
+    with _device_context(q.device):
+        workspace = _workspace(call.forward_workspace_size(), q.device)
+        call.forward(workspace, _stream(q.device))
+    return out, lse
+
+
+@attention_forward.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+      window_right, softcap, deterministic):
+    varlen = cu_seqlens_q is not None
+    out = q.new_empty(_out_shape(q, v))
+    lse = q.new_empty(_lse_shape(q, varlen), dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.custom_op("tileattn::attention_backward", mutates_args=())
+def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                       cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int,
+                       max_seqlen_k: int, softmax_scale: Optional[float], causal: bool, window_left: int,
+                       window_right: int, softcap: float, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Backward: returns (dq, dk, dv) from the forward's inputs, its out and lse, and dout."""
+    _check_device(q, "q")
+    _check_device(dout, "dout")
+    _check_attention_ranks(q, k, v, cu_seqlens_q is not None)
+    if dout.stride(-1) != 1:
+        # dout comes from whatever follows attention; its layout is not the caller's choice.
+        dout = dout.contiguous()
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    call = _attention(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                      causal, window_left, window_right, softcap, deterministic, grads=(dout, dq, dk, dv))
+    with _device_context(q.device):
+        workspace = _workspace(call.backward_workspace_size(), q.device)
+        call.backward(workspace, _stream(q.device))
+    return dq, dk, dv
+
+
+@attention_backward.register_fake
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+      window_left, window_right, softcap, deterministic):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+_FORWARD_OPTIONS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal",
+                    "window_left", "window_right", "softcap", "deterministic")
+
+
+def _forward_setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *options = inputs
+    out, lse = output
+    # Only Q, K, V, O and L are kept: nothing of size seqlen_q x seqlen_k.
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    ctx.options = options
+    ctx.mark_non_differentiable(lse)
+
+
+def _forward_backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    dq, dk, dv = torch.ops.tileattn.attention_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                                       *ctx.options)
+    return (dq, dk, dv) + (None,) * len(_FORWARD_OPTIONS)
+
+
+attention_forward.register_autograd(_forward_backward, setup_context=_forward_setup_context)
+
+
+def _check_softmax_matmul_inputs(x: Tensor, v: Tensor) -> None:
+    _check_device(x, "x")
+    _check_device(v, "v")
+    _check_rank(x, "x", 3, "(batch, d1, d2)")
+    _check_rank(v, "v", 3, "(batch, d2, d3)")
+
+
+@torch.library.custom_op("tileattn::softmax_matmul", mutates_args=())
+def softmax_matmul(x: Tensor, v: Tensor) -> Tensor:
+    """softmax(x, dim=-1) @ v for x (batch, d1, d2) and v (batch, d2, d3), without materialising softmax(x)."""
+    _check_softmax_matmul_inputs(x, v)
+    out = torch.empty((x.shape[0], x.shape[1], v.shape[-1]), dtype=x.dtype, device=x.device)
+    call = _ext.SoftmaxMatmul(_capsule(x), _capsule(v), _capsule(out), num_threads=_num_threads(x.device))
+    with _device_context(x.device):
+        workspace = _workspace(call.workspace_size(), x.device)
+        call.run(workspace, _stream(x.device))
+    return out
+
+
+@softmax_matmul.register_fake
+def _(x, v):
+    return x.new_empty((x.shape[0], x.shape[1], v.shape[-1]))
+
+
+def _softmax_matmul_setup_context(ctx, inputs, output):
+    x, v = inputs
+    ctx.save_for_backward(x, v, output)
+
+
+def _softmax_matmul_backward(ctx, grad_out):
+    # With P = softmax(x): dV = P^T dO and dx = P * (dO V^T - rowsum(dO * out)). P is rebuilt here
+    # (it is the size of x, which the caller already holds) instead of being saved.
+    x, v, out = ctx.saved_tensors
+    p = torch.softmax(x.float(), dim=-1)
+    g = grad_out.float()
+    dv = (p.transpose(-1, -2) @ g).to(v.dtype)
+    dp = g @ v.float().transpose(-1, -2)
+    dx = p * (dp - (g * out.float()).sum(dim=-1, keepdim=True))
+    return dx.to(x.dtype), dv
+
+
+softmax_matmul.register_autograd(_softmax_matmul_backward, setup_context=_softmax_matmul_setup_context)

@@ -1,0 +1,137 @@
+"""Public functions with flash-attn's and PyTorch SDPA's call signatures.
+
+Every function goes through the operators of ``tileattn._ops`` (autograd, torch.compile and CUDA
+graphs included). Options tileattn does not implement raise NotImplementedError naming the
+argument; nothing is silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from . import _ops  # noqa: F401  (registers torch.ops.tileattn.*)
+
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "scaled_dot_product_attention", "softmax_matmul"]
+
+
+def _reject_unsupported(dropout_p: float, alibi_slopes: Optional[Tensor]) -> None:
+    if dropout_p != 0.0:
+        raise NotImplementedError(f"dropout_p={dropout_p}: tileattn has no attention dropout; pass dropout_p=0.0")
+    if alibi_slopes is not None:
+        raise NotImplementedError("alibi_slopes: ALiBi biases are not supported; pass alibi_slopes=None")
+
+
+def _window(window_size: Sequence[int]) -> tuple[int, int]:
+    if len(window_size) != 2:
+        raise ValueError(f"window_size={tuple(window_size)} must be a pair (left, right)")
+    return int(window_size[0]), int(window_size[1])
+
+
+def _finish(out: Tensor, lse: Tensor, return_attn_probs: bool):
+    if not return_attn_probs:
+        return out
+    # flash-attn returns S_dmask only when dropout is on; without dropout (the only mode here) it
+    # is None there too. lse is not differentiable, as in flash-attn.
+    return out, lse, None
+
+
+def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
+                    causal: bool = False, window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
+                    alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
+                    return_attn_probs: bool = False):
+    """Attention over (batch, seqlen, heads, headdim) tensors, as ``flash_attn.flash_attn_func``.
+
+    k and v may have fewer heads than q (GQA/MQA: their count must divide q's). ``causal`` is
+    aligned to the bottom-right corner when seqlen_q != seqlen_k; ``window_size=(left, right)``
+    limits query i to keys [i + sk - sq - left, i + sk - sq + right] (-1 = unbounded).
+
+    Returns out (batch, seqlen_q, heads, headdim_v); with ``return_attn_probs=True`` returns
+    (out, softmax_lse, None), softmax_lse being (batch, heads, seqlen_q) float32.
+    """
+    _reject_unsupported(dropout_p, alibi_slopes)
+    left, right = _window(window_size)
+    out, lse = torch.ops.tileattn.attention_forward(q, k, v, None, None, 0, 0, softmax_scale, bool(causal), left,
+                                                    right, float(softcap), bool(deterministic))
+    return _finish(out, lse, return_attn_probs)
+
+
+def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                           max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
+                           softmax_scale: Optional[float] = None, causal: bool = False,
+                           window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
+                           alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
+                           return_attn_probs: bool = False):
+    """Attention over a variable-length batch, as ``flash_attn.flash_attn_varlen_func``.
+
+    q is (total_q, heads, headdim), k and v (total_k, heads_kv, headdim); sequence b holds rows
+    [cu_seqlens[b], cu_seqlens[b + 1]) (int32, batch + 1 entries, on the tensors' device).
+    max_seqlen_q/k bound every sequence's length. With ``return_attn_probs=True`` returns
+    (out, softmax_lse, None), softmax_lse being (heads, total_q) float32.
+    """
+    _reject_unsupported(dropout_p, alibi_slopes)
+    left, right = _window(window_size)
+    out, lse = torch.ops.tileattn.attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                    softmax_scale, bool(causal), left, right, float(softcap),
+                                                    bool(deterministic))
+    return _finish(out, lse, return_attn_probs)
+
+
+def top_left_causal(seqlen_q: int, seqlen_k: int) -> tuple[bool, int]:
+    """(causal, window_right) that give the top-left aligned causal mask (key j <= query i).
+
+    Our causal mask is bottom-right aligned (flash-attn >= 2.1); PyTorch's SDPA aligns it to the
+    top-left. For seqlen_q >= seqlen_k a right window of seqlen_q - seqlen_k is the same mask; for
+    seqlen_q < seqlen_k it would need a negative window, which the API does not express.
+    """
+    if seqlen_q == seqlen_k:
+        return True, 0
+    if seqlen_q > seqlen_k:
+        return False, seqlen_q - seqlen_k
+    raise NotImplementedError(
+        f"is_causal=True with seqlen_q={seqlen_q} < seqlen_k={seqlen_k}: the top-left aligned causal mask "
+        "(PyTorch SDPA's) is not expressible; flash_attn_func(causal=True) gives the bottom-right aligned one")
+
+
+def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
+                                 dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
+                                 enable_gqa: bool = False) -> Tensor:
+    """``torch.nn.functional.scaled_dot_product_attention`` on (batch, heads, seqlen, headdim) tensors.
+
+    The tensors are read in place through their strides (no copy); the result is a
+    (batch, heads, seqlen_q, headdim_v) view. 3-D inputs (batch, seqlen, headdim) are one head.
+    ``is_causal`` is top-left aligned, as in PyTorch.
+    """
+    if attn_mask is not None:
+        raise NotImplementedError("attn_mask: explicit masks are not supported; use is_causal, or flash_attn_func's "
+                                  "window_size, or flash_attn_varlen_func for padded batches")
+    _reject_unsupported(dropout_p, None)
+    rank = query.dim()
+    if rank not in (3, 4) or key.dim() != rank or value.dim() != rank:
+        raise ValueError("query, key and value must all be 4-D (batch, heads, seqlen, headdim) or all 3-D "
+                         f"(batch, seqlen, headdim), got shapes {tuple(query.shape)}, {tuple(key.shape)}, "
+                         f"{tuple(value.shape)}")
+    if rank == 3:
+        query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+    heads_q, heads_kv = query.shape[1], key.shape[1]
+    if heads_q != heads_kv and not enable_gqa:
+        raise ValueError(f"query has {heads_q} heads but key/value have {heads_kv}; pass enable_gqa=True for "
+                         "grouped-query attention")
+    causal, right = top_left_causal(query.shape[2], key.shape[2]) if is_causal else (False, -1)
+    out, _ = torch.ops.tileattn.attention_forward(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                                                  None, None, 0, 0, scale, causal, -1, right, 0.0, False)
+    out = out.transpose(1, 2)
+    return out.squeeze(1) if rank == 3 else out
+
+
+def softmax_matmul(x: Tensor, v: Tensor) -> Tensor:
+    """softmax(x, dim=-1) @ v without materialising softmax(x), differentiable.
+
+    x is (batch, d1, d2) and v (batch, d2, d3), or (d1, d2) and (d2, d3); returns (batch, d1, d3)
+    or (d1, d3).
+    """
+    if x.dim() == 2 and v.dim() == 2:
+        return torch.ops.tileattn.softmax_matmul(x.unsqueeze(0), v.unsqueeze(0)).squeeze(0)
+    return torch.ops.tileattn.softmax_matmul(x, v)
