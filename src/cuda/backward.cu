@@ -1,13 +1,134 @@
-// The CUDA backward entry: dispatches a validated problem to the backward kernels.
+// The CUDA backward entry: the validated problem becomes kernel parameters and a workspace, then
+// dispatch on dtype and head-dim bucket (src/cuda/sm80/bwd_*).
+//
+// dQ is summed either by fp32 atomics from the dK/dV kernel into a workspace accumulator (then
+// scaled and converted), or by its own pass over key tiles. The own pass is the deterministic
+// mode; docs/perf.md ("CUDA backward") records the measured cost of each.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "common/online_softmax.hpp"
+#include "cuda/common/check.cuh"
+#include "cuda/common/workspace.cuh"
 #include "cuda/cuda_backend.hpp"
+#include "cuda/sm80/bwd_launch.hpp"
 #include "tileattn/error.hpp"
 
 namespace tileattn::cuda {
+namespace {
 
-void backward(const AttentionProblem&) {
-  throw Error(ErrorKind::unsupported, "backward on CUDA is not built yet");
+int headdim_bucket(const AttentionProblem& p) {
+  const int64_t d = std::max(p.headdim_qk, p.headdim_v);
+  for (int b : bwd::kHeadDimBuckets)
+    if (d <= b) return b;
+  throw Error(ErrorKind::unsupported, "headdim " + std::to_string(d) + " exceeds the CUDA backward's largest (256)");
 }
 
-size_t backward_workspace_size(const AttentionProblem&) { return 0; }
+bool uses_atomic_dq(const AttentionProblem& p) { return !p.deterministic; }
+
+// The workspace, carved in this order: lse2, dsum (one float per padded query row each), then
+// the fp32 dQ accumulator when dQ is summed by atomics.
+struct WorkspaceLayout {
+  int64_t rows = 0;
+  int dim = 0;
+  size_t lse2 = 0, dsum = 0, accum = 0;
+  size_t total() const { return Workspace::round_up(lse2) + Workspace::round_up(dsum) + Workspace::round_up(accum); }
+};
+
+WorkspaceLayout workspace_layout(const AttentionProblem& p) {
+  WorkspaceLayout w;
+  const int64_t rows_per_head = (p.seqlen_q + bwd::kWorkspaceRowTile - 1) / bwd::kWorkspaceRowTile * bwd::kWorkspaceRowTile;
+  w.rows = p.batch * p.heads_q * rows_per_head;
+  w.dim = headdim_bucket(p);
+  w.lse2 = w.dsum = size_t(w.rows) * sizeof(float);
+  w.accum = uses_atomic_dq(p) ? size_t(w.rows) * size_t(w.dim) * sizeof(float) : 0;
+  return w;
+}
+
+bwd::Strided strided(const TensorView& t) { return {t.data, t.batch_stride, t.seq_stride, t.head_stride}; }
+
+// 16-byte copies need every row start 16-byte aligned: bases, strides and head dims in whole chunks.
+bool vector_io_ok(const AttentionProblem& p) {
+  const int64_t chunk = p.dtype == DType::f32 ? 4 : 8;
+  if (p.headdim_qk % chunk != 0 || p.headdim_v % chunk != 0) return false;
+  for (const TensorView* t : {&p.q, &p.k, &p.v, &p.o, &p.dout}) {
+    if (reinterpret_cast<uintptr_t>(t->data) % 16 != 0) return false;
+    if (t->seq_stride % chunk != 0 || t->head_stride % chunk != 0) return false;
+    if (!p.is_varlen() && t->batch_stride % chunk != 0) return false;
+  }
+  return true;
+}
+
+// Window sides were clamped to the sequence lengths by validation, so they fit an int.
+int window_side(int64_t w) { return w < 0 ? -1 : int(w); }
+
+template <class T>
+void dispatch(int bucket, const bwd::BwdParams& params, cudaStream_t stream) {
+  switch (bucket) {
+    case 32: return bwd::launch_backward<T, 32>(params, stream);
+    case 64: return bwd::launch_backward<T, 64>(params, stream);
+    case 96: return bwd::launch_backward<T, 96>(params, stream);
+    case 128: return bwd::launch_backward<T, 128>(params, stream);
+    case 192: return bwd::launch_backward<T, 192>(params, stream);
+    default: return bwd::launch_backward<T, 256>(params, stream);
+  }
+}
+
+}  // namespace
+
+size_t backward_workspace_size(const AttentionProblem& problem) { return workspace_layout(problem).total(); }
+
+void backward(const AttentionProblem& p) {
+  const cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
+  const WorkspaceLayout layout = workspace_layout(p);
+  Workspace ws(p.workspace, p.workspace_bytes, layout.total(), stream);
+
+  bwd::BwdParams params{};
+  params.q = strided(p.q);
+  params.k = strided(p.k);
+  params.v = strided(p.v);
+  params.o = strided(p.o);
+  params.dout = strided(p.dout);
+  params.dq = strided(p.dq);
+  params.dk = strided(p.dk);
+  params.dv = strided(p.dv);
+  params.lse = p.lse;
+  params.cu_seqlens_q = p.cu_seqlens_q;
+  params.cu_seqlens_k = p.cu_seqlens_k;
+  params.batch = int(p.batch);
+  params.seqlen_q = int(p.seqlen_q);
+  params.seqlen_k = int(p.seqlen_k);
+  params.total_q = p.total_q;
+  params.heads_q = int(p.heads_q);
+  params.heads_kv = int(p.heads_kv);
+  params.group = int(p.heads_q / p.heads_kv);
+  params.headdim_qk = int(p.headdim_qk);
+  params.headdim_v = int(p.headdim_v);
+  params.window_left = window_side(p.window_left);
+  params.window_right = window_side(p.window_right);
+  params.scale = *p.softmax_scale;
+  params.scale_log2 = params.scale * kLog2e;
+  params.softcap = p.softcap;
+  params.scale_over_cap = p.softcap > 0.0f ? params.scale / p.softcap : 0.0f;
+  params.cap_log2 = p.softcap * kLog2e;
+  params.vec_io = vector_io_ok(p);
+  params.seqlen_q_rounded = int(layout.rows / (p.batch * p.heads_q));
+  params.dq_accum_dim = layout.dim;
+  params.lse2 = ws.take<float>(layout.lse2);
+  params.dsum = ws.take<float>(layout.dsum);
+  params.dq_accum = layout.accum > 0 ? ws.take<float>(layout.accum) : nullptr;
+  if (params.dq_accum != nullptr) TA_CUDA_CHECK(cudaMemsetAsync(params.dq_accum, 0, layout.accum, stream));
+
+  switch (p.dtype) {
+    case DType::f16: return dispatch<__half>(layout.dim, params, stream);
+    case DType::bf16: return dispatch<__nv_bfloat16>(layout.dim, params, stream);
+    case DType::f32: return dispatch<float>(layout.dim, params, stream);
+  }
+}
 
 }  // namespace tileattn::cuda

@@ -1,0 +1,140 @@
+#pragma once
+// dK and dV: the outer loop runs over key tiles (one block per key tile of one batch and kv
+// head), the inner loop over the query tiles that can see it, for every query head of the kv
+// head's group. dK and dV therefore sum over the group in registers and are written once.
+//
+// Per query tile (S^T is keys x queries, so the key-side operands stay in shared memory):
+//   dP^T = V dO^T        S^T = K Q^T         P^T, dS^T = grads(S^T, dP^T)  -> shared memory
+//   dV  += P^T dO        dK  += dS^T Q       dQ  += dS K  (fp32 atomics, when dQ has no pass)
+// The next tile's dO and Q are fetched as soon as the products that read them are done, so the
+// copies overlap dK's product and the dQ product.
+#include "cuda/common/bwd_mma.cuh"
+#include "cuda/sm80/bwd_grads.cuh"
+#include "cuda/sm80/bwd_params.hpp"
+#include "cuda/sm80/bwd_tile_io.cuh"
+#include "cuda/sm80/bwd_traits.cuh"
+
+namespace tileattn::cuda::bwd {
+
+template <class T, int D>
+__global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const BwdParams p) {
+  using Tile = DkdvTile<T, D>;
+  constexpr int BN = Tile::kBlockN, BM = Tile::kBlockM, LD = Tile::kLd, LDP = Tile::kLdP;
+  constexpr WarpGrid GS = Tile::kGridS, GKV = Tile::kGridKV, GQ = Tile::kGridQ;
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* sK = reinterpret_cast<T*>(smem);
+  T* sV = sK + BN * LD;
+  T* sQ = sV + BN * LD;
+  T* sdO = sQ + BM * LD;
+  T* sP = sdO + BM * LD;   // P^T: [key][query]
+  T* sdS = sP + BN * LDP;  // dS^T: [key][query]
+  float* sL = reinterpret_cast<float*>(sdS + BN * LDP);
+  float* sDsum = sL + BM;
+
+  const int b = blockIdx.y, hk = blockIdx.z;
+  const SeqInfo s = seq_info(p, b);
+  const int k0 = blockIdx.x * BN;
+  if (k0 >= s.sk) return;
+  const int k1 = min(k0 + BN, s.sk);
+  const Mask mask = seq_mask(p, s);
+
+  // Query tiles that see any key of [k0, k1); only boundary tiles pay for masking.
+  const int q_begin = mask.tile_begin_query(k0), q_end = mask.tile_end_query(k1);
+  const int t0 = q_begin / BM;
+  const int n_tiles = q_end > q_begin ? (q_end + BM - 1) / BM - t0 : 0;
+  const int n_iter = n_tiles * p.group;
+
+  const T* gK = static_cast<const T*>(p.k.ptr) + seq_base(p, p.k, b, false) + int64_t(hk) * p.k.head + int64_t(k0) * p.k.seq;
+  const T* gV = static_cast<const T*>(p.v.ptr) + seq_base(p, p.v, b, false) + int64_t(hk) * p.v.head + int64_t(k0) * p.v.seq;
+  load_tile<T, BN, D, LD>(sK, gK, p.k.seq, k1 - k0, p.headdim_qk, p.vec_io);
+  load_tile<T, BN, D, LD>(sV, gV, p.v.seq, k1 - k0, p.headdim_v, p.vec_io);
+  cp_async_commit();
+
+  auto head_of = [&](int it) { return hk * p.group + it / n_tiles; };
+  auto q0_of = [&](int it) { return (t0 + it % n_tiles) * BM; };
+  auto load_dout = [&](int it) {
+    const int h = head_of(it), q0 = q0_of(it);
+    const T* g = static_cast<const T*>(p.dout.ptr) + seq_base(p, p.dout, b, true) + int64_t(h) * p.dout.head +
+                 int64_t(q0) * p.dout.seq;
+    load_tile<T, BM, D, LD>(sdO, g, p.dout.seq, s.sq - q0, p.headdim_v, p.vec_io);
+    load_row_floats<BM>(sDsum, p.dsum + ws_row(p, b, h) + q0);
+  };
+  auto load_q = [&](int it) {
+    const int h = head_of(it), q0 = q0_of(it);
+    const T* g = static_cast<const T*>(p.q.ptr) + seq_base(p, p.q, b, true) + int64_t(h) * p.q.head +
+                 int64_t(q0) * p.q.seq;
+    load_tile<T, BM, D, LD>(sQ, g, p.q.seq, s.sq - q0, p.headdim_qk, p.vec_io);
+    load_row_floats<BM>(sL, p.lse2 + ws_row(p, b, h) + q0);
+  };
+  if (n_iter > 0) {
+    load_dout(0);
+    cp_async_commit();
+    load_q(0);
+    cp_async_commit();
+  }
+
+  const int warp = threadIdx.x / 32;
+  const int s_row = (warp / GS.wn) * GS.tm, s_col = (warp % GS.wn) * GS.tn;
+  const int kv_row = (warp / GKV.wn) * GKV.tm, kv_col = (warp % GKV.wn) * GKV.tn;
+  const int q_row = (warp / GQ.wn) * GQ.tm, q_col = (warp % GQ.wn) * GQ.tn;
+
+  float dk[GKV.tm / 16][GKV.tn / 8][4], dv[GKV.tm / 16][GKV.tn / 8][4];
+  zero(dk);
+  zero(dv);
+
+  for (int it = 0; it < n_iter; ++it) {
+    const int h = head_of(it), q0 = q0_of(it);
+    cp_async_wait<1>();  // K, V, dO of this tile
+    __syncthreads();
+    float dp[GS.tm / 16][GS.tn / 8][4];
+    zero(dp);
+    warp_gemm<T, GS.tm / 16, GS.tn / 8, D, true, false>(dp, sV + s_row * LD, LD, sdO + s_col * LD, LD);
+    cp_async_wait<0>();  // Q of this tile
+    __syncthreads();
+    float st[GS.tm / 16][GS.tn / 8][4];
+    zero(st);
+    warp_gemm<T, GS.tm / 16, GS.tn / 8, D, true, false>(st, sK + s_row * LD, LD, sQ + s_col * LD, LD);
+    const int q1 = min(q0 + BM, s.sq);
+    const bool masked = !(mask.full_begin_key(q1) <= k0 && mask.full_end_key(q0) >= k0 + BN);
+    scores_to_grads<T, true, true>(st, dp, sL, sDsum, s_row, s_col, q0, k0, masked, mask, p, sP, sdS, LDP);
+    __syncthreads();
+
+    warp_gemm<T, GKV.tm / 16, GKV.tn / 8, BM, true, true>(dv, sP + kv_row * LDP, LDP, sdO + kv_col, LD);
+    __syncthreads();
+    if (it + 1 < n_iter) load_dout(it + 1);
+    cp_async_commit();
+    warp_gemm<T, GKV.tm / 16, GKV.tn / 8, BM, true, true>(dk, sdS + kv_row * LDP, LDP, sQ + kv_col, LD);
+    __syncthreads();
+    if (it + 1 < n_iter) load_q(it + 1);
+    cp_async_commit();
+
+    if (p.dq_accum != nullptr) {
+      // dS is dS^T read column-major; rows past the sequence land in workspace padding.
+      float dq[GQ.tm / 16][GQ.tn / 8][4];
+      zero(dq);
+      warp_gemm<T, GQ.tm / 16, GQ.tn / 8, BN, false, true>(dq, sdS + q_row, LDP, sK + q_col, LD);
+      float* g = p.dq_accum + (ws_row(p, b, h) + q0 + q_row) * p.dq_accum_dim + q_col;
+      const int lane = threadIdx.x & 31;
+#pragma unroll
+      for (int i = 0; i < GQ.tm / 16; ++i)
+#pragma unroll
+        for (int j = 0; j < GQ.tn / 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int r = i * 16 + (lane >> 2) + (e >> 1) * 8, c = j * 8 + (lane & 3) * 2 + (e & 1);
+            atomicAdd(g + int64_t(r) * p.dq_accum_dim + c, dq[i][j][e]);
+          }
+    }
+  }
+
+  cp_async_wait<0>();  // no copy may outlive the block (tiles loaded for an empty loop)
+  T* gdK = static_cast<T*>(p.dk.ptr) + seq_base(p, p.dk, b, false) + int64_t(hk) * p.dk.head +
+           int64_t(k0 + kv_row) * p.dk.seq + kv_col;
+  T* gdV = static_cast<T*>(p.dv.ptr) + seq_base(p, p.dv, b, false) + int64_t(hk) * p.dv.head +
+           int64_t(k0 + kv_row) * p.dv.seq + kv_col;
+  store_frag<T>(dk, p.scale, gdK, p.dk.seq, k1 - k0 - kv_row, p.headdim_qk - kv_col);
+  store_frag<T>(dv, 1.0f, gdV, p.dv.seq, k1 - k0 - kv_row, p.headdim_v - kv_col);
+}
+
+}  // namespace tileattn::cuda::bwd

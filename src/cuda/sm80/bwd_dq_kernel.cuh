@@ -1,0 +1,104 @@
+#pragma once
+// dQ in its own pass (the deterministic mode): one block per query tile of one (batch, head),
+// looping over the key tiles it can see and summing dQ in registers in a fixed order, so the
+// result is bitwise repeatable. It recomputes S and dP, the price of not using atomics.
+//
+// Per key tile:  dP = dO V^T   S = Q K^T   dS = grads(S, dP) -> shared   dQ += dS K
+// V of the next tile is fetched once dP is done, K once dQ's product is done.
+#include "cuda/common/bwd_mma.cuh"
+#include "cuda/sm80/bwd_grads.cuh"
+#include "cuda/sm80/bwd_params.hpp"
+#include "cuda/sm80/bwd_tile_io.cuh"
+#include "cuda/sm80/bwd_traits.cuh"
+
+namespace tileattn::cuda::bwd {
+
+template <class T, int D>
+__global__ void __launch_bounds__(kThreads, 1) dq_kernel(const BwdParams p) {
+  using Tile = DqTile<T, D>;
+  constexpr int BM = Tile::kBlockM, BN = Tile::kBlockN, LD = Tile::kLd, LDS = Tile::kLdS;
+  constexpr WarpGrid GS = Tile::kGridS, GQ = Tile::kGridQ;
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* sQ = reinterpret_cast<T*>(smem);
+  T* sdO = sQ + BM * LD;
+  T* sK = sdO + BM * LD;
+  T* sV = sK + BN * LD;
+  T* sdS = sV + BN * LD;  // [query][key]
+  float* sL = reinterpret_cast<float*>(sdS + BM * LDS);
+  float* sDsum = sL + BM;
+
+  const int b = blockIdx.y, h = blockIdx.z, hk = h / p.group;
+  const SeqInfo s = seq_info(p, b);
+  const int q0 = blockIdx.x * BM;
+  if (q0 >= s.sq) return;
+  const int q1 = min(q0 + BM, s.sq);
+  const Mask mask = seq_mask(p, s);
+
+  const int k_begin = mask.tile_begin_key(q0), k_end = mask.tile_end_key(q1);
+  const int t0 = k_begin / BN;
+  const int n_tiles = k_end > k_begin ? (k_end + BN - 1) / BN - t0 : 0;
+
+  const T* gQ = static_cast<const T*>(p.q.ptr) + seq_base(p, p.q, b, true) + int64_t(h) * p.q.head + int64_t(q0) * p.q.seq;
+  const T* gdO = static_cast<const T*>(p.dout.ptr) + seq_base(p, p.dout, b, true) + int64_t(h) * p.dout.head +
+                 int64_t(q0) * p.dout.seq;
+  load_tile<T, BM, D, LD>(sQ, gQ, p.q.seq, q1 - q0, p.headdim_qk, p.vec_io);
+  load_tile<T, BM, D, LD>(sdO, gdO, p.dout.seq, q1 - q0, p.headdim_v, p.vec_io);
+  load_row_floats<BM>(sL, p.lse2 + ws_row(p, b, h) + q0);
+  load_row_floats<BM>(sDsum, p.dsum + ws_row(p, b, h) + q0);
+  cp_async_commit();
+
+  const T* gK = static_cast<const T*>(p.k.ptr) + seq_base(p, p.k, b, false) + int64_t(hk) * p.k.head;
+  const T* gV = static_cast<const T*>(p.v.ptr) + seq_base(p, p.v, b, false) + int64_t(hk) * p.v.head;
+  auto load_v = [&](int it) {
+    const int k0 = (t0 + it) * BN;
+    load_tile<T, BN, D, LD>(sV, gV + int64_t(k0) * p.v.seq, p.v.seq, s.sk - k0, p.headdim_v, p.vec_io);
+  };
+  auto load_k = [&](int it) {
+    const int k0 = (t0 + it) * BN;
+    load_tile<T, BN, D, LD>(sK, gK + int64_t(k0) * p.k.seq, p.k.seq, s.sk - k0, p.headdim_qk, p.vec_io);
+  };
+  if (n_tiles > 0) {
+    load_v(0);
+    cp_async_commit();
+    load_k(0);
+    cp_async_commit();
+  }
+
+  const int warp = threadIdx.x / 32;
+  const int s_row = (warp / GS.wn) * GS.tm, s_col = (warp % GS.wn) * GS.tn;
+  const int q_row = (warp / GQ.wn) * GQ.tm, q_col = (warp % GQ.wn) * GQ.tn;
+  float dq[GQ.tm / 16][GQ.tn / 8][4];
+  zero(dq);
+
+  for (int it = 0; it < n_tiles; ++it) {
+    const int k0 = (t0 + it) * BN;
+    cp_async_wait<1>();  // Q, dO, V of this tile
+    __syncthreads();
+    float dp[GS.tm / 16][GS.tn / 8][4];
+    zero(dp);
+    warp_gemm<T, GS.tm / 16, GS.tn / 8, D, true, false>(dp, sdO + s_row * LD, LD, sV + s_col * LD, LD);
+    __syncthreads();
+    if (it + 1 < n_tiles) load_v(it + 1);
+    cp_async_commit();
+    cp_async_wait<1>();  // K of this tile
+    __syncthreads();
+    float st[GS.tm / 16][GS.tn / 8][4];
+    zero(st);
+    warp_gemm<T, GS.tm / 16, GS.tn / 8, D, true, false>(st, sQ + s_row * LD, LD, sK + s_col * LD, LD);
+    const bool masked = !(mask.full_begin_key(q1) <= k0 && mask.full_end_key(q0) >= k0 + BN);
+    scores_to_grads<T, false, false>(st, dp, sL, sDsum, s_row, s_col, q0, k0, masked, mask, p, nullptr, sdS, LDS);
+    __syncthreads();
+    warp_gemm<T, GQ.tm / 16, GQ.tn / 8, BN, true, true>(dq, sdS + q_row * LDS, LDS, sK + q_col, LD);
+    __syncthreads();
+    if (it + 1 < n_tiles) load_k(it + 1);
+    cp_async_commit();
+  }
+
+  cp_async_wait<0>();  // no copy may outlive the block (tiles loaded for an empty loop)
+  T* gdQ = static_cast<T*>(p.dq.ptr) + seq_base(p, p.dq, b, true) + int64_t(h) * p.dq.head +
+           int64_t(q0 + q_row) * p.dq.seq + q_col;
+  store_frag<T>(dq, p.scale, gdQ, p.dq.seq, q1 - q0 - q_row, p.headdim_qk - q_col);
+}
+
+}  // namespace tileattn::cuda::bwd

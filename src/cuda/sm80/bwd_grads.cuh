@@ -1,0 +1,61 @@
+#pragma once
+// From a tile of raw scores S = Q.K^T and of dP = dO.V^T to the probabilities P and the score
+// gradients dS = P * (dP - D) (times d capped / d score under soft-capping), written to shared
+// memory in the input precision for the products that follow.
+//
+// P is recomputed from the saved log-sum-exp: P = exp2(s * scale * log2(e) - L * log2(e)). The
+// preprocess stored L * log2(e) as +inf for rows that see no key and for padding rows, which
+// makes P exactly 0 there: no mask arithmetic is needed for them, and no NaN can arise.
+#include <math.h>
+
+#include "common/mask.hpp"
+#include "common/online_softmax.hpp"
+#include "cuda/common/bwd_mma.cuh"
+#include "cuda/sm80/bwd_params.hpp"
+
+namespace tileattn::cuda::bwd {
+
+// s and dp are one warp's accumulator tiles; its first element sits at (row0, col0) of the
+// block's tile, whose first query and key are q0 and k0 of the sequence. kRowsAreKeys says which
+// side of the tile is the key side (the dK/dV kernel computes S^T). lse2/dsum are per query of
+// the tile. P goes to sP (when kStoreP) and dS to sdS, both at the same (row, column).
+template <class T, bool kRowsAreKeys, bool kStoreP, int MT, int NT>
+__device__ __forceinline__ void scores_to_grads(const float (&s)[MT][NT][4], const float (&dp)[MT][NT][4],
+                                                const float* lse2, const float* dsum, int row0, int col0, int q0,
+                                                int k0, bool masked, const Mask& mask, const BwdParams& p, T* sP,
+                                                T* sdS, int ld) {
+  const int lane = threadIdx.x & 31;
+  const bool capped = p.softcap > 0.0f;
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = row0 + i * 16 + (lane >> 2) + h * 8;
+        const int c = col0 + j * 8 + (lane & 3) * 2;
+        float pv[2], ds[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int qi = kRowsAreKeys ? c + e : r;
+          const int kj = kRowsAreKeys ? r : c + e;
+          const float x = s[i][j][2 * h + e];
+          float grad = 1.0f;
+          float pe;
+          if (capped) {
+            const float cap = p.softcap * tanhf(x * p.scale_over_cap);
+            pe = exp2f(cap * kLog2e - lse2[qi]);
+            grad = softcap_grad(cap, p.softcap);
+          } else {
+            pe = exp2f(fmaf(x, p.scale_log2, -lse2[qi]));
+          }
+          if (masked && !mask.visible(q0 + qi, k0 + kj)) pe = 0.0f;
+          pv[e] = pe;
+          ds[e] = pe * (dp[i][j][2 * h + e] - dsum[qi]) * grad;
+        }
+        if constexpr (kStoreP) store2(sP + r * ld + c, pv[0], pv[1]);
+        store2(sdS + r * ld + c, ds[0], ds[1]);
+      }
+}
+
+}  // namespace tileattn::cuda::bwd

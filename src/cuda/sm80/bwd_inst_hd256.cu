@@ -1,0 +1,7 @@
+// Backward kernels for head dims up to 256, fp16 and bf16.
+#include "cuda/sm80/bwd_launch.cuh"
+
+namespace tileattn::cuda::bwd {
+template void launch_backward<__half, 256>(const BwdParams&, cudaStream_t);
+template void launch_backward<__nv_bfloat16, 256>(const BwdParams&, cudaStream_t);
+}  // namespace tileattn::cuda::bwd

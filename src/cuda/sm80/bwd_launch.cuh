@@ -1,0 +1,43 @@
+#pragma once
+// Host side of one backward: preprocess, dK/dV (with atomic dQ, or not), then the dQ
+// conversion or dQ's own pass. Instantiated per (dtype, head-dim bucket) in bwd_inst_*.cu.
+#include <cuda_runtime.h>
+
+#include "cuda/common/check.cuh"
+#include "cuda/sm80/bwd_dkdv_kernel.cuh"
+#include "cuda/sm80/bwd_dq_kernel.cuh"
+#include "cuda/sm80/bwd_launch.hpp"
+#include "cuda/sm80/bwd_params.hpp"
+#include "cuda/sm80/bwd_preprocess.cuh"
+#include "cuda/sm80/bwd_traits.cuh"
+
+namespace tileattn::cuda::bwd {
+
+template <class T, int D>
+void launch_backward(const BwdParams& p, cudaStream_t stream) {
+  const int64_t rows = int64_t(p.batch) * p.heads_q * p.seqlen_q_rounded;
+  const unsigned row_blocks = unsigned((rows + kRowKernelThreads / 32 - 1) / (kRowKernelThreads / 32));
+  static_assert(kWorkspaceRowTile % DkdvTile<T, D>::kBlockM == 0 && kWorkspaceRowTile % DqTile<T, D>::kBlockM == 0,
+                "query tiles never reach past the workspace padding");
+  preprocess_kernel<T><<<row_blocks, kRowKernelThreads, 0, stream>>>(p);
+  TA_CUDA_CHECK_LAUNCH("backward preprocess");
+
+  using KV = DkdvTile<T, D>;
+  TA_CUDA_CHECK(cudaFuncSetAttribute(dkdv_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, KV::kSmemBytes));
+  const dim3 kv_grid((p.seqlen_k + KV::kBlockN - 1) / KV::kBlockN, p.batch, p.heads_kv);
+  dkdv_kernel<T, D><<<kv_grid, kThreads, KV::kSmemBytes, stream>>>(p);
+  TA_CUDA_CHECK_LAUNCH("backward dK/dV");
+
+  if (p.dq_accum != nullptr) {
+    convert_dq_kernel<T><<<row_blocks, kRowKernelThreads, 0, stream>>>(p);
+    TA_CUDA_CHECK_LAUNCH("backward dQ conversion");
+  } else {
+    using Q = DqTile<T, D>;
+    TA_CUDA_CHECK(cudaFuncSetAttribute(dq_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, Q::kSmemBytes));
+    const dim3 q_grid((p.seqlen_q + Q::kBlockM - 1) / Q::kBlockM, p.batch, p.heads_q);
+    dq_kernel<T, D><<<q_grid, kThreads, Q::kSmemBytes, stream>>>(p);
+    TA_CUDA_CHECK_LAUNCH("backward dQ");
+  }
+}
+
+}  // namespace tileattn::cuda::bwd

@@ -1,0 +1,88 @@
+#pragma once
+// What the backward kernels read: the validated problem flattened into device-friendly fields,
+// plus the workspace they share (all three kernels index it the same way).
+#include <cstdint>
+
+#include "common/mask.hpp"
+#include "tileattn/problem.hpp"
+
+namespace tileattn::cuda::bwd {
+
+struct Strided {
+  void* ptr;
+  int64_t batch, seq, head;  // element strides; batch unused for varlen
+};
+
+struct BwdParams {
+  Strided q, k, v, o, dout, dq, dk, dv;
+  const float* lse;  // the forward's L: (batch, heads_q, seqlen_q) or (heads_q, total_q)
+  const int32_t* cu_seqlens_q;  // both null unless varlen
+  const int32_t* cu_seqlens_k;
+  int batch, seqlen_q, seqlen_k;  // varlen: the max over sequences
+  int64_t total_q;
+  int heads_q, heads_kv, group;  // group = heads_q / heads_kv
+  int headdim_qk, headdim_v;
+  int window_left, window_right;  // -1 = unbounded; causal is folded in (right = 0)
+
+  float scale;          // softmax scale
+  float scale_log2;     // scale * log2(e): P = exp2(s * scale_log2 - lse2)
+  float softcap;        // 0 = off
+  float scale_over_cap; // scale / softcap: capped = softcap * tanh(s * scale_over_cap)
+  float cap_log2;       // softcap * log2(e)
+
+  // 16-byte copies are legal for every tensor (head dims and strides multiples of 8 elements,
+  // 16-byte aligned bases); otherwise tiles are gathered element by element.
+  bool vec_io;
+
+  // ---- workspace: rows (batch, heads_q, seqlen_q_rounded), padding rows inert ------------
+  int seqlen_q_rounded;
+  int dq_accum_dim;   // row length of dq_accum (the kernel's head-dim bucket)
+  float* lse2;        // L * log2(e); +inf for padding and for rows that see no key, so P = 0
+  float* dsum;        // D = rowsum(O * dO); 0 for padding
+  float* dq_accum;    // fp32 dQ / scale, summed by atomics; null when dQ has its own pass
+};
+
+struct SeqInfo {
+  int64_t row_q;  // row of the sequence's first query in varlen's (heads_q, total_q) L
+  int sq, sk;
+};
+
+#if defined(__CUDACC__)
+// Element offset of sequence b's first row in tensor t (q-side rows when qside).
+__device__ __forceinline__ int64_t seq_base(const BwdParams& p, const Strided& t, int b, bool qside) {
+  if (p.cu_seqlens_q != nullptr) return int64_t(qside ? p.cu_seqlens_q[b] : p.cu_seqlens_k[b]) * t.seq;
+  return int64_t(b) * t.batch;
+}
+
+__device__ __forceinline__ SeqInfo seq_info(const BwdParams& p, int b) {
+  SeqInfo s;
+  if (p.cu_seqlens_q != nullptr) {
+    const int q0 = p.cu_seqlens_q[b], k0 = p.cu_seqlens_k[b];
+    s.sq = p.cu_seqlens_q[b + 1] - q0;
+    s.sk = p.cu_seqlens_k[b + 1] - k0;
+    s.row_q = q0;
+  } else {
+    s.sq = p.seqlen_q;
+    s.sk = p.seqlen_k;
+    s.row_q = 0;
+  }
+  return s;
+}
+
+// Index of L for (b, h, row i of the sequence).
+__device__ __forceinline__ int64_t lse_index(const BwdParams& p, const SeqInfo& s, int b, int h, int i) {
+  if (p.cu_seqlens_q != nullptr) return int64_t(h) * p.total_q + s.row_q + i;
+  return (int64_t(b) * p.heads_q + h) * p.seqlen_q + i;
+}
+
+// First workspace row of (b, h).
+__device__ __forceinline__ int64_t ws_row(const BwdParams& p, int b, int h) {
+  return (int64_t(b) * p.heads_q + h) * p.seqlen_q_rounded;
+}
+
+__device__ __forceinline__ Mask seq_mask(const BwdParams& p, const SeqInfo& s) {
+  return Mask{s.sq, s.sk, p.window_left, p.window_right};
+}
+#endif
+
+}  // namespace tileattn::cuda::bwd
