@@ -74,6 +74,15 @@ void check_not_null(const void* p, const std::string& name) {
   if (p == nullptr) invalid(name + " is null");
 }
 
+int64_t element_bytes(DType dtype) { return dtype == DType::f32 ? 4 : 2; }
+
+// A pointer off its element alignment faults on the GPU and is undefined behaviour on the CPU.
+void check_aligned(const void* p, int64_t alignment, const std::string& name, const char* what) {
+  if (reinterpret_cast<uintptr_t>(p) % uintptr_t(alignment) != 0) {
+    invalid(name + " is not aligned to " + str(alignment) + " bytes (the size of " + what + ")");
+  }
+}
+
 // One dimension of a strided tensor: the element stride of that dimension and its extent.
 struct Dim {
   const char* field;  // e.g. "seq_stride"
@@ -136,7 +145,7 @@ void check_memory_space(const void* p, const std::string& name, Backend backend)
   if (p == nullptr) return;
   const bool on_device = tileattn::cuda::is_device_pointer(p);
   if (backend == Backend::cuda && !on_device) {
-    invalid(name + " is host memory, but backend=cuda needs device memory");
+    invalid(name + " is not memory of the current CUDA device, but backend=cuda needs device memory");
   }
   if (backend == Backend::cpu && on_device) {
     invalid(name + " is device memory, but backend=cpu needs host memory");
@@ -272,6 +281,16 @@ AttentionProblem validate_attention(const AttentionProblem& problem, Pass pass, 
   }
   for (const TensorSpec& t : tensors) check_not_null(t.view->data, std::string(t.name) + ".data");
   check_not_null(p.lse, "lse");
+  const char* dtype_text = p.dtype == DType::f32 ? "an f32 element" : "an f16/bf16 element";
+  for (const TensorSpec& t : tensors) {
+    check_aligned(t.view->data, element_bytes(p.dtype), std::string(t.name) + ".data", dtype_text);
+  }
+  check_aligned(p.lse, sizeof(float), "lse", "an f32 element");
+  if (varlen) {
+    check_aligned(p.cu_seqlens_q, sizeof(int32_t), "cu_seqlens_q", "an int32 offset");
+    check_aligned(p.cu_seqlens_k, sizeof(int32_t), "cu_seqlens_k", "an int32 offset");
+  }
+  checked_mul(checked_mul(varlen ? 1 : p.batch, p.heads_q, "lse"), varlen ? p.total_q : p.seqlen_q, "lse");
   for (const TensorSpec& t : tensors) check_memory_space(t.view->data, std::string(t.name) + ".data", backend);
   check_memory_space(p.lse, "lse", backend);
   if (varlen) {
@@ -348,6 +367,10 @@ SoftmaxMatmulProblem validate_softmax_matmul(const SoftmaxMatmulProblem& problem
   check_not_null(p.x, "x");
   check_not_null(p.v, "v");
   check_not_null(p.out, "out");
+  const char* dtype_text = p.dtype == DType::f32 ? "an f32 element" : "an f16/bf16 element";
+  check_aligned(p.x, element_bytes(p.dtype), "x", dtype_text);
+  check_aligned(p.v, element_bytes(p.dtype), "v", dtype_text);
+  check_aligned(p.out, element_bytes(p.dtype), "out", dtype_text);
   check_memory_space(p.x, "x", backend);
   check_memory_space(p.v, "v", backend);
   check_memory_space(p.out, "out", backend);

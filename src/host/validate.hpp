@@ -3,7 +3,8 @@
 // and the rule, and returns the problem in the normalised form every backend consumes:
 //  - softmax_scale is set (default 1/sqrt(headdim_qk));
 //  - causal is folded into the window: causal => window_right == 0 (causal stays true as a hint);
-//  - a window side given as >= the sequence length it can reach is kept (it simply masks nothing).
+//  - a window side reaching past the sequence (window_left > seqlen_k, window_right > seqlen_q)
+//    is clamped to that length: it masks nothing either way, and Mask's int32 arithmetic stays exact.
 #include "tileattn/problem.hpp"
 
 namespace tileattn::host {

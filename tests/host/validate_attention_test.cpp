@@ -217,6 +217,28 @@ TEST(ValidateAttention, NullLseIsRejectedInBothPasses) {
   expect_bwd_error(a.p, ErrorKind::invalid_argument, {"lse is null"});
 }
 
+TEST(ValidateAttention, MisalignedPointersAreRejected) {
+  ValidAttention a;
+  a.p.v.data = reinterpret_cast<char*>(a.v.data()) + 2;  // fp32 needs 4-byte alignment
+  expect_fwd_error(a.p, ErrorKind::invalid_argument, {"v.data is not aligned to 4 bytes"});
+  ValidAttention b;
+  b.p.dtype = DType::f16;  // 2-byte elements: an offset of 2 bytes is fine, 1 is not
+  b.p.q.data = reinterpret_cast<char*>(b.q.data()) + 2;
+  EXPECT_NO_THROW(validate_fwd(b.p));
+  b.p.dq.data = reinterpret_cast<char*>(b.dq.data()) + 1;
+  expect_bwd_error(b.p, ErrorKind::invalid_argument, {"dq.data is not aligned to 2 bytes"});
+  ValidAttention c;
+  c.p.lse = reinterpret_cast<float*>(reinterpret_cast<char*>(c.lse.data()) + 1);
+  expect_fwd_error(c.p, ErrorKind::invalid_argument, {"lse is not aligned to 4 bytes"});
+}
+
+TEST(ValidateAttention, LseElementCountMustFitInt64) {
+  ValidAttention a;
+  a.p.batch = a.p.heads_q = a.p.seqlen_q = INT32_MAX;
+  a.p.heads_kv = 1;
+  expect_fwd_error(a.p, ErrorKind::invalid_argument, {"lse addresses more than INT64_MAX elements"});
+}
+
 // ---- strides ---------------------------------------------------------------------------------
 
 TEST(ValidateAttention, NegativeStrideIsRejected) {

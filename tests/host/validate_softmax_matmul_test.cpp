@@ -64,6 +64,12 @@ TEST(ValidateSoftmaxMatmul, NullPointersAreRejectedByName) {
   expect_sm_error(c.p, ErrorKind::invalid_argument, {"out is null"});
 }
 
+TEST(ValidateSoftmaxMatmul, MisalignedPointersAreRejected) {
+  ValidSoftmaxMatmul s;
+  s.p.out = reinterpret_cast<char*>(s.out.data()) + 3;
+  expect_sm_error(s.p, ErrorKind::invalid_argument, {"out is not aligned to 4 bytes"});
+}
+
 TEST(ValidateSoftmaxMatmul, UnknownDtypeIsInvalidType) {
   ValidSoftmaxMatmul s;
   s.p.dtype = static_cast<DType>(-1);
