@@ -98,15 +98,15 @@ AttentionCase make_attention_case(const Options& o, Backend backend) {
 
   if (o.varlen) {
     for (size_t b = 0; b < c.lengths_q.size(); ++b) {
-      c.forward_flops += attention_forward_flops(1, p.heads_q, c.lengths_q[b], c.lengths_k[b], p.headdim_qk,
-                                                 p.headdim_v, p.causal);
+      c.forward_flops +=
+          attention_forward_flops(1, p.heads_q, c.lengths_q[b], c.lengths_k[b], p.headdim_qk, p.headdim_v, p.causal);
     }
     c.backward_flops = 2.5 * c.forward_flops;
   } else {
-    c.forward_flops = attention_forward_flops(p.batch, p.heads_q, p.seqlen_q, p.seqlen_k, p.headdim_qk, p.headdim_v,
-                                              p.causal);
-    c.backward_flops = attention_backward_flops(p.batch, p.heads_q, p.seqlen_q, p.seqlen_k, p.headdim_qk,
-                                                p.headdim_v, p.causal);
+    c.forward_flops =
+        attention_forward_flops(p.batch, p.heads_q, p.seqlen_q, p.seqlen_k, p.headdim_qk, p.headdim_v, p.causal);
+    c.backward_flops =
+        attention_backward_flops(p.batch, p.heads_q, p.seqlen_q, p.seqlen_k, p.headdim_qk, p.headdim_v, p.causal);
   }
 
   c.describe = "B=" + std::to_string(p.batch) + " H=" + std::to_string(p.heads_q) + "/" + std::to_string(p.heads_kv) +

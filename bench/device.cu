@@ -1,9 +1,9 @@
-#include "device.hpp"
-
 #include <cuda_runtime.h>
 
 #include <stdexcept>
 #include <string>
+
+#include "device.hpp"
 
 namespace tileattn::bench::device {
 namespace {

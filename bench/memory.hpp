@@ -28,8 +28,8 @@ class Buffer {
 
   void* data() const { return data_; }
   size_t bytes() const { return bytes_; }
-  void upload(const void* host);      // bytes() bytes from host memory
-  void download(void* host) const;    // bytes() bytes to host memory
+  void upload(const void* host);    // bytes() bytes from host memory
+  void download(void* host) const;  // bytes() bytes to host memory
 
  private:
   void release();

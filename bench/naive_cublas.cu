@@ -1,5 +1,3 @@
-#include "naive_cublas.hpp"
-
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -10,6 +8,7 @@
 #include <string>
 
 #include "memory.hpp"
+#include "naive_cublas.hpp"
 
 namespace tileattn::bench {
 namespace {
@@ -33,11 +32,17 @@ __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162f
 template <class T>
 __device__ __forceinline__ T from_float(float x);
 template <>
-__device__ __forceinline__ float from_float<float>(float x) { return x; }
+__device__ __forceinline__ float from_float<float>(float x) {
+  return x;
+}
 template <>
-__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+__device__ __forceinline__ __half from_float<__half>(float x) {
+  return __float2half_rn(x);
+}
 template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
 
 // Block-wide reduction; every thread gets the result. `scratch` holds one float per warp.
 template <bool kMax>
@@ -124,7 +129,8 @@ __global__ void softmax_backward_rows(const T* p, T* dp, const float* lse, RowTe
   const int h = int(bh % heads_q);
   const long long b = bh / heads_q;
   const T* o_row = static_cast<const T*>(o.data) + b * o.batch_stride + i * o.seq_stride + h * o.head_stride;
-  const T* do_row = static_cast<const T*>(dout.data) + b * dout.batch_stride + i * dout.seq_stride + h * dout.head_stride;
+  const T* do_row =
+      static_cast<const T*>(dout.data) + b * dout.batch_stride + i * dout.seq_stride + h * dout.head_stride;
   float d = 0.0f;
   for (int c = threadIdx.x; c < headdim_v; c += blockDim.x) d += to_float(o_row[c]) * to_float(do_row[c]);
   d = block_reduce<false>(d, scratch);
@@ -162,7 +168,7 @@ struct NaiveAttention::State {
   cublasComputeType_t compute;
   float scale;
   RowMask mask;
-  int group;  // query heads per kv head
+  int group;              // query heads per kv head
   long long score_elems;  // one (batch, head) score matrix: seqlen_q * seqlen_k
   Buffer scores, dscores;
 
@@ -203,44 +209,50 @@ struct NaiveAttention::State {
     }
   }
 
+  // One block per score row; B * H * Nq stays far below the 2^31 - 1 grid limit for any problem
+  // whose score matrices fit in memory.
+  dim3 row_grid() const { return dim3(unsigned(p.batch * p.heads_q * p.seqlen_q)); }
+
   template <bool kFromLse>
   void softmax() {
-    const long long rows = p.batch * p.heads_q * p.seqlen_q;
+    const dim3 grid = row_grid();
     switch (p.dtype) {
       case DType::f32:
-        softmax_rows<float, kFromLse><<<rows, kThreads>>>(static_cast<float*>(scores.data()), p.lse, mask, scale, p.softcap);
+        softmax_rows<float, kFromLse>
+            <<<grid, kThreads>>>(static_cast<float*>(scores.data()), p.lse, mask, scale, p.softcap);
         break;
       case DType::f16:
-        softmax_rows<__half, kFromLse><<<rows, kThreads>>>(static_cast<__half*>(scores.data()), p.lse, mask, scale, p.softcap);
+        softmax_rows<__half, kFromLse>
+            <<<grid, kThreads>>>(static_cast<__half*>(scores.data()), p.lse, mask, scale, p.softcap);
         break;
       case DType::bf16:
         softmax_rows<__nv_bfloat16, kFromLse>
-            <<<rows, kThreads>>>(static_cast<__nv_bfloat16*>(scores.data()), p.lse, mask, scale, p.softcap);
+            <<<grid, kThreads>>>(static_cast<__nv_bfloat16*>(scores.data()), p.lse, mask, scale, p.softcap);
         break;
     }
     check(cudaGetLastError(), "softmax_rows launch");
   }
 
   void softmax_backward() {
-    const long long rows = p.batch * p.heads_q * p.seqlen_q;
+    const dim3 grid = row_grid();
     const RowTensor o{p.o.data, p.o.batch_stride, p.o.seq_stride, p.o.head_stride};
     const RowTensor dout{p.dout.data, p.dout.batch_stride, p.dout.seq_stride, p.dout.head_stride};
     const int hq = int(p.heads_q), sq = int(p.seqlen_q), sk = int(p.seqlen_k), dv = int(p.headdim_v);
     switch (p.dtype) {
       case DType::f32:
-        softmax_backward_rows<float><<<rows, kThreads>>>(static_cast<const float*>(scores.data()),
+        softmax_backward_rows<float><<<grid, kThreads>>>(static_cast<const float*>(scores.data()),
                                                          static_cast<float*>(dscores.data()), p.lse, o, dout, hq, sq,
                                                          sk, dv, p.softcap);
         break;
       case DType::f16:
-        softmax_backward_rows<__half><<<rows, kThreads>>>(static_cast<const __half*>(scores.data()),
+        softmax_backward_rows<__half><<<grid, kThreads>>>(static_cast<const __half*>(scores.data()),
                                                           static_cast<__half*>(dscores.data()), p.lse, o, dout, hq, sq,
                                                           sk, dv, p.softcap);
         break;
       case DType::bf16:
-        softmax_backward_rows<__nv_bfloat16><<<rows, kThreads>>>(static_cast<const __nv_bfloat16*>(scores.data()),
-                                                                 static_cast<__nv_bfloat16*>(dscores.data()), p.lse,
-                                                                 o, dout, hq, sq, sk, dv, p.softcap);
+        softmax_backward_rows<__nv_bfloat16><<<grid, kThreads>>>(static_cast<const __nv_bfloat16*>(scores.data()),
+                                                                 static_cast<__nv_bfloat16*>(dscores.data()), p.lse, o,
+                                                                 dout, hq, sq, sk, dv, p.softcap);
         break;
     }
     check(cudaGetLastError(), "softmax_backward_rows launch");
@@ -266,7 +278,7 @@ NaiveAttention::NaiveAttention(const AttentionProblem& problem) : state_(std::ma
   s.p = problem;
   s.type = cuda_type(problem.dtype);
   s.compute = problem.dtype == DType::f32 && problem.fp32_mode == Fp32Mode::fast ? CUBLAS_COMPUTE_32F_FAST_TF32
-                                                                                  : CUBLAS_COMPUTE_32F;
+                                                                                 : CUBLAS_COMPUTE_32F;
   s.scale = problem.softmax_scale.value_or(float(1.0 / std::sqrt(double(problem.headdim_qk))));
   s.mask = RowMask{int(problem.seqlen_q), int(problem.seqlen_k), problem.window_left,
                    problem.causal ? 0 : problem.window_right};

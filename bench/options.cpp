@@ -201,7 +201,8 @@ Options parse_options(int argc, char** argv) {
       o.deterministic = true;
     } else if (flag == "--pass") {
       const std::string v = next();
-      if (v != "fwd" && v != "bwd" && v != "both") throw std::invalid_argument("--pass: '" + v + "' is not fwd, bwd or both");
+      if (v != "fwd" && v != "bwd" && v != "both")
+        throw std::invalid_argument("--pass: '" + v + "' is not fwd, bwd or both");
       o.run_forward = v != "bwd";
       o.run_backward = v != "fwd";
     } else if (flag == "--d1") {

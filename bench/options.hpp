@@ -20,7 +20,7 @@ struct Options {
   int64_t seqlen_q = 1024;
   int64_t seqlen_k = 1024;
   int64_t heads = 8;
-  int64_t heads_kv = 0;   // 0: same as heads
+  int64_t heads_kv = 0;  // 0: same as heads
   int64_t headdim = 64;
   int64_t headdim_v = 0;  // 0: same as headdim
   bool causal = false;

@@ -65,14 +65,36 @@ void Report::add(const Options& o, const Row& row) {
   const bool attention = o.op == Op::attention;
   const auto a = [&](int64_t v) { return attention ? std::to_string(v) : std::string(); };
   const auto s = [&](int64_t v) { return attention ? std::string() : std::to_string(v); };
-  const std::vector<std::string> fields = {
-      version(), attention ? "attention" : "softmax_matmul", row.impl, row.pass,
-      backend_ == Backend::cuda ? "cuda" : "cpu", device_, dtype_name(o.dtype),
-      attention ? layout_name(o.layout) : "", std::to_string(o.batch), a(o.seqlen_q), a(o.seqlen_k), a(o.heads),
-      a(o.heads_kv > 0 ? o.heads_kv : o.heads), a(o.headdim), a(o.headdim_v > 0 ? o.headdim_v : o.headdim),
-      a(o.causal), a(o.window_left), a(o.window_right), attention ? fixed(o.softcap, 3) : "", a(o.varlen), s(o.d1),
-      s(o.d2), s(o.d3), std::to_string(o.warmup), std::to_string(o.iters), fixed(row.m.median_ms, 4), fixed(row.m.min_ms, 4), significant(tflops),
-      fixed(double(row.m.bench_bytes) / kMiB, 2), row.m.rss_growth_bytes < 0 ? "" : rss};
+  const std::vector<std::string> fields = {version(),
+                                           attention ? "attention" : "softmax_matmul",
+                                           row.impl,
+                                           row.pass,
+                                           backend_ == Backend::cuda ? "cuda" : "cpu",
+                                           device_,
+                                           dtype_name(o.dtype),
+                                           attention ? layout_name(o.layout) : "",
+                                           std::to_string(o.batch),
+                                           a(o.seqlen_q),
+                                           a(o.seqlen_k),
+                                           a(o.heads),
+                                           a(o.heads_kv > 0 ? o.heads_kv : o.heads),
+                                           a(o.headdim),
+                                           a(o.headdim_v > 0 ? o.headdim_v : o.headdim),
+                                           a(o.causal),
+                                           a(o.window_left),
+                                           a(o.window_right),
+                                           attention ? fixed(o.softcap, 3) : "",
+                                           a(o.varlen),
+                                           s(o.d1),
+                                           s(o.d2),
+                                           s(o.d3),
+                                           std::to_string(o.warmup),
+                                           std::to_string(o.iters),
+                                           fixed(row.m.median_ms, 4),
+                                           fixed(row.m.min_ms, 4),
+                                           significant(tflops),
+                                           fixed(double(row.m.bench_bytes) / kMiB, 2),
+                                           row.m.rss_growth_bytes < 0 ? "" : rss};
   for (size_t i = 0; i < fields.size(); ++i) csv_ << (i ? "," : "") << csv_field(fields[i]);
   csv_ << '\n';
   csv_.flush();

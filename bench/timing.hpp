@@ -10,7 +10,7 @@ namespace tileattn::bench {
 
 struct Measurement {
   double median_ms = 0, min_ms = 0;
-  size_t bench_bytes = 0;        // peak bytes the bench held on the backend (see memory.hpp)
+  size_t bench_bytes = 0;         // peak bytes the bench held on the backend (see memory.hpp)
   int64_t rss_growth_bytes = -1;  // host: peak RSS growth over the runs; -1 on the device
 };
 

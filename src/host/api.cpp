@@ -1,7 +1,6 @@
-#include "tileattn/attention.hpp"
-
 #include "cpu/cpu_backend.hpp"
 #include "host/validate.hpp"
+#include "tileattn/attention.hpp"
 
 #ifdef TILEATTN_WITH_CUDA
 #include "cuda/cuda_backend.hpp"

@@ -45,8 +45,7 @@ const char* backend_name(Backend b) {
 
 void check_dtype(DType dtype) {
   if (dtype != DType::f32 && dtype != DType::f16 && dtype != DType::bf16) {
-    fail(ErrorKind::invalid_type,
-         "dtype=" + str(int64_t(dtype)) + " is not a supported DType (f32=0, f16=1, bf16=2)");
+    fail(ErrorKind::invalid_type, "dtype=" + str(int64_t(dtype)) + " is not a supported DType (f32=0, f16=1, bf16=2)");
   }
 }
 
@@ -344,7 +343,8 @@ AttentionProblem validate_attention(const AttentionProblem& problem, Pass pass, 
   size_t needed = 0;
 #ifdef TILEATTN_WITH_CUDA
   if (backend == Backend::cuda && p.workspace != nullptr) {
-    needed = pass == Pass::forward ? tileattn::cuda::forward_workspace_size(n) : tileattn::cuda::backward_workspace_size(n);
+    needed =
+        pass == Pass::forward ? tileattn::cuda::forward_workspace_size(n) : tileattn::cuda::backward_workspace_size(n);
   }
 #endif
   check_workspace(p.workspace, p.workspace_bytes, needed, backend,
@@ -375,9 +375,11 @@ SoftmaxMatmulProblem validate_softmax_matmul(const SoftmaxMatmulProblem& problem
   check_memory_space(p.v, "v", backend);
   check_memory_space(p.out, "out", backend);
 
-  check_strides("x", p.d2, {{"row_stride", p.x_row_stride, p.d1, "d1"}, {"batch_stride", p.x_batch_stride, p.batch, "batch"}},
+  check_strides("x", p.d2,
+                {{"row_stride", p.x_row_stride, p.d1, "d1"}, {"batch_stride", p.x_batch_stride, p.batch, "batch"}},
                 false);
-  check_strides("v", p.d3, {{"row_stride", p.v_row_stride, p.d2, "d2"}, {"batch_stride", p.v_batch_stride, p.batch, "batch"}},
+  check_strides("v", p.d3,
+                {{"row_stride", p.v_row_stride, p.d2, "d2"}, {"batch_stride", p.v_batch_stride, p.batch, "batch"}},
                 false);
   check_strides("out", p.d3,
                 {{"row_stride", p.out_row_stride, p.d1, "d1"}, {"batch_stride", p.out_batch_stride, p.batch, "batch"}},

@@ -134,7 +134,8 @@ TEST_P(NonPositiveSize, IsRejectedByName) {
   const SizeCase c = GetParam();
   ValidAttention a;
   a.p.*c.field = c.value;
-  expect_fwd_error(a.p, ErrorKind::invalid_argument, {std::string(c.name) + "=" + std::to_string(c.value), "must be positive"});
+  expect_fwd_error(a.p, ErrorKind::invalid_argument,
+                   {std::string(c.name) + "=" + std::to_string(c.value), "must be positive"});
 }
 
 INSTANTIATE_TEST_SUITE_P(Sizes, NonPositiveSize,
@@ -190,14 +191,13 @@ TEST_P(NullTensor, BackwardRejectsByName) {
   expect_bwd_error(a.p, ErrorKind::invalid_argument, {std::string(GetParam().name) + ".data is null"});
 }
 
-INSTANTIATE_TEST_SUITE_P(Pointers, NullTensor,
-                         ::testing::Values(PointerCase{"q", &AttentionProblem::q}, PointerCase{"k", &AttentionProblem::k},
-                                           PointerCase{"v", &AttentionProblem::v}, PointerCase{"o", &AttentionProblem::o},
-                                           PointerCase{"dout", &AttentionProblem::dout},
-                                           PointerCase{"dq", &AttentionProblem::dq},
-                                           PointerCase{"dk", &AttentionProblem::dk},
-                                           PointerCase{"dv", &AttentionProblem::dv}),
-                         [](const auto& info) { return std::string(info.param.name); });
+INSTANTIATE_TEST_SUITE_P(
+    Pointers, NullTensor,
+    ::testing::Values(PointerCase{"q", &AttentionProblem::q}, PointerCase{"k", &AttentionProblem::k},
+                      PointerCase{"v", &AttentionProblem::v}, PointerCase{"o", &AttentionProblem::o},
+                      PointerCase{"dout", &AttentionProblem::dout}, PointerCase{"dq", &AttentionProblem::dq},
+                      PointerCase{"dk", &AttentionProblem::dk}, PointerCase{"dv", &AttentionProblem::dv}),
+    [](const auto& info) { return std::string(info.param.name); });
 
 TEST(ValidateAttention, ForwardRejectsEachNullInputAndOutput) {
   for (auto view : {&AttentionProblem::q, &AttentionProblem::k, &AttentionProblem::v, &AttentionProblem::o}) {
@@ -322,7 +322,8 @@ TEST(ValidateAttention, CuSeqlensMustBeNonDecreasing) {
   a.make_varlen({4, 4}, {6, 6});
   a.cu_k = {0, 6, 5};
   a.p.cu_seqlens_k = a.cu_k.data();
-  expect_fwd_error(a.p, ErrorKind::invalid_argument, {"cu_seqlens_k[2]=5 is less than cu_seqlens_k[1]=6", "non-decreasing"});
+  expect_fwd_error(a.p, ErrorKind::invalid_argument,
+                   {"cu_seqlens_k[2]=5 is less than cu_seqlens_k[1]=6", "non-decreasing"});
 }
 
 TEST(ValidateAttention, CuSeqlensMustStayInsideTheBuffer) {
@@ -387,9 +388,11 @@ TEST(ValidateAttention, SoftcapMustBeFiniteAndNonNegative) {
 
 TEST(ValidateAttention, SoftmaxScaleMustBeFiniteAndPositive) {
   const float inf = std::numeric_limits<float>::infinity();
-  const std::vector<std::pair<float, std::string>> cases = {
-      {std::nanf(""), "softmax_scale=nan"}, {inf, "softmax_scale=inf"}, {-inf, "softmax_scale=-inf"},
-      {0.0f, "softmax_scale=0 "},           {-0.125f, "softmax_scale=-0.125"}};
+  const std::vector<std::pair<float, std::string>> cases = {{std::nanf(""), "softmax_scale=nan"},
+                                                            {inf, "softmax_scale=inf"},
+                                                            {-inf, "softmax_scale=-inf"},
+                                                            {0.0f, "softmax_scale=0 "},
+                                                            {-0.125f, "softmax_scale=-0.125"}};
   for (const auto& [bad, text] : cases) {
     ValidAttention a;
     a.p.softmax_scale = bad;

@@ -36,8 +36,9 @@ TEST(ValidateSoftmaxMatmul, PaddedRowsAndBatchesPass) {
 }
 
 TEST(ValidateSoftmaxMatmul, NonPositiveSizesAreRejectedByName) {
-  for (auto [field, name] : {std::pair{&SoftmaxMatmulProblem::batch, "batch"}, std::pair{&SoftmaxMatmulProblem::d1, "d1"},
-                             std::pair{&SoftmaxMatmulProblem::d2, "d2"}, std::pair{&SoftmaxMatmulProblem::d3, "d3"}}) {
+  for (auto [field, name] :
+       {std::pair{&SoftmaxMatmulProblem::batch, "batch"}, std::pair{&SoftmaxMatmulProblem::d1, "d1"},
+        std::pair{&SoftmaxMatmulProblem::d2, "d2"}, std::pair{&SoftmaxMatmulProblem::d3, "d3"}}) {
     ValidSoftmaxMatmul s;
     s.p.*field = 0;
     expect_sm_error(s.p, ErrorKind::invalid_argument, {std::string(name) + "=0 must be positive"});
@@ -116,7 +117,8 @@ TEST(ValidateSoftmaxMatmul, UnknownFp32ModeIsRejected) {
 TEST(ValidateSoftmaxMatmul, CudaBackendWithoutCudaIsADeviceError) {
   ValidSoftmaxMatmul s;
   s.p.backend = Backend::cuda;
-  expect_error([&] { validate_softmax_matmul(s.p, Backend::cuda); }, ErrorKind::device, {"backend=cuda", "no CUDA backend"});
+  expect_error([&] { validate_softmax_matmul(s.p, Backend::cuda); }, ErrorKind::device,
+               {"backend=cuda", "no CUDA backend"});
 }
 #endif
 
