@@ -1,0 +1,35 @@
+"""Shared fixtures: fresh random inputs every run (the seed is printed so a failure can be replayed
+with TILEATTN_TEST_SEED=<seed>), and the `gpu` marker, skipped without a CUDA device."""
+
+import os
+
+import pytest
+import torch
+
+import tileattn
+
+
+def _gpu_available() -> bool:
+    return torch.cuda.is_available() and tileattn.cuda_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if _gpu_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device and a CUDA build of tileattn")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def fresh_seed(request):
+    seed = int(os.environ.get("TILEATTN_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
+    torch.manual_seed(seed)
+    print(f"{request.node.nodeid}: TILEATTN_TEST_SEED={seed}")
+    return seed
+
+
+@pytest.fixture
+def cuda():
+    return torch.device("cuda", torch.cuda.current_device())
