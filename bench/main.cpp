@@ -92,9 +92,12 @@ void run_attention(const Options& o, Backend backend, Report& report) {
     std::unique_ptr<NaiveAttention> naive;
     if (!ours) {
       if (const std::string why = NaiveAttention::unsupported_reason(p); !why.empty()) {
-        std::fprintf(stderr, "naive: skipped (no %s)\n", why.c_str());
+        std::fprintf(stderr, "naive: skipped (%s are not supported)\n", why.c_str());
         continue;
       }
+      // The workspace queries validate: the peer only runs problems the library accepts.
+      forward_workspace_size(p);
+      if (o.run_backward) backward_workspace_size(p);
       naive = std::make_unique<NaiveAttention>(p);
       fwd = [&] { naive->forward(); };
       bwd = [&] { naive->backward(); };

@@ -173,7 +173,7 @@ struct NaiveAttention::State {
   Buffer scores, dscores;
 
   ~State() {
-    if (handle) cublasDestroy(handle);
+    if (handle) cublasDestroy(handle);  // unchecked: a destructor cannot report it
   }
 
   char* at(const void* base, long long elems) const {
