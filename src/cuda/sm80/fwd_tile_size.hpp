@@ -1,0 +1,21 @@
+#pragma once
+// The one place the sm80 forward tile shapes are decided. Each warp owns 16 * m_tiles query rows
+// and walks the whole key tile, so P never leaves registers; m_tiles = 2 halves shared-memory
+// reads of K and V per MMA, at the price of twice the accumulator registers.
+namespace tileattn::cuda {
+
+struct FwdTileSize {
+  int block_m;  // query rows per block
+  int block_n;  // keys per mainloop step
+  int warps;
+};
+
+// Register budget per thread (255) for the fp32 accumulators: S is (block_m/warps) x block_n,
+// O is (block_m/warps) x headdim; both live for the whole loop.
+constexpr FwdTileSize fwd_tile_size(int headdim) {
+  if (headdim <= 64) return {128, 128, 4};   // S 128 + O <= 64 registers
+  if (headdim <= 128) return {128, 64, 4};   // S 64 + O <= 128
+  return {128, 64, 8};                       // O up to 128 with one m-tile per warp
+}
+
+}  // namespace tileattn::cuda

@@ -1,0 +1,221 @@
+// The fp16/bf16 CUDA forward against the float64 oracle over the feature space: lengths, head
+// dims (padded buckets, dims that are not multiples of 8), headdim_v != headdim_qk, GQA/MQA,
+// causal and windows with seqlen_q != seqlen_k, soft-capping, varlen batches with empty
+// sequences, split-KV and strided layouts, all through the public tileattn::forward.
+//
+// Rule (flash-attn's): max |O - O_ref| <= 2 max |O_naive - O_ref| + one rounding of max |O_ref|,
+// O_naive from the naive same-precision kernel in gpu_test_util.cuh; the same for L with an
+// fp32-sized floor. Outputs and every gap around them are poisoned: unwritten elements show as
+// NaN, stray writes as touched poison.
+#include <gtest/gtest.h>
+
+#include <cctype>
+#include <string>
+#include <vector>
+
+#include "cpu/reference.hpp"
+#include "cuda/gpu_test_util.cuh"
+#include "host/validate.hpp"
+#include "tileattn/attention.hpp"
+
+namespace tileattn::test {
+namespace {
+
+// L is fp32 everywhere; its error is a few fp32 roundings of |L|.
+constexpr double kLseFloor = 1e-5;
+
+struct ForwardCase {
+  std::string name;
+  ProblemShape shape;
+  bool expect_split = false;  // split-KV must be chosen (checked through forward_workspace_size)
+};
+
+ProblemShape shape(int64_t sq, int64_t sk, int64_t d, int64_t hq = 2, int64_t hkv = 2) {
+  ProblemShape s;
+  s.seqlen_q = sq;
+  s.seqlen_k = sk;
+  s.headdim_qk = d;
+  s.heads_q = hq;
+  s.heads_kv = hkv;
+  s.with_backward = false;
+  return s;
+}
+
+std::vector<ForwardCase> base_cases() {
+  std::vector<ForwardCase> c;
+  // Lengths, square, with and without the causal mask.
+  for (int64_t n : {1, 17, 127, 1000}) {
+    c.push_back({"len" + std::to_string(n), shape(n, n, 64)});
+    ProblemShape s = shape(n, n, 64);
+    s.causal = true;
+    c.push_back({"len" + std::to_string(n) + "_causal", s});
+  }
+  {
+    ProblemShape s = shape(4096, 4096, 128, 1, 1);
+    c.push_back({"len4096", s});
+    s.causal = true;
+    c.push_back({"len4096_causal", s});
+  }
+  // seqlen_q != seqlen_k both ways; causal is bottom-right aligned (rows that see no key: O = 0).
+  for (auto [sq, sk] : {std::pair<int64_t, int64_t>{17, 1000}, {1000, 17}, {127, 300}, {300, 127}}) {
+    const std::string n = "sq" + std::to_string(sq) + "_sk" + std::to_string(sk);
+    c.push_back({n, shape(sq, sk, 64)});
+    ProblemShape s = shape(sq, sk, 64);
+    s.causal = true;
+    c.push_back({n + "_causal", s});
+  }
+  // Head dims: every bucket, dims padded up to a bucket, and dims that are not multiples of 8
+  // (element-wise loads instead of cp.async).
+  for (int64_t d : {32, 40, 64, 80, 96, 112, 128, 160, 192, 224, 256, 20, 100}) {
+    c.push_back({"d" + std::to_string(d), shape(200, 333, d)});
+  }
+  {
+    ProblemShape s = shape(190, 190, 256);
+    s.causal = true;
+    c.push_back({"d256_causal", s});
+  }
+  // headdim_v != headdim_qk.
+  for (auto [dqk, dv] : {std::pair<int64_t, int64_t>{128, 64}, {64, 128}, {192, 128}, {32, 256}}) {
+    ProblemShape s = shape(150, 260, dqk);
+    s.headdim_v = dv;
+    s.causal = dqk == 192;
+    c.push_back({"dqk" + std::to_string(dqk) + "_dv" + std::to_string(dv), s});
+  }
+  // GQA / MQA.
+  {
+    ProblemShape s = shape(257, 257, 64, 8, 2);
+    c.push_back({"gqa8_2", s});
+    s.causal = true;
+    c.push_back({"gqa8_2_causal", s});
+    ProblemShape m = shape(100, 513, 128, 4, 1);
+    c.push_back({"mqa4", m});
+  }
+  // Sliding windows (flash-attn semantics), also with seqlen_q != seqlen_k.
+  for (auto [l, r] : {std::pair<int64_t, int64_t>{64, 0}, {32, 16}, {-1, 10}, {0, 0}, {200, -1}}) {
+    ProblemShape s = shape(300, 300, 64);
+    s.window_left = l, s.window_right = r;
+    c.push_back({"window_" + std::to_string(l + 1) + "_" + std::to_string(r + 1), s});
+  }
+  {
+    ProblemShape s = shape(100, 700, 64);
+    s.window_left = 150, s.window_right = 0;
+    c.push_back({"window_sq100_sk700", s});
+    ProblemShape t = shape(700, 100, 128);
+    t.window_left = 40, t.window_right = 5;
+    c.push_back({"window_sq700_sk100", t});
+  }
+  // Soft-capping, alone and under a causal mask; a large scale makes the cap bite.
+  {
+    ProblemShape s = shape(200, 300, 64);
+    s.softcap = 2.0f;
+    c.push_back({"softcap", s});
+    s.causal = true;
+    s.softmax_scale = 0.5f;
+    c.push_back({"softcap_causal_scale", s});
+  }
+  // Varlen batches, with an empty query and an empty key sequence.
+  {
+    ProblemShape s = shape(0, 0, 64, 4, 2);
+    s.seqlens_q = {5, 0, 130, 64, 200};
+    s.seqlens_k = {7, 3, 130, 0, 260};
+    c.push_back({"varlen", s});
+    s.causal = true;
+    c.push_back({"varlen_causal", s});
+    ProblemShape w = shape(0, 0, 96, 2, 1);
+    w.seqlens_q = {300, 1, 77};
+    w.seqlens_k = {300, 900, 50};
+    w.window_left = 33, w.window_right = 7;
+    c.push_back({"varlen_window_d96", w});
+  }
+  // Split-KV: few query rows against many keys.
+  {
+    ProblemShape s = shape(1, 8192, 128, 4, 4);
+    c.push_back({"split_decode", s, true});
+    ProblemShape g = shape(16, 4096, 64, 8, 2);
+    g.causal = true;
+    c.push_back({"split_gqa_causal", g, true});
+    ProblemShape w = shape(64, 20000, 128, 2, 1);
+    w.window_left = 3000, w.window_right = 0;
+    c.push_back({"split_window", w, true});
+    ProblemShape v = shape(0, 0, 64, 2, 2);
+    v.seqlens_q = {1, 0, 3};
+    v.seqlens_k = {5000, 100, 9000};
+    c.push_back({"split_varlen", v, true});
+    ProblemShape d = shape(3, 5000, 80, 2, 2);
+    d.softcap = 5.0f;
+    c.push_back({"split_d80_softcap", d, true});
+  }
+  // Strided layouts: SDPA's (batch, heads, seqlen, dim) and padded rows/heads/batches.
+  {
+    ProblemShape s = shape(129, 200, 64);
+    s.batch = 2;
+    s.layout = Layout::bhsd;
+    s.causal = true;
+    c.push_back({"bhsd_causal", s});
+    ProblemShape p = shape(129, 200, 96, 4, 2);
+    p.batch = 3;
+    p.layout = Layout::padded;
+    c.push_back({"padded_gqa", p});
+    ProblemShape q = shape(1, 3000, 64, 2, 2);
+    q.batch = 2;
+    q.layout = Layout::padded;
+    c.push_back({"padded_split", q, true});
+  }
+  return c;
+}
+
+struct Param {
+  ForwardCase c;
+  DType dtype;
+};
+
+std::vector<Param> params() {
+  std::vector<Param> out;
+  for (const ForwardCase& c : base_cases())
+    for (DType dt : {DType::f16, DType::bf16}) {
+      Param p{c, dt};
+      p.c.shape.dtype = dt;
+      out.push_back(p);
+    }
+  return out;
+}
+
+std::string param_name(const testing::TestParamInfo<Param>& info) {
+  return info.param.c.name + (info.param.dtype == DType::f16 ? "_f16" : "_bf16");
+}
+
+class ForwardAccuracy : public testing::TestWithParam<Param> {};
+
+TEST_P(ForwardAccuracy, WithinTwiceNaiveError) {
+  TA_SKIP_WITHOUT_GPU();
+  const Param& param = GetParam();
+  HostProblem hp(param.c.shape);
+  DeviceProblem dp(hp);
+
+  try {
+    const size_t workspace = tileattn::forward_workspace_size(dp.problem);
+    if (param.c.expect_split) EXPECT_GT(workspace, 0u) << "split-KV expected for this shape";
+    tileattn::forward(dp.problem);
+  } catch (const Error& e) {
+    // A narrowed build (TILEATTN_HEADDIMS) lacks the bucket; every other error is a failure.
+    if (e.kind() == ErrorKind::unsupported) GTEST_SKIP() << e.what();
+    throw;
+  }
+  dp.download();
+
+  const AttentionProblem host = host::validate_attention(hp.problem, host::Pass::forward, Backend::cpu);
+  const cpu::ReferenceForward ref = cpu::reference_forward(host);
+  const NaiveForward naive = naive_forward(dp.problem);
+
+  const double o_max = compare(ref.o, ref.o).max_ref;
+  EXPECT_TRUE(within_2x("O", hp.o.gather(), naive.o, ref.o, output_floor(param.dtype, o_max)));
+  const double l_max = compare(ref.lse, ref.lse).max_ref;
+  EXPECT_TRUE(within_2x("L", hp.gather_lse(), naive.lse, ref.lse, kLseFloor * std::max(1.0, l_max)));
+  EXPECT_EQ(hp.o.touched_outside_view(), 0) << "O written outside its view";
+  EXPECT_EQ(hp.lse_guard_touched(), 0) << "L written past its end";
+}
+
+INSTANTIATE_TEST_SUITE_P(Sweep, ForwardAccuracy, testing::ValuesIn(params()), param_name);
+
+}  // namespace
+}  // namespace tileattn::test
