@@ -1,0 +1,154 @@
+// softmax(X) @ V on the GPU against the float64 oracle (reference_softmax_matmul), for each
+// dtype: the 2x rule against a naive same-precision kernel (softmax in fp32, P rounded to the
+// dtype, fp32 accumulation), and a TF32 bound for fp32 fast mode.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "cpu/reference.hpp"
+#include "gpu_test_util.cuh"
+#include "host/validate.hpp"
+#include "tileattn/attention.hpp"
+
+namespace tileattn::test {
+namespace {
+
+constexpr double kTf32Roundoff = 1.0 / 2048.0;
+// Fast mode: P and V are rounded to TF32 (2u); X itself is not multiplied.
+constexpr double kFastRelBound = 8 * kTf32Roundoff;
+
+constexpr int kNaiveThreads = 128;
+
+// One block per (batch, row); the row of P goes through shared memory (d2 floats).
+template <class T>
+__global__ void naive_softmax_matmul(SoftmaxMatmulProblem p, float* out) {
+  extern __shared__ float prow[];
+  __shared__ float red[kNaiveThreads / 32];
+  const int64_t b = blockIdx.x / p.d1, r = blockIdx.x % p.d1;
+  const int64_t x_off = b * p.x_batch_stride + r * p.x_row_stride;
+  float mx = -INFINITY;
+  for (int64_t j = threadIdx.x; j < p.d2; j += kNaiveThreads) {
+    prow[j] = naive_detail::load<T>(p.x, x_off + j);
+    mx = fmaxf(mx, prow[j]);
+  }
+  mx = naive_detail::block_reduce<true>(mx, red);
+  float sum = 0.0f;
+  for (int64_t j = threadIdx.x; j < p.d2; j += kNaiveThreads) sum += expf(prow[j] - mx);
+  sum = naive_detail::block_reduce<false>(sum, red);
+  for (int64_t j = threadIdx.x; j < p.d2; j += kNaiveThreads) prow[j] = naive_detail::round_to<T>(expf(prow[j] - mx) / sum);
+  __syncthreads();
+  for (int64_t c = threadIdx.x; c < p.d3; c += kNaiveThreads) {
+    float acc = 0.0f;
+    for (int64_t j = 0; j < p.d2; ++j) acc += prow[j] * naive_detail::load<T>(p.v, b * p.v_batch_stride + j * p.v_row_stride + c);
+    out[(b * p.d1 + r) * p.d3 + c] = naive_detail::round_to<T>(acc);
+  }
+}
+
+std::vector<double> run_naive(const SoftmaxMatmulProblem& p) {
+  const int64_t rows = p.batch * p.d1;
+  DeviceBuffer out(size_t(rows * p.d3) * sizeof(float));
+  const size_t smem = size_t(p.d2) * sizeof(float);
+  switch (p.dtype) {
+    case DType::f32: naive_softmax_matmul<float><<<unsigned(rows), kNaiveThreads, smem>>>(p, out.get<float>()); break;
+    case DType::f16: naive_softmax_matmul<__half><<<unsigned(rows), kNaiveThreads, smem>>>(p, out.get<float>()); break;
+    case DType::bf16:
+      naive_softmax_matmul<__nv_bfloat16><<<unsigned(rows), kNaiveThreads, smem>>>(p, out.get<float>());
+      break;
+  }
+  check_cuda(cudaGetLastError(), "naive_softmax_matmul launch");
+  check_cuda(cudaDeviceSynchronize(), "naive_softmax_matmul");
+  std::vector<float> f(size_t(rows * p.d3));
+  out.download(f.data());
+  return {f.begin(), f.end()};
+}
+
+struct Case {
+  std::string name;
+  SoftmaxMatmulShape shape;
+};
+
+SoftmaxMatmulShape shape(int64_t batch, int64_t d1, int64_t d2, int64_t d3, bool padded = false, float x_scale = 1.0f) {
+  SoftmaxMatmulShape s;
+  s.batch = batch, s.d1 = d1, s.d2 = d2, s.d3 = d3, s.padded = padded, s.x_scale = x_scale;
+  return s;
+}
+
+std::vector<Case> cases() {
+  const std::vector<Case> shapes = {
+      {"small", shape(2, 100, 300, 64)},
+      {"wide_d3_two_slices", shape(1, 200, 520, 512)},
+      {"odd_sizes", shape(3, 37, 45, 70)},
+      {"d2_is_1", shape(2, 16, 1, 24)},
+      {"peaky_rows", shape(1, 130, 700, 300, false, 12.0f)},
+      {"padded", shape(2, 90, 260, 136, true)},
+  };
+  std::vector<Case> c;
+  for (DType dt : {DType::f32, DType::f16, DType::bf16}) {
+    const std::string prefix = dt == DType::f32 ? "f32_" : dt == DType::f16 ? "f16_" : "bf16_";
+    for (const Case& s : shapes) {
+      Case k{prefix + s.name, s.shape};
+      k.shape.dtype = dt;
+      c.push_back(k);
+    }
+  }
+  return c;
+}
+
+struct DeviceSoftmaxMatmul {
+  explicit DeviceSoftmaxMatmul(HostSoftmaxMatmul& h)
+      : host(h), x(h.x.bytes.data(), h.x.bytes.size()), v(h.v.bytes.data(), h.v.bytes.size()),
+        out(h.out.bytes.data(), h.out.bytes.size()), problem(h.problem) {
+    problem.x = x.get();
+    problem.v = v.get();
+    problem.out = out.get();
+    problem.backend = Backend::cuda;
+  }
+  void run(Fp32Mode mode) {
+    host.out.poison();
+    out.upload(host.out.bytes.data());
+    problem.fp32_mode = mode;
+    tileattn::softmax_matmul(problem);
+    check_cuda(cudaDeviceSynchronize(), "softmax_matmul");
+    out.download(host.out.bytes.data());
+  }
+  HostSoftmaxMatmul& host;
+  DeviceBuffer x, v, out;
+  SoftmaxMatmulProblem problem;
+};
+
+class SoftmaxMatmul : public testing::TestWithParam<Case> {};
+
+TEST_P(SoftmaxMatmul, Within2xOfNaiveSamePrecision) {
+  TA_SKIP_WITHOUT_GPU();
+  HostSoftmaxMatmul h(GetParam().shape);
+  const auto ref = cpu::reference_softmax_matmul(host::validate_softmax_matmul(h.problem, Backend::cpu));
+  DeviceSoftmaxMatmul d(h);
+  const auto naive = run_naive(d.problem);
+  d.run(Fp32Mode::exact);
+  const auto got = h.out.gather();
+  const ErrorStats e = compare(got, ref);
+  EXPECT_TRUE(within_2x("out", got, naive, ref, output_floor(h.shape.dtype, e.max_ref)));
+  EXPECT_EQ(h.out.touched_outside_view(), 0);
+}
+
+TEST_P(SoftmaxMatmul, Fp32FastWithinTf32Bound) {
+  TA_SKIP_WITHOUT_GPU();
+  if (GetParam().shape.dtype != DType::f32) GTEST_SKIP() << "fp32_mode applies to fp32 inputs only";
+  HostSoftmaxMatmul h(GetParam().shape);
+  const auto ref = cpu::reference_softmax_matmul(host::validate_softmax_matmul(h.problem, Backend::cpu));
+  DeviceSoftmaxMatmul d(h);
+  d.run(Fp32Mode::fast);
+  const ErrorStats e = compare(h.out.gather(), ref);
+  EXPECT_EQ(e.nonfinite, 0) << e;
+  EXPECT_LE(e.max_abs, kFastRelBound * std::max(1.0, e.max_ref)) << e;
+  EXPECT_EQ(h.out.touched_outside_view(), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Sweep, SoftmaxMatmul, testing::ValuesIn(cases()),
+                         [](const testing::TestParamInfo<Case>& info) { return info.param.name; });
+
+}  // namespace
+}  // namespace tileattn::test
