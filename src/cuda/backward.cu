@@ -26,7 +26,8 @@ int headdim_bucket(const AttentionProblem& p) {
   const int64_t d = std::max(p.headdim_qk, p.headdim_v);
   for (int b : bwd::kHeadDimBuckets)
     if (d <= b) return b;
-  throw Error(ErrorKind::unsupported, "headdim " + std::to_string(d) + " exceeds the CUDA backward's largest (256)");
+  throw Error(ErrorKind::unsupported, "headdim " + std::to_string(d) +
+                                          " exceeds every head-dim bucket this build has (TILEATTN_HEADDIMS)");
 }
 
 bool uses_atomic_dq(const AttentionProblem& p) { return !p.deterministic; }
@@ -67,16 +68,31 @@ bool vector_io_ok(const AttentionProblem& p) {
 // Window sides were clamped to the sequence lengths by validation, so they fit an int.
 int window_side(int64_t w) { return w < 0 ? -1 : int(w); }
 
+template <class T, int D>
+void launch_if(int bucket, const bwd::BwdParams& params, cudaStream_t stream) {
+  if (bucket == D) bwd::launch_backward<T, D>(params, stream);
+}
+
 template <class T>
 void dispatch(int bucket, const bwd::BwdParams& params, cudaStream_t stream) {
-  switch (bucket) {
-    case 32: return bwd::launch_backward<T, 32>(params, stream);
-    case 64: return bwd::launch_backward<T, 64>(params, stream);
-    case 96: return bwd::launch_backward<T, 96>(params, stream);
-    case 128: return bwd::launch_backward<T, 128>(params, stream);
-    case 192: return bwd::launch_backward<T, 192>(params, stream);
-    default: return bwd::launch_backward<T, 256>(params, stream);
-  }
+#if TILEATTN_BWD_HAS_HEADDIM(32)
+  launch_if<T, 32>(bucket, params, stream);
+#endif
+#if TILEATTN_BWD_HAS_HEADDIM(64)
+  launch_if<T, 64>(bucket, params, stream);
+#endif
+#if TILEATTN_BWD_HAS_HEADDIM(96)
+  launch_if<T, 96>(bucket, params, stream);
+#endif
+#if TILEATTN_BWD_HAS_HEADDIM(128)
+  launch_if<T, 128>(bucket, params, stream);
+#endif
+#if TILEATTN_BWD_HAS_HEADDIM(192)
+  launch_if<T, 192>(bucket, params, stream);
+#endif
+#if TILEATTN_BWD_HAS_HEADDIM(256)
+  launch_if<T, 256>(bucket, params, stream);
+#endif
 }
 
 }  // namespace

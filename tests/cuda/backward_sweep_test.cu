@@ -1,0 +1,412 @@
+// CUDA backward (dQ, dK, dV) against the float64 oracle, with flash-attn's 2x rule: the error may
+// be at most twice that of a naive backward in the same precision (below), plus a floor. O and L
+// come from the public tileattn::forward; every output is poisoned before each run.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "cpu/reference.hpp"
+#include "gpu_test_util.cuh"
+#include "host/validate.hpp"
+#include "tileattn/attention.hpp"
+
+namespace tileattn::test {
+namespace {
+
+// ---- the naive same-precision backward --------------------------------------------------------
+// What a framework does without fusion: P from its own fp32 softmax rounded to the dtype, dP =
+// dO.V^T rounded, dS = P * (dP - rowsum(P * dP)) rounded, then the three products in fp32 with
+// rounded results. P and dS are materialised (heads_q, rows_q, seqlen_k).
+
+using naive_detail::load;
+using naive_detail::round_to;
+constexpr int kNaiveThreads = naive_detail::kThreads;
+
+struct RowInfo {
+  int64_t b, i, sq, sk, row, k_row0;  // batch, row in sequence, lengths, global q row, first k row
+};
+
+__device__ RowInfo q_row_info(const AttentionProblem& p, int64_t r) {
+  RowInfo x;
+  if (p.cu_seqlens_q) {
+    x.b = 0;
+    while (p.cu_seqlens_q[x.b + 1] <= r) ++x.b;
+    x.i = r - p.cu_seqlens_q[x.b];
+    x.sq = p.cu_seqlens_q[x.b + 1] - p.cu_seqlens_q[x.b];
+    x.sk = p.cu_seqlens_k[x.b + 1] - p.cu_seqlens_k[x.b];
+    x.row = r;
+    x.k_row0 = p.cu_seqlens_k[x.b];
+  } else {
+    x.b = r / p.seqlen_q;
+    x.i = r % p.seqlen_q;
+    x.sq = p.seqlen_q;
+    x.sk = p.seqlen_k;
+    x.row = x.i;
+    x.k_row0 = 0;
+  }
+  return x;
+}
+
+// Element offset of (batch b, row, head h) in tensor t; row is within the batch, or global for varlen.
+__device__ int64_t offset(const AttentionProblem& p, const TensorView& t, int64_t b, int64_t row, int64_t h) {
+  return (p.cu_seqlens_q ? 0 : b) * t.batch_stride + row * t.seq_stride + h * t.head_stride;
+}
+
+// One block per (query row, head): the rows of P and dS, and dQ. sbuf is scratch for the scores.
+template <class T>
+__global__ void __launch_bounds__(kNaiveThreads) naive_bwd_rows(AttentionProblem p, float scale, float* sbuf,
+                                                                 float* pbuf, float* dsbuf, float* dq_out) {
+  __shared__ float red[kNaiveThreads / 32];
+  const int64_t rows_q = p.cu_seqlens_q ? p.total_q : p.batch * p.seqlen_q;
+  const int64_t h = blockIdx.x % p.heads_q, r = blockIdx.x / p.heads_q;
+  const RowInfo x = q_row_info(p, r);
+  const int64_t g = h / (p.heads_q / p.heads_kv);
+  const Mask mask{int(x.sq), int(x.sk), int(p.window_left), int(p.window_right)};
+  const int64_t q_off = offset(p, p.q, x.b, x.row, h), do_off = offset(p, p.dout, x.b, x.row, h);
+  const int64_t base = (h * rows_q + r) * p.seqlen_k;
+  float *srow = sbuf + base, *prow = pbuf + base, *dsrow = dsbuf + base;
+
+  float row_max = -INFINITY;
+  for (int64_t j = threadIdx.x; j < x.sk; j += kNaiveThreads) {
+    const int64_t k_off = offset(p, p.k, x.b, x.k_row0 + j, g);
+    float acc = 0.0f;
+    for (int64_t d = 0; d < p.headdim_qk; ++d) acc += load<T>(p.q.data, q_off + d) * load<T>(p.k.data, k_off + d);
+    srow[j] = apply_softcap(acc * scale, p.softcap);
+    if (mask.visible(int(x.i), int(j))) row_max = fmaxf(row_max, srow[j]);
+  }
+  row_max = naive_detail::block_reduce<true>(row_max, red);
+  float sum = 0.0f;
+  for (int64_t j = threadIdx.x; j < x.sk; j += kNaiveThreads)
+    if (mask.visible(int(x.i), int(j))) sum += expf(srow[j] - row_max);
+  sum = naive_detail::block_reduce<false>(sum, red);
+  float pdp = 0.0f;
+  for (int64_t j = threadIdx.x; j < x.sk; j += kNaiveThreads) {
+    const float pj = mask.visible(int(x.i), int(j)) ? round_to<T>(expf(srow[j] - row_max) / sum) : 0.0f;
+    const int64_t v_off = offset(p, p.v, x.b, x.k_row0 + j, g);
+    float acc = 0.0f;
+    for (int64_t d = 0; d < p.headdim_v; ++d) acc += load<T>(p.dout.data, do_off + d) * load<T>(p.v.data, v_off + d);
+    const float dp = round_to<T>(acc);
+    prow[j] = pj;
+    dsrow[j] = dp;
+    pdp += pj * dp;
+  }
+  pdp = naive_detail::block_reduce<false>(pdp, red);
+  for (int64_t j = threadIdx.x; j < x.sk; j += kNaiveThreads)
+    dsrow[j] = round_to<T>(prow[j] * (dsrow[j] - pdp) * softcap_grad(srow[j], p.softcap));
+  __syncthreads();
+  float* dq = dq_out + (r * p.heads_q + h) * p.headdim_qk;
+  for (int64_t d = threadIdx.x; d < p.headdim_qk; d += kNaiveThreads) {
+    float acc = 0.0f;
+    for (int64_t j = 0; j < x.sk; ++j) acc += dsrow[j] * load<T>(p.k.data, offset(p, p.k, x.b, x.k_row0 + j, g) + d);
+    dq[d] = round_to<T>(acc * scale);
+  }
+}
+
+// One block per (key row, kv head): dK and dV summed over the group's query heads.
+template <class T>
+__global__ void __launch_bounds__(kNaiveThreads) naive_bwd_cols(AttentionProblem p, float scale, const float* pbuf,
+                                                                 const float* dsbuf, float* dk_out, float* dv_out) {
+  const int64_t rows_q = p.cu_seqlens_q ? p.total_q : p.batch * p.seqlen_q;
+  const int64_t g = blockIdx.x % p.heads_kv, rk = blockIdx.x / p.heads_kv;
+  int64_t b, j, q_row0, sq;
+  if (p.cu_seqlens_k) {
+    b = 0;
+    while (p.cu_seqlens_k[b + 1] <= rk) ++b;
+    j = rk - p.cu_seqlens_k[b];
+    q_row0 = p.cu_seqlens_q[b];
+    sq = p.cu_seqlens_q[b + 1] - q_row0;
+  } else {
+    b = rk / p.seqlen_k;
+    j = rk % p.seqlen_k;
+    q_row0 = b * p.seqlen_q;  // row among rows_q
+    sq = p.seqlen_q;
+  }
+  const int64_t group = p.heads_q / p.heads_kv;
+  const int64_t dmax = p.headdim_qk > p.headdim_v ? p.headdim_qk : p.headdim_v;
+  for (int64_t d = threadIdx.x; d < dmax; d += kNaiveThreads) {
+    float dk = 0.0f, dv = 0.0f;
+    for (int64_t h = g * group; h < (g + 1) * group; ++h)
+      for (int64_t i = 0; i < sq; ++i) {
+        const int64_t r = q_row0 + i, row = p.cu_seqlens_q ? r : i;
+        const float pv = pbuf[(h * rows_q + r) * p.seqlen_k + j], ds = dsbuf[(h * rows_q + r) * p.seqlen_k + j];
+        if (d < p.headdim_v) dv += pv * load<T>(p.dout.data, offset(p, p.dout, b, row, h) + d);
+        if (d < p.headdim_qk) dk += ds * load<T>(p.q.data, offset(p, p.q, b, row, h) + d);
+      }
+    if (d < p.headdim_qk) dk_out[(rk * p.heads_kv + g) * p.headdim_qk + d] = round_to<T>(dk * scale);
+    if (d < p.headdim_v) dv_out[(rk * p.heads_kv + g) * p.headdim_v + d] = round_to<T>(dv);
+  }
+}
+
+struct Grads {
+  std::vector<double> dq, dk, dv;  // dense, like the oracle's
+};
+
+std::vector<double> to_double(const DeviceBuffer& buf) {
+  std::vector<float> f(buf.bytes() / sizeof(float));
+  buf.download(f.data());
+  return {f.begin(), f.end()};
+}
+
+Grads naive_backward(const AttentionProblem& device_problem) {
+  const AttentionProblem p = host::validate_attention(device_problem, host::Pass::backward, Backend::cuda);
+  const int64_t rows_q = p.is_varlen() ? p.total_q : p.batch * p.seqlen_q;
+  const int64_t rows_k = p.is_varlen() ? p.total_k : p.batch * p.seqlen_k;
+  const size_t mat = size_t(p.heads_q * rows_q * p.seqlen_k) * sizeof(float);
+  DeviceBuffer s(mat), pb(mat), ds(mat);
+  DeviceBuffer dq(size_t(rows_q * p.heads_q * p.headdim_qk) * sizeof(float));
+  DeviceBuffer dk(size_t(rows_k * p.heads_kv * p.headdim_qk) * sizeof(float));
+  DeviceBuffer dv(size_t(rows_k * p.heads_kv * p.headdim_v) * sizeof(float));
+  const float scale = *p.softmax_scale;
+  const unsigned row_blocks = unsigned(rows_q * p.heads_q), col_blocks = unsigned(rows_k * p.heads_kv);
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    if (row_blocks)
+      naive_bwd_rows<T><<<row_blocks, kNaiveThreads>>>(p, scale, s.get<float>(), pb.get<float>(), ds.get<float>(),
+                                                       dq.get<float>());
+    check_cuda(cudaGetLastError(), "naive_bwd_rows launch");
+    if (col_blocks)
+      naive_bwd_cols<T><<<col_blocks, kNaiveThreads>>>(p, scale, pb.get<float>(), ds.get<float>(), dk.get<float>(),
+                                                       dv.get<float>());
+    check_cuda(cudaGetLastError(), "naive_bwd_cols launch");
+  };
+  switch (p.dtype) {
+    case DType::f32: run(float{}); break;
+    case DType::f16: run(__half{}); break;
+    case DType::bf16: run(__nv_bfloat16{}); break;
+  }
+  check_cuda(cudaDeviceSynchronize(), "naive backward");
+  return {to_double(dq), to_double(dk), to_double(dv)};
+}
+
+// ---- the sweep --------------------------------------------------------------------------------
+
+struct Case {
+  std::string name;
+  ProblemShape shape;
+};
+
+ProblemShape base(DType dtype, int64_t sq, int64_t sk, int64_t d) {
+  ProblemShape s;
+  s.dtype = dtype;
+  s.batch = 2;
+  s.seqlen_q = sq;
+  s.seqlen_k = sk;
+  s.heads_q = 2;
+  s.heads_kv = 2;
+  s.headdim_qk = d;
+  return s;
+}
+
+std::string dtype_name(DType t) { return t == DType::f16 ? "f16" : t == DType::bf16 ? "bf16" : "f32"; }
+
+void add_half_cases(std::vector<Case>& c, DType t) {
+  const std::string n = dtype_name(t) + "_";
+  c.push_back({n + "len1", base(t, 1, 1, 64)});
+  {
+    auto s = base(t, 17, 17, 32);
+    s.causal = true;
+    c.push_back({n + "len17_causal_d32", s});
+  }
+  {
+    auto s = base(t, 127, 127, 80);
+    s.heads_q = 4;
+    s.heads_kv = 2;
+    c.push_back({n + "len127_gqa_d80", s});
+  }
+  {
+    auto s = base(t, 1000, 1000, 128);
+    s.batch = 1;
+    s.causal = true;
+    c.push_back({n + "len1000_causal_d128", s});
+  }
+  {
+    auto s = base(t, 1000, 1000, 64);
+    s.batch = 1;
+    c.push_back({n + "len1000_d64", s});
+  }
+  {
+    auto s = base(t, 128, 1000, 64);
+    s.heads_q = 4;
+    s.heads_kv = 1;
+    s.causal = true;
+    c.push_back({n + "sq_lt_sk_mqa_causal", s});
+  }
+  {
+    auto s = base(t, 300, 127, 96);  // bottom-right: the first 173 rows see no key
+    s.causal = true;
+    c.push_back({n + "sq_gt_sk_causal_masked_rows_d96", s});
+  }
+  {
+    auto s = base(t, 500, 500, 128);
+    s.batch = 1;
+    s.window_left = 64;
+    s.window_right = 32;
+    c.push_back({n + "window_d128", s});
+  }
+  {
+    auto s = base(t, 200, 260, 64);
+    s.softcap = 1.5f;
+    s.softmax_scale = 0.5f;
+    c.push_back({n + "softcap", s});
+  }
+  {
+    auto s = base(t, 1, 1, 64);
+    s.seqlens_q = {37, 0, 150, 64, 5};
+    s.seqlens_k = {50, 20, 150, 0, 300};
+    s.causal = true;
+    c.push_back({n + "varlen_with_empty_causal", s});
+  }
+  {
+    auto s = base(t, 200, 200, 192);
+    s.headdim_v = 128;
+    s.layout = Layout::bhsd;
+    c.push_back({n + "dqk192_dv128_bhsd", s});
+  }
+  {
+    auto s = base(t, 160, 190, 256);
+    s.layout = Layout::padded;
+    s.causal = true;
+    c.push_back({n + "d256_padded_causal", s});
+  }
+  {
+    auto s = base(t, 70, 90, 33);  // odd head dims take the element-wise copy path
+    s.headdim_v = 17;
+    s.layout = Layout::padded;
+    s.window_left = 10;
+    s.window_right = 0;
+    c.push_back({n + "odd_dims_window", s});
+  }
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> c;
+  add_half_cases(c, DType::bf16);
+  add_half_cases(c, DType::f16);
+  {
+    auto s = base(DType::f32, 127, 127, 64);
+    c.push_back({"f32_len127_d64", s});
+  }
+  {
+    auto s = base(DType::f32, 300, 300, 128);
+    s.heads_q = 4;
+    s.heads_kv = 2;
+    s.causal = true;
+    c.push_back({"f32_causal_gqa_d128", s});
+  }
+  {
+    auto s = base(DType::f32, 150, 220, 256);
+    s.headdim_v = 96;
+    s.softcap = 1.5f;
+    s.window_left = 40;
+    s.window_right = 20;
+    c.push_back({"f32_softcap_window_d256_dv96", s});
+  }
+  {
+    auto s = base(DType::f32, 1, 1, 40);
+    s.seqlens_q = {17, 0, 130};
+    s.seqlens_k = {60, 9, 0};
+    s.layout = Layout::padded;
+    c.push_back({"f32_varlen_with_empty_d40", s});
+  }
+  return c;
+}
+
+void run_forward_backward(DeviceProblem& dp) {
+  dp.poison_outputs();
+  tileattn::forward(dp.problem);
+  check_cuda(cudaDeviceSynchronize(), "forward");
+  tileattn::backward(dp.problem);
+  dp.download();
+}
+
+// Rows whose L is -inf must get dQ exactly 0.
+int64_t nonzero_dq_in_empty_rows(const HostProblem& hp) {
+  const auto lse = hp.gather_lse();
+  const auto dq = hp.dq.gather();
+  const int64_t H = hp.problem.heads_q, d = hp.problem.headdim_qk, rows = hp.rows_q();
+  int64_t bad = 0;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t li = hp.problem.is_varlen() ? h * rows + r
+                                                : ((r / hp.problem.seqlen_q) * H + h) * hp.problem.seqlen_q +
+                                                      r % hp.problem.seqlen_q;
+      if (!(std::isinf(lse[size_t(li)]) && lse[size_t(li)] < 0)) continue;
+      for (int64_t c = 0; c < d; ++c) bad += dq[size_t((r * H + h) * d + c)] != 0.0;
+    }
+  return bad;
+}
+
+void expect_grads_within_2x(HostProblem& hp, const Grads& naive, const cpu::ReferenceBackward& ref) {
+  const DType t = hp.problem.dtype;
+  const auto dq = hp.dq.gather(), dk = hp.dk.gather(), dv = hp.dv.gather();
+  EXPECT_TRUE(within_2x("dQ", dq, naive.dq, ref.dq, output_floor(t, compare(dq, ref.dq).max_ref)));
+  EXPECT_TRUE(within_2x("dK", dk, naive.dk, ref.dk, output_floor(t, compare(dk, ref.dk).max_ref)));
+  EXPECT_TRUE(within_2x("dV", dv, naive.dv, ref.dv, output_floor(t, compare(dv, ref.dv).max_ref)));
+  EXPECT_EQ(hp.dq.touched_outside_view(), 0);
+  EXPECT_EQ(hp.dk.touched_outside_view(), 0);
+  EXPECT_EQ(hp.dv.touched_outside_view(), 0);
+  EXPECT_EQ(nonzero_dq_in_empty_rows(hp), 0);
+}
+
+class Backward : public testing::TestWithParam<Case> {};
+
+TEST_P(Backward, GradientsWithin2xOfNaive) {
+  TA_SKIP_WITHOUT_GPU();
+  HostProblem hp(GetParam().shape);
+  const auto ref = cpu::reference_backward(host::validate_attention(hp.problem, host::Pass::backward, Backend::cpu));
+  DeviceProblem dp(hp);
+  const Grads naive = naive_backward(dp.problem);
+  for (bool deterministic : {false, true}) {
+    SCOPED_TRACE(deterministic ? "deterministic" : "atomic dQ");
+    dp.problem.deterministic = deterministic;
+    run_forward_backward(dp);
+    expect_grads_within_2x(hp, naive, ref);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Sweep, Backward, testing::ValuesIn(cases()),
+                         [](const testing::TestParamInfo<Case>& info) { return info.param.name; });
+
+// deterministic = true: two runs give the same bits, with the library's workspace and the caller's.
+TEST(BackwardDeterministic, BitwiseRepeatable) {
+  TA_SKIP_WITHOUT_GPU();
+  for (DType t : {DType::bf16, DType::f16, DType::f32}) {
+    auto s = base(t, 700, 700, 128);
+    s.heads_q = 4;
+    s.heads_kv = 2;
+    s.causal = true;
+    s.softcap = 2.0f;
+    HostProblem hp(s);
+    DeviceProblem dp(hp);
+    dp.problem.deterministic = true;
+    run_forward_backward(dp);
+    std::vector<std::byte> dq = hp.dq.bytes, dk = hp.dk.bytes, dv = hp.dv.bytes;
+    DeviceBuffer ws(tileattn::backward_workspace_size(dp.problem));
+    dp.problem.workspace = ws.get();
+    dp.problem.workspace_bytes = ws.bytes();
+    run_forward_backward(dp);
+    EXPECT_TRUE(hp.dq.bytes == dq) << dtype_name(t) << " dQ differs between runs";
+    EXPECT_TRUE(hp.dk.bytes == dk) << dtype_name(t) << " dK differs between runs";
+    EXPECT_TRUE(hp.dv.bytes == dv) << dtype_name(t) << " dV differs between runs";
+  }
+}
+
+// A caller workspace smaller than the size query says is refused, naming the rule.
+TEST(BackwardWorkspace, TooSmallIsAnError) {
+  TA_SKIP_WITHOUT_GPU();
+  HostProblem hp(base(DType::bf16, 64, 64, 64));
+  DeviceProblem dp(hp);
+  const size_t need = tileattn::backward_workspace_size(dp.problem);
+  ASSERT_GT(need, 0u);
+  DeviceBuffer ws(need - 256);
+  dp.problem.workspace = ws.get();
+  dp.problem.workspace_bytes = ws.bytes();
+  tileattn::forward(dp.problem);
+  EXPECT_THROW(tileattn::backward(dp.problem), Error);
+}
+
+}  // namespace
+}  // namespace tileattn::test
