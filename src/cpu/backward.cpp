@@ -58,8 +58,8 @@ void probabilities_and_ds(const AttentionProblem& p, const ScoreTransform& trans
   const bool capped = transform.softcap > 0.0f;
   const bool boundary = j0 < s.mask.full_begin_key(int(i0 + rows)) || j0 + n > s.mask.full_end_key(int(i0));
   // S = Q K^T;  dP = dO V^T
-  matmul_rows_by_transposed(w.q.data(), dqk, w.kt.data(), kTileK, w.p.data(), kTileK, rows, n, dqk, false);
-  matmul_rows_by_transposed(w.dout.data(), dv, w.vt.data(), kTileK, w.ds.data(), kTileK, rows, n, dv, false);
+  gemm(w.q.data(), dqk, 1, w.kt.data(), kTileK, w.p.data(), kTileK, rows, n, dqk);
+  gemm(w.dout.data(), dv, 1, w.vt.data(), kTileK, w.ds.data(), kTileK, rows, n, dv);
   for (int64_t i = 0; i < rows; ++i) {
     float* pi = &w.p[size_t(i * kTileK)];
     float* dsi = &w.ds[size_t(i * kTileK)];
@@ -73,10 +73,8 @@ void probabilities_and_ds(const AttentionProblem& p, const ScoreTransform& trans
     transform.apply(pi, n, capped ? thi : nullptr);
     if (boundary) mask_row(s.mask, i0 + i, j0, n, pi);
     const float delta = w.delta[size_t(i)];
-    for (int64_t j = 0; j < n; ++j) {
-      pi[j] = exp2f(pi[j] - lse2);
-      dsi[j] = pi[j] * (dsi[j] - delta);
-    }
+    exp2_row(pi, n, lse2);
+    for (int64_t j = 0; j < n; ++j) dsi[j] = pi[j] * (dsi[j] - delta);
     if (capped)
       for (int64_t j = 0; j < n; ++j) dsi[j] *= softcap_grad(thi[j] * transform.softcap, transform.softcap);
   }
@@ -120,8 +118,8 @@ void dkdv_tile(const AttentionProblem& p, const ScoreTransform& transform, const
       load_query_tile(p, delta, s, h, i0, rows, w);
       probabilities_and_ds(p, transform, s, i0, rows, j0, n, w);
       // dV += P^T dO;  dK += dS^T Q
-      accumulate_weighted_rows_transposed(w.p.data(), kTileK, w.dout.data(), dv, w.acc2.data(), dv, n, dv, rows);
-      accumulate_weighted_rows_transposed(w.ds.data(), kTileK, w.q.data(), dqk, w.acc.data(), dqk, n, dqk, rows);
+      gemm_accumulate(w.p.data(), 1, kTileK, w.dout.data(), dv, w.acc2.data(), dv, n, dv, rows);
+      gemm_accumulate(w.ds.data(), 1, kTileK, w.q.data(), dqk, w.acc.data(), dqk, n, dqk, rows);
     }
   }
   const std::vector<float> scale(size_t(n), *p.softmax_scale);
@@ -149,7 +147,7 @@ void dq_tile(const AttentionProblem& p, const ScoreTransform& transform, const s
     load_rows(p, p.k, s, false, hk, j0, n, dqk, w.k.data(), dqk);
     probabilities_and_ds(p, transform, s, i0, rows, j0, n, w);
     // dQ += dS K
-    accumulate_weighted_rows(w.ds.data(), kTileK, w.k.data(), dqk, w.acc.data(), dqk, rows, dqk, n);
+    gemm_accumulate(w.ds.data(), kTileK, 1, w.k.data(), dqk, w.acc.data(), dqk, rows, dqk, n);
   }
   const std::vector<float> scale(size_t(rows), *p.softmax_scale);
   store_rows(p, p.dq, s, true, h, i0, rows, dqk, w.acc.data(), dqk, scale.data());

@@ -32,11 +32,9 @@ void online_step(float* s, int64_t rows, int64_t n, int64_t dv, OnlineRows& st) 
     const float m_new = std::max(st.m[size_t(i)], tile_max);
     const float alpha = rescale_factor(st.m[size_t(i)], m_new);
     const float ref = safe_row_max(m_new);
+    exp2_row(si, n, ref);
     float sum = 0.0f;
-    for (int64_t j = 0; j < n; ++j) {
-      si[j] = exp2f(si[j] - ref);
-      sum += si[j];
-    }
+    for (int64_t j = 0; j < n; ++j) sum += si[j];
     st.l[size_t(i)] = st.l[size_t(i)] * alpha + sum;
     st.m[size_t(i)] = m_new;
     if (alpha != 1.0f) {
@@ -72,7 +70,7 @@ void forward_tile(const AttentionProblem& p, const ScoreTransform& transform, in
     load_rows_transposed(p, p.k, s, false, hk, j0, n, dqk, w.kt.data(), kTileK);
     load_rows(p, p.v, s, false, hk, j0, n, dv, w.v.data(), dv);
     // S = Q K^T in the log2 domain; only tiles straddling the mask edge pay for masking.
-    matmul_rows_by_transposed(w.q.data(), dqk, w.kt.data(), kTileK, w.s.data(), kTileK, rows, n, dqk, false);
+    gemm(w.q.data(), dqk, 1, w.kt.data(), kTileK, w.s.data(), kTileK, rows, n, dqk);
     const bool boundary = j0 < full_begin || j0 + n > full_end;
     for (int64_t i = 0; i < rows; ++i) {
       transform.apply(&w.s[size_t(i * kTileK)], n, nullptr);
@@ -80,7 +78,7 @@ void forward_tile(const AttentionProblem& p, const ScoreTransform& transform, in
     }
     online_step(w.s.data(), rows, n, dv, w.rows);
     // O += P V
-    accumulate_weighted_rows(w.s.data(), kTileK, w.v.data(), dv, w.rows.acc.data(), dv, rows, dv, n);
+    gemm_accumulate(w.s.data(), kTileK, 1, w.v.data(), dv, w.rows.acc.data(), dv, rows, dv, n);
   }
 
   std::vector<float>& inv = w.rows.l;  // l is finished: reuse it for 1/l
@@ -125,7 +123,7 @@ void softmax_matmul(const SoftmaxMatmulProblem& p) {
         for (int64_t d = 0; d < dv; ++d)
           w.v[size_t(j * dv + d)] = load_element(p.v, b * p.v_batch_stride + (c0 + j) * p.v_row_stride + d, p.dtype);
       online_step(w.s.data(), rows, n, dv, w.rows);
-      accumulate_weighted_rows(w.s.data(), kTileK, w.v.data(), dv, w.rows.acc.data(), dv, rows, dv, n);
+      gemm_accumulate(w.s.data(), kTileK, 1, w.v.data(), dv, w.rows.acc.data(), dv, rows, dv, n);
     }
     for (int64_t i = 0; i < rows; ++i) {
       const float inv = inverse_row_sum(w.rows.l[size_t(i)]);
