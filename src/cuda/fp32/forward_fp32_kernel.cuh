@@ -46,7 +46,8 @@ struct FwdTile {
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kMTiles = kD <= 64 ? 2 : 1;
   static constexpr int kBlockM = kWarps * 16 * kMTiles;
-  static constexpr int kBlockN = kD <= 128 ? 64 : 32;
+  // 64-wide key tiles only where two blocks still fit an SM's shared memory (exact mode).
+  static constexpr int kBlockN = kD <= 64 ? 64 : 32;
   // Row pitches in floats. Q and K are read as float2 (rows g, columns 2t): a pitch of 8 mod 32
   // words spreads a half-warp over all banks. V is read as scalars from rows 2t and 2t+1:
   // pitch 4 mod 32 does the same.
