@@ -114,7 +114,7 @@ void check_shape(const Array& a, const char* name, const std::vector<int64_t>& e
   std::ostringstream e;
   e << "(";
   for (size_t i = 0; i < expected.size(); ++i) e << (i ? ", " : "") << expected[i];
-  e << ")";
+  e << (expected.size() == 1 ? ",)" : ")");
   fail(ErrorKind::invalid_argument, std::string(name) + ".shape=" + shape_of(a) + " must be " + e.str() + " " + why);
 }
 

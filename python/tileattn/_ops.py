@@ -65,6 +65,16 @@ def _out_shape(q: Tensor, v: Tensor) -> tuple:
     return (*q.shape[:-1], v.shape[-1])
 
 
+def _check_same_device(named: dict) -> None:
+    # The fake (meta) implementations check this too, so torch.compile reports it at trace time.
+    tensors = [(name, t) for name, t in named.items() if t is not None]
+    first_name, first = tensors[0]
+    for name, t in tensors[1:]:
+        if t.device != first.device:
+            raise ValueError(f"{name} is on {t.device} but {first_name} is on {first.device}; "
+                             "all tensors must share one device")
+
+
 def _check_rank(t: Tensor, name: str, rank: int, dims: str) -> None:
     # Ranks are checked before outputs are shaped from them; the extension checks the rest.
     if t.dim() != rank:
@@ -123,6 +133,8 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Te
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
       window_right, softcap, deterministic):
     varlen = cu_seqlens_q is not None
+    _check_same_device(dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k))
+    _check_attention_ranks(q, k, v, varlen)
     out = q.new_empty(_out_shape(q, v))
     lse = q.new_empty(_lse_shape(q, varlen), dtype=torch.float32)
     return out, lse
@@ -154,6 +166,7 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
 @attention_backward.register_fake
 def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
       window_left, window_right, softcap, deterministic):
+    _check_same_device(dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse))
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -201,6 +214,9 @@ def softmax_matmul(x: Tensor, v: Tensor) -> Tensor:
 
 @softmax_matmul.register_fake
 def _(x, v):
+    _check_same_device(dict(x=x, v=v))
+    _check_rank(x, "x", 3, "(batch, d1, d2)")
+    _check_rank(v, "v", 3, "(batch, d2, d3)")
     return x.new_empty((x.shape[0], x.shape[1], v.shape[-1]))
 
 

@@ -1,0 +1,183 @@
+"""Gradients through every autograd path, and what the forward keeps for the backward.
+
+How gradients are checked, honestly:
+- the pure-PyTorch reference runs in float64, so torch.autograd.gradcheck applies to it directly
+  (finite differences at eps=1e-6, tight tolerances);
+- the kernels have no float64 mode (float32 is the widest dtype), so for them (1) forward and
+  backward are compared with PyTorch's math attention in float64 within the 2x rule (tests
+  elsewhere; here for the course function), and (2) gradcheck runs in float32 with a larger step
+  and loose tolerances, which still catches a wrong or missing gradient term.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import naive
+import tileattn
+from tileattn.reference import FlashAttentionPytorch, attention_backward_impl, attention_forward_impl
+
+
+def _qkv(batch, seqlen_q, seqlen_k, d, dtype=torch.float32):
+    return [torch.randn(batch, n, d, dtype=dtype, requires_grad=True) for n in (seqlen_q, seqlen_k, seqlen_k)]
+
+
+def _math64(Q, K, V, is_causal):
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        return F.scaled_dot_product_attention(Q, K, V, is_causal=is_causal)
+
+
+# ---- the pure-PyTorch reference, float64 ----------------------------------------------------
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_reference_gradcheck_float64(is_causal):
+    Q, K, V = _qkv(1, 18, 18, 4, torch.float64)
+    assert torch.autograd.gradcheck(lambda q, k, v: FlashAttentionPytorch.apply(q, k, v, is_causal), (Q, K, V))
+
+
+def test_reference_gradcheck_float64_rectangular():
+    Q, K, V = _qkv(1, 24, 18, 6, torch.float64)
+    assert torch.autograd.gradcheck(lambda q, k, v: FlashAttentionPytorch.apply(q, k, v, True), (Q, K, V))
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_reference_matches_math_attention(is_causal):
+    # Several tiles in each direction, with ragged last tiles.
+    Q, K, V = _qkv(2, 45, 45, 16, torch.float64)
+    O, L = attention_forward_impl(Q, K, V, is_causal)
+    expected = _math64(Q, K, V, is_causal)
+    assert naive.max_error(O, expected) < 1e-12
+    scores = Q @ K.transpose(1, 2) / math.sqrt(16)
+    if is_causal:
+        scores = scores.masked_fill(torch.ones(45, 45, dtype=torch.bool).triu(1), -math.inf)
+    assert naive.max_error(L, torch.logsumexp(scores, dim=-1)) < 1e-12
+
+    dO = torch.randn_like(O)
+    ours = attention_backward_impl(Q, K, V, O, dO, L, is_causal)
+    oracle = torch.autograd.grad(expected, (Q, K, V), dO)
+    for a, r in zip(ours, oracle):
+        assert naive.max_error(a, r) < 1e-12
+
+
+# ---- the kernels ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_flash_attention_function_matches_float64(is_causal):
+    Q, K, V = _qkv(3, 50, 50, 32)
+    O = tileattn.FlashAttentionFunction.apply(Q, K, V, is_causal)
+    ref_inputs = [t.detach().double().requires_grad_() for t in (Q, K, V)]
+    ref = _math64(*ref_inputs, is_causal)
+    naive_fp32 = _math64(Q, K, V, is_causal)
+    naive.assert_2x_rule(O, naive_fp32, ref, 1e-6, "O")
+    dO = torch.randn_like(O)
+    ours = torch.autograd.grad(O, (Q, K, V), dO)
+    oracle = torch.autograd.grad(ref, ref_inputs, dO.double())
+    same_precision = torch.autograd.grad(naive_fp32, (Q, K, V), dO)
+    for name, a, n, r in zip(("dQ", "dK", "dV"), ours, same_precision, oracle):
+        naive.assert_2x_rule(a, n, r, 2e-6, name)
+
+
+FLOAT32_GRADCHECK = dict(eps=1e-3, atol=2e-3, rtol=1e-2)
+
+
+@pytest.mark.filterwarnings("ignore:Input #\\d+ requires gradient and is not a double")
+@pytest.mark.parametrize("path", ["flash_attn_func", "flash_attn_varlen_func", "sdpa", "course"])
+def test_kernel_gradcheck_float32(path):
+    if path == "course":
+        inputs = _qkv(2, 6, 6, 4)
+        fn = lambda q, k, v: tileattn.FlashAttentionFunction.apply(q, k, v, True)  # noqa: E731
+    elif path == "sdpa":
+        inputs = [torch.randn(1, 2, n, 4, requires_grad=True) for n in (7, 5, 5)]
+        fn = lambda q, k, v: tileattn.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    elif path == "flash_attn_varlen_func":
+        cu_q = torch.tensor([0, 3, 8], dtype=torch.int32)
+        cu_k = torch.tensor([0, 5, 7], dtype=torch.int32)
+        inputs = [torch.randn(n, 2, 4, requires_grad=True) for n in (8, 7, 7)]
+        fn = lambda q, k, v: tileattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 5, causal=True)  # noqa: E731
+    else:
+        inputs = [torch.randn(1, n, h, 4, requires_grad=True) for n, h in ((6, 4), (7, 2), (7, 2))]
+        fn = lambda q, k, v: tileattn.flash_attn_func(q, k, v, window_size=(3, 1), softcap=2.0)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, inputs, **FLOAT32_GRADCHECK)
+
+
+@pytest.mark.filterwarnings("ignore:Input #\\d+ requires gradient and is not a double")
+def test_softmax_matmul_gradcheck_float32_and_float64_comparison():
+    x = torch.randn(2, 5, 7, requires_grad=True)
+    v = torch.randn(2, 7, 3, requires_grad=True)
+    assert torch.autograd.gradcheck(tileattn.softmax_matmul, (x, v), **FLOAT32_GRADCHECK)
+
+    out = tileattn.softmax_matmul(x, v)
+    x64, v64 = (t.detach().double().requires_grad_() for t in (x, v))
+    ref = torch.softmax(x64, dim=-1) @ v64
+    assert naive.max_error(out, ref) < 1e-6
+    dout = torch.randn_like(out)
+    for a, r in zip(torch.autograd.grad(out, (x, v), dout), torch.autograd.grad(ref, (x64, v64), dout.double())):
+        assert naive.max_error(a, r) < 1e-5
+
+
+def test_softmax_matmul_two_dimensional():
+    x, v = torch.randn(9, 33), torch.randn(33, 5)
+    out = tileattn.softmax_matmul(x, v)
+    assert out.shape == (9, 5)
+    assert naive.max_error(out, torch.softmax(x.double(), -1) @ v.double()) < 1e-6
+
+
+# ---- what the forward keeps -----------------------------------------------------------------
+
+def _saved_tensors(fn):
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, saved
+
+
+SEQ_Q, SEQ_K = 64, 48
+
+
+def _paths():
+    def flash():
+        q = torch.randn(1, SEQ_Q, 1, 8, requires_grad=True)
+        k, v = (torch.randn(1, SEQ_K, 1, 8, requires_grad=True) for _ in range(2))
+        return tileattn.flash_attn_func(q, k, v, causal=True)
+
+    def sdpa():
+        q = torch.randn(1, 1, SEQ_Q, 8, requires_grad=True)
+        k, v = (torch.randn(1, 1, SEQ_K, 8, requires_grad=True) for _ in range(2))
+        return tileattn.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def course():
+        Q, K, V = _qkv(1, SEQ_Q, SEQ_K, 8)
+        return tileattn.FlashAttentionFunction.apply(Q, K, V, True)
+
+    def reference():
+        Q, K, V = _qkv(1, SEQ_Q, SEQ_K, 8)
+        return FlashAttentionPytorch.apply(Q, K, V, True)
+
+    return {"flash_attn_func": flash, "sdpa": sdpa, "course": course, "reference": reference}
+
+
+@pytest.mark.parametrize("path", list(_paths()))
+def test_nothing_quadratic_is_saved(path):
+    out, saved = _saved_tensors(_paths()[path])
+    # Q, K, V, O and L: nothing else, and nothing with seq_q * seq_k elements.
+    assert len(saved) == 5, [tuple(t.shape) for t in saved]
+    assert max(t.numel() for t in saved) < SEQ_Q * SEQ_K, [tuple(t.shape) for t in saved]
+    out.sum().backward()
+
+
+@pytest.mark.parametrize("fn", [tileattn.FlashAttentionFunction, FlashAttentionPytorch], ids=["kernel", "reference"])
+def test_course_functions_save_logsumexp(fn):
+    Q, K, V = _qkv(2, 32, 32, 16)
+    _, saved = _saved_tensors(lambda: fn.apply(Q, K, V, True))
+    L = [t for t in saved if t.shape == (2, 32)]
+    assert len(L) == 1
+    scores = (Q @ K.transpose(1, 2)).double() / 4.0
+    scores = scores.masked_fill(torch.ones(32, 32, dtype=torch.bool).triu(1), -math.inf)
+    assert naive.max_error(L[0], torch.logsumexp(scores, dim=-1)) < 1e-5
