@@ -33,7 +33,6 @@ Backend resolve_backend(const AttentionProblem& problem) { return resolve(proble
 
 // Validation rejects backend=cuda in a build without CUDA, so dispatch needs the CUDA branch only
 // where it exists.
-
 void forward(const AttentionProblem& problem) {
   const Backend backend = resolve_backend(problem);
   const AttentionProblem p = host::validate_attention(problem, host::Pass::forward, backend);
