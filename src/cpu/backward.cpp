@@ -1,13 +1,15 @@
 // Tiled CPU backward. P is recomputed from the saved L, and D = rowsum(O * dO) replaces the
-// rowsum(P * dP) of the softmax gradient, so nothing quadratic is stored.
+// rowsum(P * dP) of the softmax gradient, so nothing quadratic is stored. Every output element is
+// written by one task in a fixed order: race-free and bitwise deterministic.
 //
-// Two passes, each writing outputs that only its own task owns, so the result is race-free and
-// bitwise deterministic whatever the thread count:
-//  1. one task per (batch, kv head, key tile): dK and dV accumulate locally over the query tiles
-//     that see the key tile and over every query head of the GQA group;
-//  2. one task per (batch, query head, query tile): dQ accumulates over the key tiles it sees.
-// Pass 2 recomputes S and dP (7 tile products instead of 5); the alternative, per-key-tile dQ
-// partials or dQ owned by a (batch, kv head) task, costs memory or parallelism instead.
+// dK and dV of a key tile accumulate locally over the query tiles that see it and over every
+// query head of the GQA group. dQ needs a sum over key tiles, which are spread across tasks, so
+// there are two schedules:
+//  - fused, when (batch, kv head) pairs alone keep every thread busy: one task per pair walks its
+//    key tiles in order and adds dS K into a task-owned fp32 dQ accumulator (5 tile products);
+//  - split, otherwise: tasks per (batch, kv head, key tile) produce dK, dV; then tasks per
+//    (batch, query head, query tile) recompute S and dP for dQ (7 tile products, full parallelism).
+// Both add the same dS K terms in increasing key order, so they agree bitwise.
 #include <cmath>
 #include <vector>
 
@@ -17,6 +19,10 @@
 
 namespace tileattn::cpu {
 namespace {
+
+// The fused schedule needs this many (batch, kv head) tasks per thread to balance its uneven
+// (causal, varlen) tasks; below it the split schedule's finer tasks win.
+constexpr int64_t kFusedTasksPerThread = 2;
 
 struct BackwardScratch {
   std::vector<float> q, dout, lse2, delta;  // query tile: rows, dO rows, L * log2(e), D
@@ -96,13 +102,10 @@ void compute_delta(const AttentionProblem& p, int64_t tiles, std::vector<float>&
   });
 }
 
-// Pass 1: dK, dV of one key tile, summed over the GQA group's query heads and the query tiles
-// that see the key tile.
-void dkdv_tile(const AttentionProblem& p, const ScoreTransform& transform, const std::vector<float>& delta, int64_t b,
-               int64_t hk, int64_t tile, BackwardScratch& w) {
-  const Sequence s = sequence(p, b);
-  const int64_t j0 = tile * kTileK;
-  if (j0 >= s.len_k) return;
+// dK, dV of one key tile, summed over the GQA group's query heads and the query tiles that see
+// the key tile. With `dq_accum` (fp32, (group head, row, dqk) of this sequence) also adds dS K.
+void key_tile(const AttentionProblem& p, const ScoreTransform& transform, const std::vector<float>& delta,
+              const Sequence& s, int64_t hk, int64_t j0, BackwardScratch& w, float* dq_accum) {
   const int64_t n = std::min(kTileK, s.len_k - j0), j1 = j0 + n;
   const int64_t dqk = p.headdim_qk, dv = p.headdim_v, group = p.heads_q / p.heads_kv;
   size_scratch(w, dqk, dv);
@@ -110,16 +113,21 @@ void dkdv_tile(const AttentionProblem& p, const ScoreTransform& transform, const
   w.acc2.assign(size_t(kTileK * dv), 0.0f);  // dV
   load_rows_transposed(p, p.k, s, false, hk, j0, n, dqk, w.kt.data(), kTileK);
   load_rows_transposed(p, p.v, s, false, hk, j0, n, dv, w.vt.data(), kTileK);
+  if (dq_accum) load_rows(p, p.k, s, false, hk, j0, n, dqk, w.k.data(), dqk);
 
   const int64_t query_begin = s.mask.tile_begin_query(int(j0)), query_end = s.mask.tile_end_query(int(j1));
-  for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+  for (int64_t g = 0; g < group; ++g) {
+    const int64_t h = hk * group + g;
     for (int64_t i0 = query_begin; i0 < query_end; i0 += kTileQ) {
       const int64_t rows = std::min(kTileQ, query_end - i0);
       load_query_tile(p, delta, s, h, i0, rows, w);
       probabilities_and_ds(p, transform, s, i0, rows, j0, n, w);
-      // dV += P^T dO;  dK += dS^T Q
+      // dV += P^T dO;  dK += dS^T Q;  dQ += dS K
       gemm_accumulate(w.p.data(), 1, kTileK, w.dout.data(), dv, w.acc2.data(), dv, n, dv, rows);
       gemm_accumulate(w.ds.data(), 1, kTileK, w.q.data(), dqk, w.acc.data(), dqk, n, dqk, rows);
+      if (dq_accum)
+        gemm_accumulate(w.ds.data(), kTileK, 1, w.k.data(), dqk, dq_accum + (g * s.len_q + i0) * dqk, dqk, rows, dqk,
+                        n);
     }
   }
   const std::vector<float> scale(size_t(n), *p.softmax_scale);
@@ -127,7 +135,20 @@ void dkdv_tile(const AttentionProblem& p, const ScoreTransform& transform, const
   store_rows(p, p.dv, s, false, hk, j0, n, dv, w.acc2.data(), dv, nullptr);
 }
 
-// Pass 2: dQ of one query tile over the key tiles it sees.
+// Fused schedule: every key tile of one (sequence, kv head), then dQ of the group's heads.
+void kv_head_fused(const AttentionProblem& p, const ScoreTransform& transform, const std::vector<float>& delta,
+                   int64_t b, int64_t hk, BackwardScratch& w, std::vector<float>& dq_accum) {
+  const Sequence s = sequence(p, b);
+  const int64_t dqk = p.headdim_qk, group = p.heads_q / p.heads_kv;
+  dq_accum.assign(size_t(group * s.len_q * dqk), 0.0f);
+  for (int64_t j0 = 0; j0 < s.len_k; j0 += kTileK) key_tile(p, transform, delta, s, hk, j0, w, dq_accum.data());
+  const std::vector<float> scale(size_t(s.len_q), *p.softmax_scale);
+  for (int64_t g = 0; g < group; ++g)
+    store_rows(p, p.dq, s, true, hk * group + g, 0, s.len_q, dqk, &dq_accum[size_t(g * s.len_q * dqk)], dqk,
+               scale.data());
+}
+
+// Split schedule, second pass: dQ of one query tile over the key tiles it sees.
 void dq_tile(const AttentionProblem& p, const ScoreTransform& transform, const std::vector<float>& delta, int64_t b,
              int64_t h, int64_t tile, BackwardScratch& w) {
   const Sequence s = sequence(p, b);
@@ -163,10 +184,20 @@ void backward(const AttentionProblem& p) {
   const int64_t rows_q = p.is_varlen() ? p.total_q : p.batch * p.seqlen_q;
   std::vector<float> delta(size_t(p.heads_q * rows_q));
   compute_delta(p, q_tiles, delta);
+
+  if (p.batch * p.heads_kv >= kFusedTasksPerThread * resolve_threads(p.num_threads)) {
+    parallel_for(p.batch * p.heads_kv, p.num_threads, [&](int64_t task) {
+      thread_local BackwardScratch scratch;
+      thread_local std::vector<float> dq_accum;
+      kv_head_fused(p, transform, delta, task / p.heads_kv, task % p.heads_kv, scratch, dq_accum);
+    });
+    return;
+  }
   parallel_for(p.batch * p.heads_kv * k_tiles, p.num_threads, [&](int64_t task) {
     thread_local BackwardScratch scratch;
-    const int64_t tile = task % k_tiles, bh = task / k_tiles;
-    dkdv_tile(p, transform, delta, bh / p.heads_kv, bh % p.heads_kv, tile, scratch);
+    const int64_t tile = task % k_tiles, bh = task / k_tiles, b = bh / p.heads_kv;
+    const Sequence s = sequence(p, b);
+    if (tile * kTileK < s.len_k) key_tile(p, transform, delta, s, bh % p.heads_kv, tile * kTileK, scratch, nullptr);
   });
   parallel_for(p.batch * p.heads_q * q_tiles, p.num_threads, [&](int64_t task) {
     thread_local BackwardScratch scratch;

@@ -194,6 +194,12 @@ TEST_P(AttentionSweep, TiledMatchesOracle) {
   EXPECT_EQ(hp.dq.touched_outside_view(), 0);
   EXPECT_EQ(hp.dk.touched_outside_view(), 0);
   EXPECT_EQ(hp.dv.touched_outside_view(), 0);
+
+  // One thread usually selects the other backward schedule (fused vs split); results must not move.
+  const std::vector<double> dq = hp.dq.gather(), dk = hp.dk.gather(), dv = hp.dv.gather();
+  hp.problem.num_threads = 1;
+  tileattn::backward(hp.problem);
+  EXPECT_TRUE(hp.dq.gather() == dq && hp.dk.gather() == dk && hp.dv.gather() == dv) << "1 vs 2 threads differ";
 }
 
 INSTANTIATE_TEST_SUITE_P(Cpu, AttentionSweep, testing::ValuesIn(sweep_cases()),
