@@ -134,8 +134,6 @@ void run_attention(const Options& o, Backend backend, Report& report) {
 }
 
 void run_softmax_matmul(const Options& o, Backend backend, Report& report) {
-  implementations(o, backend);  // rejects --impl naive
-  if (o.impl == "naive") return;
   allocation_stats(backend).reset_peak();
   SoftmaxMatmulCase c = make_softmax_matmul_case(o, backend);
   report.add(o, {"tileattn", "fwd", c.describe, c.flops,
@@ -158,9 +156,10 @@ int run(Options o) {
   if (backend == Backend::cuda && !cuda_available()) {
     throw Error(ErrorKind::device, "--backend cuda: this build has no CUDA backend or no CUDA device is visible");
   }
+  implementations(o, backend);  // an --impl this backend lacks fails before any output
   const bool gpu = backend == Backend::cuda;
   if (o.warmup < 0) o.warmup = gpu ? 5 : 1;
-  if (o.iters < 0) o.iters = gpu ? 20 : 5;
+  if (o.iters < 0) o.iters = gpu ? 20 : 10;
 
   const std::string device = describe_device(backend, o.threads);
   std::printf("tileattn-bench %s | %s | %s | %s%s | warmup %d, iters %d\n", version(), device.c_str(),

@@ -39,7 +39,7 @@ run:
                             every implementation available on the backend (default)
   --fp32-mode exact|fast    fast: tensor-core products for fp32 inputs
   --threads N          CPU threads (default: all)
-  --warmup N, --iters N     (default 1 and 5 on cpu, 5 and 20 on cuda)
+  --warmup N, --iters N     (default 1 and 10 on cpu, 5 and 20 on cuda)
   --seed N             input seed (default 1)
   --check              with several implementations, print the max difference of their outputs
   --csv FILE           append one row per measurement (header written when the file is new)
