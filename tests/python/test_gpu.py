@@ -1,0 +1,170 @@
+"""The CUDA backend through the Python package (marker `gpu`: skipped without a CUDA device).
+
+fp16/bf16/fp32 against the float64 oracle with the 2x rule, SDPA against PyTorch's, the current
+stream and CUDA-graph capture, workspace through the caching allocator, torch.compile.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import naive
+import tileattn
+from test_attention import CASES
+
+pytestmark = pytest.mark.gpu
+
+FLOOR = {torch.float32: 1e-6, torch.float16: 2e-4, torch.bfloat16: 2e-3}
+
+
+def _inputs(shape_q, shape_k, shape_v, dtype, device):
+    return [torch.randn(s, dtype=dtype, device=device, requires_grad=True) for s in (shape_q, shape_k, shape_v)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_flash_attn_func_cuda_matches_float64(case, dtype, cuda):
+    batch, sq, sk, hq, hkv, d, dv, causal, window, softcap, scale = CASES[case]
+    q, k, v = _inputs((batch, sq, hq, d), (batch, sk, hkv, d), (batch, sk, hkv, dv), dtype, cuda)
+    options = dict(causal=causal, window=window, softcap=softcap, scale=scale)
+    out, lse, _ = tileattn.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, window_size=window,
+                                           softcap=softcap, return_attn_probs=True)
+    ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = naive.attention(*ref_inputs, **options)
+    naive_out, naive_lse = naive.attention(q, k, v, **options)
+    floor = FLOOR[dtype]
+    naive.assert_2x_rule(out, naive_out, ref_out, floor, "out")
+    naive.assert_2x_rule(lse, naive_lse.float(), ref_lse, floor, "lse")
+
+    dout = torch.randn_like(out)
+    ours = torch.autograd.grad(out, (q, k, v), dout)
+    oracle = torch.autograd.grad(ref_out, ref_inputs, dout.double())
+    same_precision = torch.autograd.grad(naive_out, (q, k, v), dout)
+    for name, a, n, r in zip(("dq", "dk", "dv"), ours, same_precision, oracle):
+        naive.assert_2x_rule(a, n, r, floor * 2, name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_sdpa_cuda_matches_torch(dtype, cuda):
+    q, k, v = _inputs((2, 8, 256, 64), (2, 2, 256, 64), (2, 2, 256, 64), dtype, cuda)
+    out = tileattn.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        ref = F.scaled_dot_product_attention(*ref_inputs, is_causal=True, enable_gqa=True)
+        naive_same = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    naive.assert_2x_rule(out, naive_same, ref, FLOOR[dtype], "out")
+    dout = torch.randn_like(out)
+    ours = torch.autograd.grad(out, (q, k, v), dout)
+    oracle = torch.autograd.grad(ref, ref_inputs, dout.double())
+    same_precision = torch.autograd.grad(naive_same, (q, k, v), dout)
+    for name, a, n, r in zip(("dq", "dk", "dv"), ours, same_precision, oracle):
+        naive.assert_2x_rule(a, n, r, FLOOR[dtype] * 2, name)
+
+
+def test_varlen_cuda(cuda):
+    lens = [37, 0, 128, 5]
+    cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(cuda)
+    q, k, v = _inputs((int(cu[-1]), 4, 64), (int(cu[-1]), 2, 64), (int(cu[-1]), 2, 64), torch.bfloat16, cuda)
+    out = tileattn.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True)
+    ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref, _ = naive.varlen_attention(*ref_inputs, cu.cpu(), cu.cpu(), causal=True)
+    naive_same, _ = naive.varlen_attention(q, k, v, cu.cpu(), cu.cpu(), causal=True)
+    naive.assert_2x_rule(out, naive_same, ref, FLOOR[torch.bfloat16], "out")
+    dout = torch.randn_like(out)
+    ours = torch.autograd.grad(out, (q, k, v), dout)
+    oracle = torch.autograd.grad(ref, ref_inputs, dout.double())
+    same_precision = torch.autograd.grad(naive_same, (q, k, v), dout)
+    for name, a, n, r in zip(("dq", "dk", "dv"), ours, same_precision, oracle):
+        naive.assert_2x_rule(a, n, r, FLOOR[torch.bfloat16] * 2, name)
+
+
+def test_softmax_matmul_cuda(cuda):
+    x = torch.randn(4, 128, 1000, device=cuda)
+    v = torch.randn(4, 1000, 64, device=cuda)
+    out = tileattn.softmax_matmul(x, v)
+    ref = torch.softmax(x.double(), -1) @ v.double()
+    naive_same = torch.softmax(x, -1) @ v
+    naive.assert_2x_rule(out, naive_same, ref, 1e-6, "out")
+
+
+def test_runs_on_the_current_stream(cuda):
+    q, k, v = (torch.randn(2, 512, 8, 64, dtype=torch.float16, device=cuda) for _ in range(3))
+    expected = tileattn.flash_attn_func(q, k, v, causal=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        # q2 is only filled after a delay queued on this (non-blocking) stream: a kernel launched on
+        # any other stream would read the zeros.
+        q2 = torch.zeros_like(q)
+        torch.cuda._sleep(50_000_000)
+        q2.copy_(q)
+        out = tileattn.flash_attn_func(q2, k, v, causal=True)
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(out, expected)
+
+
+def test_cuda_graph_capture_and_replay(cuda):
+    shape = (2, 256, 4, 64)
+    static = [torch.randn(shape, dtype=torch.bfloat16, device=cuda, requires_grad=True) for _ in range(3)]
+    static_dout = torch.randn(shape, dtype=torch.bfloat16, device=cuda)
+
+    def step():
+        out = tileattn.flash_attn_func(*static, causal=True)
+        grads = torch.autograd.grad(out, static, static_dout)
+        return out, grads
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # warm up the allocator outside the capture
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out, graph_grads = step()
+
+    for _ in range(2):
+        fresh = [torch.randn(shape, dtype=torch.bfloat16, device=cuda) for _ in range(3)]
+        fresh_dout = torch.randn(shape, dtype=torch.bfloat16, device=cuda)
+        with torch.no_grad():
+            for s, f in zip(static, fresh):
+                s.copy_(f)
+            static_dout.copy_(fresh_dout)
+        graph.replay()
+        eager_inputs = [f.requires_grad_() for f in fresh]
+        eager_out = tileattn.flash_attn_func(*eager_inputs, causal=True)
+        eager_grads = torch.autograd.grad(eager_out, eager_inputs, fresh_dout)
+        assert torch.equal(graph_out, eager_out)
+        for g, e in zip(graph_grads, eager_grads):
+            torch.testing.assert_close(g, e, atol=2e-2, rtol=2e-2)
+
+
+def test_backward_memory_is_linear(cuda):
+    q, k, v = (torch.randn(1, 4096, 8, 128, dtype=torch.bfloat16, device=cuda, requires_grad=True) for _ in range(3))
+    out = tileattn.flash_attn_func(q, k, v)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out.backward(torch.ones_like(out))
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    grads = 3 * q.numel() * q.element_size()
+    # Gradients, a dout copy and the workspace (fp32 dQ accumulator and row sums), nothing quadratic.
+    assert peak < grads + 8 * q.numel() * 4, peak
+
+
+def test_compile_inductor_cuda(cuda):
+    q, k, v = _inputs((2, 128, 8, 64), (2, 128, 2, 64), (2, 128, 2, 64), torch.bfloat16, cuda)
+
+    def loss(q, k, v):
+        return (tileattn.flash_attn_func(q, k, v, causal=True).float() ** 2).sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(loss, fullgraph=True)
+    a = compiled(q, k, v)
+    ga = torch.autograd.grad(a, (q, k, v))
+    b = loss(q, k, v)
+    gb = torch.autograd.grad(b, (q, k, v))
+    torch.testing.assert_close(a, b)
+    for x, y in zip(ga, gb):
+        torch.testing.assert_close(x, y)
