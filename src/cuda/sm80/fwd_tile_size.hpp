@@ -15,7 +15,9 @@ struct FwdTileSize {
 constexpr FwdTileSize fwd_tile_size(int headdim) {
   if (headdim <= 64) return {128, 128, 4};   // S 128 + O <= 64 registers
   if (headdim <= 128) return {128, 64, 4};   // S 64 + O <= 128
-  return {128, 64, 8};                       // O up to 128 with one m-tile per warp
+  if (headdim <= 192) return {128, 64, 8};   // O 96; shared memory 96 KiB
+  // 128 rows would need 128 KiB of shared memory, more than sm_86/sm_89 offer (99 KiB).
+  return {64, 64, 4};
 }
 
 }  // namespace tileattn::cuda
