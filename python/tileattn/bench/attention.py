@@ -1,0 +1,235 @@
+"""Attention forward and backward: tileattn beside PyTorch.
+
+    python -m tileattn.bench.attention [--impl pytorch_sdpa|tileattn] [--causal] [--csv PATH]
+    python -m tileattn.bench.attention --preset h100 [--passes N] [--csv PATH]
+
+Default grid: fp32, batch 8, d_model 64 (one head, (batch, seq, d_model) tensors), seq_len 256 ...
+16384; each implementation under torch.compile; 10 warm-up passes, then 100 timed forward and 100
+timed backward passes (CUDA events). Columns: implementation, d_model, seq_len, forward_ms,
+forward_peak_MiB, backward_ms, backward_peak_MiB, saved_activations_MiB (memory the forward leaves
+allocated for the backward, output excluded), status (ok, OOM, OOM(backward)), gpu. Peaks are
+torch.cuda.max_memory_allocated after a reset, inputs included.
+
+--preset h100: bf16, batch x seqlen = 16k tokens, hidden 2048 (heads = 2048 / D), D in {64, 128},
+N in {1k, 4k, 16k}, causal and not; tileattn beside SDPA's flash, cuDNN and efficient backends
+and FlexAttention, on the same (batch, seqlen, heads, D) memory. Prints TFLOP/s (the FLOP count of
+include/tileattn/flops.hpp, taken from the extension) and the fraction of the bf16 matmul rate
+measured at the start.
+
+A PNG plot is written beside each CSV. Failures are recorded in the status column, never fatal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+import torch.nn.functional as F
+
+from . import _common
+
+SEQ_LENS = [256, 1024, 4096, 8192, 16384]
+BATCH, D_MODEL = 8, 64
+COLUMNS = ["implementation", "d_model", "seq_len", "forward_ms", "forward_peak_MiB", "backward_ms",
+           "backward_peak_MiB", "saved_activations_MiB", "status", "gpu"]
+
+
+def _course_impls(causal: bool):
+    import tileattn
+
+    def sdpa(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    def ours(q, k, v):
+        return tileattn.FlashAttentionFunction.apply(q, k, v, causal)
+
+    return {"pytorch_sdpa": sdpa, "tileattn": ours}
+
+
+def _measure(fn, inputs, warmup: int, passes: int, row: dict) -> None:
+    """Fills forward/backward times, peaks and saved activations of fn(*inputs) into row."""
+    def clear_grads():
+        for t in inputs:
+            t.grad = None
+
+    try:
+        fwd = _common.time_each(lambda: fn(*inputs), warmup, passes)
+        row["forward_ms"] = _common.mean_std(fwd)[0]
+        row["forward_peak_MiB"] = _common.peak_mib(lambda: fn(*inputs))
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        out = fn(*inputs)
+        torch.cuda.synchronize()
+        row["saved_activations_MiB"] = (torch.cuda.memory_allocated() - before
+                                        - out.numel() * out.element_size()) / _common.MIB
+    except (RuntimeError, NotImplementedError) as error:
+        row["status"] = "OOM" if _common.is_oom(error) else f"failed: {type(error).__name__}: {error}"[:200]
+        return
+    try:
+        dout = torch.randn_like(out)
+        bwd = _common.time_each(lambda: out.backward(dout, retain_graph=True), warmup, passes, before=clear_grads)
+        row["backward_ms"] = _common.mean_std(bwd)[0]
+        clear_grads()
+        row["backward_peak_MiB"] = _common.peak_mib(lambda: out.backward(dout, retain_graph=True))
+        row["status"] = "ok"
+    except (RuntimeError, NotImplementedError) as error:
+        row["status"] = "OOM(backward)" if _common.is_oom(error) else f"failed(backward): {error}"[:200]
+
+
+def run_course(impls: list[str], causal: bool, warmup: int, passes: int, seq_lens=SEQ_LENS):
+    import pandas as pd
+
+    device = _common.require_cuda("tileattn.bench.attention")
+    gpu = torch.cuda.get_device_name(device)
+    functions = _course_impls(causal)
+    rows, total, done = [], len(impls) * len(seq_lens), 0
+    for name in impls:
+        torch._dynamo.reset()
+        compiled = torch.compile(functions[name])
+        for n in seq_lens:
+            done += 1
+            row = dict(implementation=name, d_model=D_MODEL, seq_len=n, forward_ms=math.nan,
+                       forward_peak_MiB=math.nan, backward_ms=math.nan, backward_peak_MiB=math.nan,
+                       saved_activations_MiB=math.nan, status="", gpu=gpu)
+            try:
+                inputs = [torch.randn(BATCH, n, D_MODEL, device=device, requires_grad=True) for _ in range(3)]
+                _measure(compiled, inputs, warmup, passes, row)
+            except RuntimeError as error:  # allocating the inputs
+                row["status"] = "OOM" if _common.is_oom(error) else f"failed: {error}"[:200]
+            finally:
+                inputs = None
+                _common.release_memory()
+            rows.append(row)
+            _common.progress(done, total, f"{name} seq_len={n}: {row['status']} "
+                             f"fwd {row['forward_ms']:.3f} ms, bwd {row['backward_ms']:.3f} ms")
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+# ---- --preset h100 ---------------------------------------------------------------------------
+
+H100_TOKENS, H100_HIDDEN = 16 * 1024, 2048
+H100_HEADDIMS, H100_SEQ_LENS = [64, 128], [1024, 4096, 16384]
+
+
+def _h100_impls(causal: bool, seqlen: int, device):
+    import tileattn
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def sdpa_with(backend):
+        def fn(q, k, v):  # q, k, v: (batch, seqlen, heads, D); SDPA sees (batch, heads, seqlen, D) views
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                      is_causal=causal)
+        return fn
+
+    def ours(q, k, v):
+        return tileattn.flash_attn_func(q, k, v, causal=causal)
+
+    impls = {"tileattn": ours,
+             "sdpa_flash": sdpa_with(SDPBackend.FLASH_ATTENTION),
+             "sdpa_cudnn": sdpa_with(SDPBackend.CUDNN_ATTENTION),
+             "sdpa_efficient": sdpa_with(SDPBackend.EFFICIENT_ATTENTION)}
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError:
+        return impls
+    flex = torch.compile(flex_attention)
+    mask = (create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, seqlen, seqlen,
+                              device=device) if causal else None)
+
+    def flex_fn(q, k, v):
+        return flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask)
+
+    impls["flex_attention"] = flex_fn
+    return impls
+
+
+def run_h100(warmup: int, passes: int, impl_filter: list[str] | None):
+    import pandas as pd
+
+    import tileattn
+
+    device = _common.require_cuda("tileattn.bench.attention --preset h100")
+    gpu = torch.cuda.get_device_name(device)
+    matmul = _common.measured_matmul_tflops(device)
+    print(f"{gpu}: measured bf16 matmul rate {matmul:.0f} TFLOP/s", flush=True)
+    configs = [(d, n, c) for d in H100_HEADDIMS for n in H100_SEQ_LENS for c in (False, True)]
+    rows, done = [], 0
+    total = len(configs) * (5 if impl_filter is None else len(impl_filter))
+    for d, n, causal in configs:
+        batch, heads = H100_TOKENS // n, H100_HIDDEN // d
+        fwd_flops = tileattn.attention_forward_flops(batch, heads, n, n, d, d, causal)
+        bwd_flops = tileattn.attention_backward_flops(batch, heads, n, n, d, d, causal)
+        for name, fn in _h100_impls(causal, n, device).items():
+            if impl_filter is not None and name not in impl_filter:
+                continue
+            done += 1
+            row = dict(implementation=name, headdim=d, seq_len=n, batch=batch, heads=heads, causal=causal,
+                       forward_ms=math.nan, forward_peak_MiB=math.nan, backward_ms=math.nan,
+                       backward_peak_MiB=math.nan, saved_activations_MiB=math.nan, status="", gpu=gpu)
+            try:
+                inputs = [torch.randn(batch, n, heads, d, device=device, dtype=torch.bfloat16, requires_grad=True)
+                          for _ in range(3)]
+                _measure(fn, inputs, warmup, passes, row)
+            except RuntimeError as error:
+                row["status"] = "OOM" if _common.is_oom(error) else f"failed: {error}"[:200]
+            finally:
+                inputs = None
+                _common.release_memory()
+            if row["status"].startswith("failed") and "No available kernel" in row["status"]:
+                row["status"] = "unsupported"
+            row["forward_tflops"] = fwd_flops / (row["forward_ms"] * 1e-3) / 1e12
+            row["backward_tflops"] = bwd_flops / (row["backward_ms"] * 1e-3) / 1e12
+            row["forward_matmul_fraction"] = row["forward_tflops"] / matmul
+            row["backward_matmul_fraction"] = row["backward_tflops"] / matmul
+            rows.append(row)
+            _common.progress(done, total,
+                             f"{name:15s} D={d:3d} N={n:5d} causal={int(causal)} {row['status']:>8s}  "
+                             f"fwd {row['forward_tflops']:6.1f} TFLOP/s ({row['forward_matmul_fraction']:5.1%})  "
+                             f"bwd {row['backward_tflops']:6.1f} TFLOP/s ({row['backward_matmul_fraction']:5.1%})")
+    frame = pd.DataFrame(rows)
+    frame["matmul_tflops"] = matmul
+    return frame
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m tileattn.bench.attention", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--impl", choices=["pytorch_sdpa", "tileattn"], action="append",
+                        help="implementation(s) to run on the default grid (default: both)")
+    parser.add_argument("--preset", choices=["h100"], help="the bf16 H100 grid beside every PyTorch peer")
+    parser.add_argument("--only", action="append",
+                        help="--preset h100: implementation(s) to run (tileattn, sdpa_flash, sdpa_cudnn, "
+                             "sdpa_efficient, flex_attention; default all)")
+    parser.add_argument("--causal", action="store_true", help="default grid: causal mask")
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--passes", type=int, default=100)
+    parser.add_argument("--csv", help="default outputs/csv/attention_benchmark.csv (attention_h100.csv with "
+                                      "--preset h100)")
+    args = parser.parse_args(argv)
+
+    if args.preset == "h100":
+        frame = run_h100(args.warmup, args.passes, args.only)
+        path = _common.output_path(args.csv or "outputs/csv/attention_h100.csv")
+        frame.to_csv(path, index=False)
+        plot = frame.assign(series=frame.implementation + " D" + frame.headdim.astype(str)
+                            + frame.causal.map({True: " causal", False: ""}))
+        _common.save_plot(plot, "seq_len", ["forward_tflops", "backward_tflops"], "series",
+                          path.rsplit(".", 1)[0] + ".png", f"attention bf16, 16k tokens, hidden 2048 ({frame.gpu[0]})")
+        columns = ["implementation", "headdim", "seq_len", "causal", "status", "forward_ms", "forward_tflops",
+                   "forward_matmul_fraction", "backward_ms", "backward_tflops", "backward_matmul_fraction"]
+        print(frame[columns].to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+    else:
+        frame = run_course(args.impl or ["pytorch_sdpa", "tileattn"], args.causal, args.warmup, args.passes)
+        path = _common.output_path(args.csv or "outputs/csv/attention_benchmark.csv")
+        frame.to_csv(path, index=False)
+        _common.save_plot(frame, "seq_len", ["forward_ms", "backward_ms", "saved_activations_MiB"],
+                          "implementation", path.rsplit(".", 1)[0] + ".png",
+                          f"attention fp32, batch {BATCH}, d_model {D_MODEL} ({frame.gpu[0]})")
+        print(frame.drop(columns=["gpu"]).to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

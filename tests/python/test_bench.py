@@ -1,0 +1,45 @@
+"""The benchmark modules: they refuse clearly without CUDA, and their options parse."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+MODULES = ["tileattn.bench.softmax_matmul", "tileattn.bench.attention"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+@pytest.mark.parametrize("module", MODULES)
+def test_refuses_without_cuda(module, tmp_path):
+    result = subprocess.run([sys.executable, "-m", module, "--passes", "1", "--csv", str(tmp_path / "x.csv")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "needs a CUDA device" in result.stderr
+    assert not (tmp_path / "x.csv").exists()
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_help(module):
+    result = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "usage" in result.stdout
+
+
+@pytest.mark.gpu
+def test_softmax_matmul_benchmark_writes_csv_and_plot(tmp_path):
+    from tileattn.bench import softmax_matmul
+
+    frame = softmax_matmul.run(warmup=1, passes=2, d2_values=[64, 128])
+    assert list(frame.columns) == softmax_matmul.COLUMNS
+    assert str(frame["BLOCK"].dtype) == "Int64" and frame["BLOCK"].isna().all()
+    assert (frame["forward_ms_mean"] > 0).all() and set(frame["triton"]) == {True, False}
+
+
+@pytest.mark.gpu
+def test_attention_benchmark_small_grid():
+    from tileattn.bench import attention
+
+    frame = attention.run_course(["tileattn", "pytorch_sdpa"], causal=False, warmup=1, passes=2, seq_lens=[256])
+    assert list(frame.columns) == attention.COLUMNS
+    assert (frame["status"] == "ok").all(), frame["status"].tolist()
+    assert (frame["backward_ms"] > 0).all()
