@@ -55,26 +55,26 @@ struct SmemTile {
 //
 // Threads form (kThreads / kSlots) rows x kSlots chunk slots, kSlots the power of two >= chunks
 // per row (slots past the row end idle): each thread then walks one column of chunks with a
-// running pointer, and its shared-memory offsets differ by compile-time constants.
+// running pointer, and (when a pass spans a multiple of 8 rows) its shared-memory offsets differ
+// by compile-time constants.
 template <class Tile, int kThreads, class T>
 __device__ __forceinline__ void load_tile(T* tile, const T* global, int64_t row_stride, int rows_valid, int cols_valid,
                                           bool vectorized) {
   constexpr int kSlots = Tile::kChunks <= 4 ? 4 : Tile::kChunks <= 8 ? 8 : Tile::kChunks <= 16 ? 16 : 32;
   constexpr int kRowsPerPass = kThreads / kSlots;
-  static_assert(Tile::kChunks <= 32 && kRowsPerPass % 8 == 0 && Tile::kRows % kRowsPerPass == 0,
-                "passes must keep the swizzle phase and cover the tile");
+  static_assert(Tile::kChunks <= 32 && Tile::kRows % kRowsPerPass == 0, "passes must cover the tile");
   const int slot = int(threadIdx.x) % kSlots, row0 = int(threadIdx.x) / kSlots;
   if (slot >= Tile::kChunks) return;
   const int col = slot * 8;
   const T* src = global + int64_t(row0) * row_stride + col;
   const int64_t pass_stride = int64_t(kRowsPerPass) * row_stride;
   if (vectorized) {
-    const uint32_t dst = smem_address(tile + Tile::offset(row0, col));
     const bool col_inside = col < cols_valid;
 #pragma unroll
     for (int i = 0; i < Tile::kRows / kRowsPerPass; ++i) {
-      const bool inside = col_inside && row0 + i * kRowsPerPass < rows_valid;
-      cp_async_16(dst + i * kRowsPerPass * Tile::kCols * int(sizeof(T)), inside ? src : global, inside ? 16 : 0);
+      const int row = row0 + i * kRowsPerPass;
+      const bool inside = col_inside && row < rows_valid;
+      cp_async_16(smem_address(tile + Tile::offset(row, col)), inside ? src : global, inside ? 16 : 0);
       src += pass_stride;
     }
   } else {
