@@ -32,13 +32,16 @@ int headdim_bucket(const AttentionProblem& p) {
 
 bool uses_atomic_dq(const AttentionProblem& p) { return !p.deterministic; }
 
-// The workspace, carved in this order: lse2, dsum (one float per padded query row each), then
-// the fp32 dQ accumulator when dQ is summed by atomics.
+// The workspace, carved in this order: lse2, dsum, row_sum (fp32 only), one float per padded
+// query row each, then the fp32 dQ accumulator when dQ is summed by atomics.
 struct WorkspaceLayout {
   int64_t rows = 0;
   int dim = 0;
-  size_t lse2 = 0, dsum = 0, accum = 0;
-  size_t total() const { return Workspace::round_up(lse2) + Workspace::round_up(dsum) + Workspace::round_up(accum); }
+  size_t lse2 = 0, dsum = 0, row_sum = 0, accum = 0;
+  size_t total() const {
+    return Workspace::round_up(lse2) + Workspace::round_up(dsum) + Workspace::round_up(row_sum) +
+           Workspace::round_up(accum);
+  }
 };
 
 WorkspaceLayout workspace_layout(const AttentionProblem& p) {
@@ -47,6 +50,7 @@ WorkspaceLayout workspace_layout(const AttentionProblem& p) {
   w.rows = p.batch * p.heads_q * rows_per_head;
   w.dim = headdim_bucket(p);
   w.lse2 = w.dsum = size_t(w.rows) * sizeof(float);
+  w.row_sum = p.dtype == DType::f32 ? size_t(w.rows) * sizeof(float) : 0;
   w.accum = uses_atomic_dq(p) ? size_t(w.rows) * size_t(w.dim) * sizeof(float) : 0;
   return w;
 }
@@ -137,6 +141,7 @@ void backward(const AttentionProblem& p) {
   params.dq_accum_dim = layout.dim;
   params.lse2 = ws.take<float>(layout.lse2);
   params.dsum = ws.take<float>(layout.dsum);
+  params.row_sum = layout.row_sum > 0 ? ws.take<float>(layout.row_sum) : nullptr;
   params.dq_accum = layout.accum > 0 ? ws.take<float>(layout.accum) : nullptr;
   if (params.dq_accum != nullptr) TA_CUDA_CHECK(cudaMemsetAsync(params.dq_accum, 0, layout.accum, stream));
 

@@ -314,11 +314,17 @@ std::vector<Case> cases() {
   return c;
 }
 
-void run_forward_backward(DeviceProblem& dp) {
+// `workspace` (optional) is the backward's caller scratch; the forward allocates its own.
+void run_forward_backward(DeviceProblem& dp, const DeviceBuffer* workspace = nullptr) {
   dp.poison_outputs();
-  tileattn::forward(dp.problem);
+  AttentionProblem p = dp.problem;
+  tileattn::forward(p);
   check_cuda(cudaDeviceSynchronize(), "forward");
-  tileattn::backward(dp.problem);
+  if (workspace != nullptr) {
+    p.workspace = workspace->get();
+    p.workspace_bytes = workspace->bytes();
+  }
+  tileattn::backward(p);
   dp.download();
 }
 
@@ -392,10 +398,8 @@ TEST(BackwardDeterministic, BitwiseRepeatable) {
     dp.problem.deterministic = true;
     run_forward_backward(dp);
     std::vector<std::byte> dq = hp.dq.bytes, dk = hp.dk.bytes, dv = hp.dv.bytes;
-    DeviceBuffer ws(tileattn::backward_workspace_size(dp.problem));
-    dp.problem.workspace = ws.get();
-    dp.problem.workspace_bytes = ws.bytes();
-    run_forward_backward(dp);
+    const DeviceBuffer ws(tileattn::backward_workspace_size(dp.problem));
+    run_forward_backward(dp, &ws);
     EXPECT_TRUE(hp.dq.bytes == dq) << dtype_name(t) << " dQ differs between runs";
     EXPECT_TRUE(hp.dk.bytes == dk) << dtype_name(t) << " dK differs between runs";
     EXPECT_TRUE(hp.dv.bytes == dv) << dtype_name(t) << " dV differs between runs";
@@ -409,10 +413,10 @@ TEST(BackwardWorkspace, TooSmallIsAnError) {
   DeviceProblem dp(hp);
   const size_t need = tileattn::backward_workspace_size(dp.problem);
   ASSERT_GT(need, 0u);
+  tileattn::forward(dp.problem);
   DeviceBuffer ws(need - 256);
   dp.problem.workspace = ws.get();
   dp.problem.workspace_bytes = ws.bytes();
-  tileattn::forward(dp.problem);
   EXPECT_THROW(tileattn::backward(dp.problem), Error);
 }
 

@@ -49,6 +49,13 @@ __device__ __forceinline__ void store2(T* p, float a, float b) {
   }
 }
 
+// 2^x by the special-function unit (about 2 ulp; 2^-inf = 0). Enough for P rounded to 16 bits.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // ---- asynchronous copies ---------------------------------------------------------------
 // 16 bytes global -> shared; `valid == false` zero-fills the destination without reading.
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {

@@ -8,6 +8,8 @@
 //   dV  += P^T dO        dK  += dS^T Q       dQ  += dS K  (fp32 atomics, when dQ has no pass)
 // The next tile's dO and Q are fetched as soon as the products that read them are done, so the
 // copies overlap dK's product and the dQ product.
+#include <type_traits>
+
 #include "cuda/common/bwd_mma.cuh"
 #include "cuda/sm80/bwd_grads.cuh"
 #include "cuda/sm80/bwd_params.hpp"
@@ -31,6 +33,7 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const BwdParams p) {
   T* sdS = sP + BN * LDP;  // dS^T: [key][query]
   float* sL = reinterpret_cast<float*>(sdS + BN * LDP);
   float* sDsum = sL + BM;
+  float* sRowSum = sDsum + BM;  // fp32 only
 
   const int b = blockIdx.y, hk = blockIdx.z;
   const SeqInfo s = seq_info(p, b);
@@ -66,6 +69,7 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const BwdParams p) {
                  int64_t(q0) * p.q.seq;
     load_tile<T, BM, D, LD>(sQ, g, p.q.seq, s.sq - q0, p.headdim_qk, p.vec_io);
     load_row_floats<BM>(sL, p.lse2 + ws_row(p, b, h) + q0);
+    if constexpr (std::is_same_v<T, float>) load_row_floats<BM>(sRowSum, p.row_sum + ws_row(p, b, h) + q0);
   };
   if (n_iter > 0) {
     load_dout(0);
@@ -97,7 +101,7 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const BwdParams p) {
     warp_gemm<T, GS.tm / 16, GS.tn / 8, D, true, false>(st, sK + s_row * LD, LD, sQ + s_col * LD, LD);
     const int q1 = min(q0 + BM, s.sq);
     const bool masked = !(mask.full_begin_key(q1) <= k0 && mask.full_end_key(q0) >= k0 + BN);
-    scores_to_grads<T, true, true>(st, dp, sL, sDsum, s_row, s_col, q0, k0, masked, mask, p, sP, sdS, LDP);
+    scores_to_grads<T, true, true>(st, dp, sL, sRowSum, sDsum, s_row, s_col, q0, k0, masked, mask, p, sP, sdS, LDP);
     __syncthreads();
 
     warp_gemm<T, GKV.tm / 16, GKV.tn / 8, BM, true, true>(dv, sP + kv_row * LDP, LDP, sdO + kv_col, LD);

@@ -5,6 +5,8 @@
 //
 // Per key tile:  dP = dO V^T   S = Q K^T   dS = grads(S, dP) -> shared   dQ += dS K
 // V of the next tile is fetched once dP is done, K once dQ's product is done.
+#include <type_traits>
+
 #include "cuda/common/bwd_mma.cuh"
 #include "cuda/sm80/bwd_grads.cuh"
 #include "cuda/sm80/bwd_params.hpp"
@@ -27,6 +29,7 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const BwdParams p) {
   T* sdS = sV + BN * LD;  // [query][key]
   float* sL = reinterpret_cast<float*>(sdS + BM * LDS);
   float* sDsum = sL + BM;
+  float* sRowSum = sDsum + BM;  // fp32 only
 
   const int b = blockIdx.y, h = blockIdx.z, hk = h / p.group;
   const SeqInfo s = seq_info(p, b);
@@ -46,6 +49,7 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const BwdParams p) {
   load_tile<T, BM, D, LD>(sdO, gdO, p.dout.seq, q1 - q0, p.headdim_v, p.vec_io);
   load_row_floats<BM>(sL, p.lse2 + ws_row(p, b, h) + q0);
   load_row_floats<BM>(sDsum, p.dsum + ws_row(p, b, h) + q0);
+  if constexpr (std::is_same_v<T, float>) load_row_floats<BM>(sRowSum, p.row_sum + ws_row(p, b, h) + q0);
   cp_async_commit();
 
   const T* gK = static_cast<const T*>(p.k.ptr) + seq_base(p, p.k, b, false) + int64_t(hk) * p.k.head;
@@ -87,7 +91,7 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const BwdParams p) {
     zero(st);
     warp_gemm<T, GS.tm / 16, GS.tn / 8, D, true, false>(st, sQ + s_row * LD, LD, sK + s_col * LD, LD);
     const bool masked = !(mask.full_begin_key(q1) <= k0 && mask.full_end_key(q0) >= k0 + BN);
-    scores_to_grads<T, false, false>(st, dp, sL, sDsum, s_row, s_col, q0, k0, masked, mask, p, nullptr, sdS, LDS);
+    scores_to_grads<T, false, false>(st, dp, sL, sRowSum, sDsum, s_row, s_col, q0, k0, masked, mask, p, nullptr, sdS, LDS);
     __syncthreads();
     warp_gemm<T, GQ.tm / 16, GQ.tn / 8, BN, true, true>(dq, sdS + q_row * LDS, LDS, sK + q_col, LD);
     __syncthreads();

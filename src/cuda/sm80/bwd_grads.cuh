@@ -8,6 +8,8 @@
 // makes P exactly 0 there: no mask arithmetic is needed for them, and no NaN can arise.
 #include <math.h>
 
+#include <type_traits>
+
 #include "common/mask.hpp"
 #include "common/online_softmax.hpp"
 #include "cuda/common/bwd_mma.cuh"
@@ -15,13 +17,20 @@
 
 namespace tileattn::cuda::bwd {
 
+// The scaled (soft-capped) score in the natural domain, as the fp32 path forms P from it.
+__device__ __forceinline__ float scaled_score(float x, const BwdParams& p) {
+  return p.softcap > 0.0f ? p.softcap * tanhf(x * p.scale_over_cap) : x * p.scale;
+}
+
 // s and dp are one warp's accumulator tiles; its first element sits at (row0, col0) of the
 // block's tile, whose first query and key are q0 and k0 of the sequence. kRowsAreKeys says which
 // side of the tile is the key side (the dK/dV kernel computes S^T). lse2/dsum are per query of
-// the tile. P goes to sP (when kStoreP) and dS to sdS, both at the same (row, column).
+// the tile (fp32: row max and row_sum, see bwd_params.hpp). P goes to sP (when kStoreP) and dS
+// to sdS, both at the same (row, column).
 template <class T, bool kRowsAreKeys, bool kStoreP, int MT, int NT>
 __device__ __forceinline__ void scores_to_grads(const float (&s)[MT][NT][4], const float (&dp)[MT][NT][4],
-                                                const float* lse2, const float* dsum, int row0, int col0, int q0,
+                                                const float* lse2, const float* row_sum, const float* dsum,
+                                                int row0, int col0, int q0,
                                                 int k0, bool masked, const Mask& mask, const BwdParams& p, T* sP,
                                                 T* sdS, int ld) {
   const int lane = threadIdx.x & 31;
@@ -42,12 +51,16 @@ __device__ __forceinline__ void scores_to_grads(const float (&s)[MT][NT][4], con
           const float x = s[i][j][2 * h + e];
           float grad = 1.0f;
           float pe;
-          if (capped) {
+          if constexpr (std::is_same_v<T, float>) {
+            const float v = scaled_score(x, p);
+            pe = expf(v - lse2[qi]) / row_sum[qi];
+            if (capped) grad = softcap_grad(v, p.softcap);
+          } else if (capped) {
             const float cap = p.softcap * tanhf(x * p.scale_over_cap);
-            pe = exp2f(cap * kLog2e - lse2[qi]);
+            pe = fast_exp2(cap * kLog2e - lse2[qi]);
             grad = softcap_grad(cap, p.softcap);
           } else {
-            pe = exp2f(fmaf(x, p.scale_log2, -lse2[qi]));
+            pe = fast_exp2(fmaf(x, p.scale_log2, -lse2[qi]));
           }
           if (masked && !mask.visible(q0 + qi, k0 + kj)) pe = 0.0f;
           pv[e] = pe;

@@ -1,9 +1,12 @@
 #pragma once
-// Host side of one backward: preprocess, dK/dV (with atomic dQ, or not), then the dQ
+// Host side of one backward: preprocess (and, for fp32, the row statistics), dK/dV (with atomic dQ, or not), then the dQ
 // conversion or dQ's own pass. Instantiated per (dtype, head-dim bucket) in bwd_inst_*.cu.
 #include <cuda_runtime.h>
 
+#include <type_traits>
+
 #include "cuda/common/check.cuh"
+#include "cuda/fp32/bwd_row_stats.cuh"
 #include "cuda/sm80/bwd_dkdv_kernel.cuh"
 #include "cuda/sm80/bwd_dq_kernel.cuh"
 #include "cuda/sm80/bwd_launch.hpp"
@@ -21,6 +24,15 @@ void launch_backward(const BwdParams& p, cudaStream_t stream) {
                 "query tiles never reach past the workspace padding");
   preprocess_kernel<T><<<row_blocks, kRowKernelThreads, 0, stream>>>(p);
   TA_CUDA_CHECK_LAUNCH("backward preprocess");
+
+  if constexpr (std::is_same_v<T, float>) {
+    using Q = DqTile<T, D>;
+    constexpr int smem = RowStatsTile<D>::kSmemBytes;
+    TA_CUDA_CHECK(cudaFuncSetAttribute(row_stats_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    const dim3 grid((p.seqlen_q + Q::kBlockM - 1) / Q::kBlockM, p.batch, p.heads_q);
+    row_stats_kernel<D><<<grid, kThreads, smem, stream>>>(p);
+    TA_CUDA_CHECK_LAUNCH("backward fp32 row statistics");
+  }
 
   using KV = DkdvTile<T, D>;
   TA_CUDA_CHECK(cudaFuncSetAttribute(dkdv_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, KV::kSmemBytes));

@@ -31,6 +31,7 @@ __global__ void __launch_bounds__(kRowKernelThreads) preprocess_kernel(const Bwd
   const int lane = threadIdx.x & 31;
   const SeqInfo s = seq_info(p, b);
   const int64_t w = ws_row(p, b, h) + i;
+  if (p.row_sum != nullptr && lane == 0) p.row_sum[w] = 1.0f;
   if (i >= s.sq) {
     if (lane == 0) {
       p.lse2[w] = INFINITY;

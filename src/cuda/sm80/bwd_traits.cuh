@@ -48,7 +48,7 @@ struct DkdvTile {
   static constexpr WarpGrid kGridKV = warp_grid(kBlockN, D, kGranN<T>);        // dK, dV
   static constexpr WarpGrid kGridQ = warp_grid(kBlockM, D, kGranN<T>);         // dQ partial
   static constexpr int kSmemElems = 2 * kBlockN * kLd + 2 * kBlockM * kLd + 2 * kBlockN * kLdP;
-  static constexpr int kSmemBytes = kSmemElems * int(sizeof(T)) + 2 * kBlockM * int(sizeof(float));
+  static constexpr int kSmemBytes = kSmemElems * int(sizeof(T)) + 3 * kBlockM * int(sizeof(float));  // L, D, row sum
   static_assert(kGridS.wm && kGridKV.wm && kGridQ.wm, "no warp grid fits these tiles");
 };
 
@@ -62,7 +62,7 @@ struct DqTile {
   static constexpr WarpGrid kGridS = warp_grid(kBlockM, kBlockN, kGranN<T>);  // S, dP
   static constexpr WarpGrid kGridQ = warp_grid(kBlockM, D, kGranN<T>);        // dQ
   static constexpr int kSmemElems = 2 * kBlockM * kLd + 2 * kBlockN * kLd + kBlockM * kLdS;
-  static constexpr int kSmemBytes = kSmemElems * int(sizeof(T)) + 2 * kBlockM * int(sizeof(float));
+  static constexpr int kSmemBytes = kSmemElems * int(sizeof(T)) + 3 * kBlockM * int(sizeof(float));  // L, D, row sum
   static_assert(kGridS.wm && kGridQ.wm, "no warp grid fits these tiles");
 };
 
