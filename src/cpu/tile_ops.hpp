@@ -111,39 +111,46 @@ inline void store_rows(const AttentionProblem& p, const TensorView& t, const Seq
 
 // C[m x n] += A[m x k] B[k x n] for the small tile products. A is read through two strides
 // (row, column) so that a transposed operand (dS^T) costs nothing; B and C are row-major.
-// Register blocking: an MR x (4 * NV) block of C stays in registers for the whole k loop and
+// Register blocking: an MR x (kLanes * NV) block of C stays in registers for the whole k loop and
 // each B row is loaded once per MR rows, where a row-by-row loop would load and store C on every
 // multiply-add. The block is written with GCC/Clang vector types because auto-vectorisation of
 // the scalar form measured slower than no blocking at all. Every element still sums over k in
 // order, so blocks and edges agree bitwise.
-using f32x4 = float __attribute__((vector_size(16)));
-constexpr int kGemmRows = 2;
-constexpr int kGemmVecs = 4;
-constexpr int kGemmCols = 4 * kGemmVecs;
+// Lanes follow the build's target: 8 where AVX is enabled, else 4 (SSE, NEON).
+#if defined(__AVX__)
+constexpr int kLanes = 8;
+#else
+constexpr int kLanes = 4;
+#endif
+using f32xN = float __attribute__((vector_size(4 * kLanes)));
+using i32xN = int32_t __attribute__((vector_size(4 * kLanes)));
+constexpr int kGemmRows = kLanes == 8 ? 4 : 2;  // measured best: SSE 2 x 16, AVX2 4 x 16
+constexpr int kGemmVecs = 16 / kLanes;
+constexpr int kGemmCols = kLanes * kGemmVecs;
 
-inline f32x4 load4(const float* p) {
-  f32x4 v;
+inline f32xN load_lanes(const float* p) {
+  f32xN v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-inline void store4(float* p, f32x4 v) { std::memcpy(p, &v, sizeof v); }
+inline void store_lanes(float* p, f32xN v) { std::memcpy(p, &v, sizeof v); }
 
 template <int MR, int NV>
 inline void gemm_block(const float* a, int64_t a_row, int64_t a_col, const float* b, int64_t ldb, float* c,
                        int64_t ldc, int64_t k) {
-  f32x4 acc[MR][NV];
+  f32xN acc[MR][NV];
   for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = load4(c + r * ldc + 4 * v);
+    for (int v = 0; v < NV; ++v) acc[r][v] = load_lanes(c + r * ldc + kLanes * v);
   for (int64_t d = 0; d < k; ++d) {
-    f32x4 bd[NV];
-    for (int v = 0; v < NV; ++v) bd[v] = load4(b + d * ldb + 4 * v);
+    f32xN bd[NV];
+    for (int v = 0; v < NV; ++v) bd[v] = load_lanes(b + d * ldb + kLanes * v);
     for (int r = 0; r < MR; ++r) {
       const float x = a[r * a_row + d * a_col];
       for (int v = 0; v < NV; ++v) acc[r][v] += x * bd[v];
     }
   }
   for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < NV; ++v) store4(c + r * ldc + 4 * v, acc[r][v]);
+    for (int v = 0; v < NV; ++v) store_lanes(c + r * ldc + kLanes * v, acc[r][v]);
 }
 
 inline void gemm_edge(const float* a, int64_t a_row, int64_t a_col, const float* b, int64_t ldb, float* c, int64_t ldc,
@@ -175,26 +182,25 @@ inline void gemm(const float* a, int64_t a_row, int64_t a_col, const float* b, i
   gemm_accumulate(a, a_row, a_col, b, ldb, c, ldc, m, n, k);
 }
 
-// x[j] = 2^(x[j] - sub) for a row, four lanes at a time (libm's scalar exp2f measured ~10% of
+// x[j] = 2^(x[j] - sub) for a row, kLanes at a time (libm's scalar exp2f measured ~10% of
 // the whole backward). 2^x = 2^n * 2^f with n = round(x), |f| <= 1/2, and 2^f a degree-6 fit
 // (relative error < 1e-7 in fp32, about 1.6 ulp). x < -126 gives exactly 0, so masked (-inf)
 // scores weigh nothing; x is never above ~0 here (scores minus their max or their LSE).
-inline f32x4 exp2_lanes(f32x4 x) {
-  using i32x4 = int32_t __attribute__((vector_size(16)));
-  const i32x4 dead = x < -126.0f;  // all-ones lanes, also for -inf
-  x = x < -126.0f ? f32x4{} - 126.0f : x;
-  x = x > 127.0f ? f32x4{} + 127.0f : x;
-  f32x4 t = x + 0.5f;
-  i32x4 n = __builtin_convertvector(t, i32x4);  // truncates toward zero: fix up to floor
-  n -= __builtin_convertvector(n, f32x4) > t ? i32x4{} + 1 : i32x4{};
-  const f32x4 f = x - __builtin_convertvector(n, f32x4);
-  f32x4 p = f * 1.508394634583965e-4f + 1.3395515270531178e-3f;
+inline f32xN exp2_lanes(f32xN x) {
+  const i32xN dead = x < -126.0f;  // all-ones lanes, also for -inf
+  x = x < -126.0f ? f32xN{} - 126.0f : x;
+  x = x > 127.0f ? f32xN{} + 127.0f : x;
+  const f32xN t = x + 0.5f;
+  i32xN n = __builtin_convertvector(t, i32xN);  // truncates toward zero: fix up to floor
+  n -= __builtin_convertvector(n, f32xN) > t ? i32xN{} + 1 : i32xN{};
+  const f32xN f = x - __builtin_convertvector(n, f32xN);
+  f32xN p = f * 1.508394634583965e-4f + 1.3395515270531178e-3f;
   p = p * f + 9.61942970752716e-3f;
   p = p * f + 5.5503424257040024e-2f;
   p = p * f + 2.402263879776001e-1f;
   p = p * f + 6.931471824645996e-1f;
   p = p * f + 1.0f;
-  i32x4 bits;
+  i32xN bits;
   std::memcpy(&bits, &p, sizeof bits);
   bits = (bits + (n << 23)) & ~dead;
   std::memcpy(&p, &bits, sizeof p);
@@ -203,11 +209,12 @@ inline f32x4 exp2_lanes(f32x4 x) {
 
 inline void exp2_row(float* x, int64_t n, float sub) {
   int64_t j = 0;
-  for (; j + 4 <= n; j += 4) store4(x + j, exp2_lanes(load4(x + j) - sub));
+  for (; j + kLanes <= n; j += kLanes) store_lanes(x + j, exp2_lanes(load_lanes(x + j) - sub));
   if (j < n) {  // the tail through the same lanes, so every element gets the same rounding
-    float tail[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    float tail[kLanes];
+    std::fill(tail, tail + kLanes, -INFINITY);
     std::copy(x + j, x + n, tail);
-    const f32x4 r = exp2_lanes(load4(tail) - sub);
+    const f32xN r = exp2_lanes(load_lanes(tail) - sub);
     std::memcpy(x + j, &r, size_t(n - j) * sizeof(float));
   }
 }
