@@ -136,11 +136,12 @@ void key_tile(const AttentionProblem& p, const ScoreTransform& transform, const 
 }
 
 // Fused schedule: every key tile of one (sequence, kv head), then dQ of the group's heads.
+// The accumulator is allocated per task, not kept per thread: it scales with the sequence.
 void kv_head_fused(const AttentionProblem& p, const ScoreTransform& transform, const std::vector<float>& delta,
-                   int64_t b, int64_t hk, BackwardScratch& w, std::vector<float>& dq_accum) {
+                   int64_t b, int64_t hk, BackwardScratch& w) {
   const Sequence s = sequence(p, b);
   const int64_t dqk = p.headdim_qk, group = p.heads_q / p.heads_kv;
-  dq_accum.assign(size_t(group * s.len_q * dqk), 0.0f);
+  std::vector<float> dq_accum(size_t(group * s.len_q * dqk), 0.0f);
   for (int64_t j0 = 0; j0 < s.len_k; j0 += kTileK) key_tile(p, transform, delta, s, hk, j0, w, dq_accum.data());
   const std::vector<float> scale(size_t(s.len_q), *p.softmax_scale);
   for (int64_t g = 0; g < group; ++g)
@@ -188,8 +189,7 @@ void backward(const AttentionProblem& p) {
   if (p.batch * p.heads_kv >= kFusedTasksPerThread * resolve_threads(p.num_threads)) {
     parallel_for(p.batch * p.heads_kv, p.num_threads, [&](int64_t task) {
       thread_local BackwardScratch scratch;
-      thread_local std::vector<float> dq_accum;
-      kv_head_fused(p, transform, delta, task / p.heads_kv, task % p.heads_kv, scratch, dq_accum);
+      kv_head_fused(p, transform, delta, task / p.heads_kv, task % p.heads_kv, scratch);
     });
     return;
   }
