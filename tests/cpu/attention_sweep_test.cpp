@@ -203,7 +203,7 @@ TEST_P(AttentionSweep, TiledMatchesOracle) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Cpu, AttentionSweep, testing::ValuesIn(sweep_cases()),
-                         [](const testing::TestParamInfo<SweepCase>& info) { return info.param.name; });
+                         [](const testing::TestParamInfo<SweepCase>& param) { return param.param.name; });
 
 }  // namespace
 }  // namespace tileattn::test

@@ -38,7 +38,9 @@ TEST(Mask, MatchesRuleAndTileRangesAreTight) {
               ASSERT_GE(j, m.tile_begin_key(i0));
               ASSERT_LT(j, m.tile_end_key(i1));
             }
-            if (j >= m.full_begin_key(i1) && j < m.full_end_key(i0)) ASSERT_TRUE(rule(i, j, sq, sk, left, right));
+            if (j >= m.full_begin_key(i1) && j < m.full_end_key(i0)) {
+              ASSERT_TRUE(rule(i, j, sq, sk, left, right));
+            }
           }
       }
     // Key tiles: every query that sees a key of [j0, j1) lies in [tile_begin_query, tile_end_query).

@@ -21,7 +21,9 @@ void expect_rows_zero(const std::vector<double>& got, const std::vector<bool>& e
   for (size_t r = 0; r < empty.size(); ++r)
     for (int64_t d = 0; d < width; ++d) {
       nonfinite += !std::isfinite(got[r * width + d]);
-      if (empty[r]) ASSERT_EQ(got[r * width + d], 0.0) << what << " row " << r;
+      if (empty[r]) {
+        ASSERT_EQ(got[r * width + d], 0.0) << what << " row " << r;
+      }
     }
   EXPECT_EQ(nonfinite, 0) << what;
 }
@@ -53,8 +55,12 @@ void check_masked_rows(const ProblemShape& shape, Empty empty_side) {
     empty_k[r] = zero;
   }
   const auto count = [](const std::vector<bool>& v) { return std::count(v.begin(), v.end(), true); };
-  if (empty_side != Empty::keys) EXPECT_GT(count(empty_q), 0) << "the case should have queries that see no key";
-  if (empty_side != Empty::queries) EXPECT_GT(count(empty_k), 0) << "the case should have keys no query sees";
+  if (empty_side != Empty::keys) {
+    EXPECT_GT(count(empty_q), 0) << "the case should have queries that see no key";
+  }
+  if (empty_side != Empty::queries) {
+    EXPECT_GT(count(empty_k), 0) << "the case should have keys no query sees";
+  }
 
   expect_rows_zero(hp.o.gather(), empty_q, dv, "O");
   expect_rows_zero(hp.dq.gather(), empty_q, dqk, "dQ");
@@ -113,8 +119,8 @@ TEST_P(MaskedRows, VarlenSequencesWithoutKeysOrQueries) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Cpu, MaskedRows, testing::Values(DType::f32, DType::f16, DType::bf16),
-                         [](const testing::TestParamInfo<DType>& info) {
-                           return info.param == DType::f32 ? "f32" : info.param == DType::f16 ? "f16" : "bf16";
+                         [](const testing::TestParamInfo<DType>& param) {
+                           return param.param == DType::f32 ? "f32" : param.param == DType::f16 ? "f16" : "bf16";
                          });
 
 }  // namespace

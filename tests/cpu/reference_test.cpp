@@ -126,10 +126,11 @@ TEST(ReferenceForward, UniformScoresAverageVisibleValues) {
       for (int64_t d = 0; d < 4; ++d) score += x.q[size_t(i * 4 + d)] * x.k[size_t(d)] * 0.5;  // scale 1/sqrt(4)
       for (int64_t d = 0; d < 4; ++d)
         EXPECT_NEAR(f.o[size_t(i * 4 + d)], count ? mean[size_t(d)] / count : 0.0, 1e-12) << i << " " << d;
-      if (count)
+      if (count) {
         EXPECT_NEAR(f.lse[size_t(i)], score + std::log(double(count)), 1e-12) << i;
-      else
+      } else {
         EXPECT_EQ(f.lse[size_t(i)], -INFINITY) << i;
+      }
     }
   }
 }
