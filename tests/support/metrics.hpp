@@ -36,7 +36,8 @@ testing::AssertionResult within(const std::vector<double>& got, const std::vecto
 // Unit roundoff of a dtype: 2^-24 (f32), 2^-11 (f16), 2^-8 (bf16).
 double unit_roundoff(DType dtype);
 
-// Rounds each element to `dtype` and back (what a correct kernel at best stores).
+// Rounds each element to `dtype` and back (what a correct kernel at best stores). Goes through
+// fp32, so a double lying within 2^-24 relative of an fp16/bf16 tie may round the other way.
 std::vector<double> round_to(const std::vector<double>& values, DType dtype);
 
 }  // namespace tileattn::test
