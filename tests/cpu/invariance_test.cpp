@@ -45,6 +45,7 @@ TEST(Invariance, BitwiseAcrossRunsAndThreadCounts) {
   EXPECT_TRUE(one == run(hp, 1));
   EXPECT_TRUE(one == run(hp, 2));
   EXPECT_TRUE(one == run(hp, 5));
+  EXPECT_TRUE(one == run(hp, 0));  // all hardware threads
 }
 
 TEST(Invariance, BitwiseAcrossLayouts) {
