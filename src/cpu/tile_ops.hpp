@@ -109,14 +109,8 @@ inline void store_rows(const AttentionProblem& p, const TensorView& t, const Seq
   }
 }
 
-// C[m x n] += A[m x k] B[k x n] for the small tile products. A is read through two strides
-// (row, column) so that a transposed operand (dS^T) costs nothing; B and C are row-major.
-// Register blocking: an MR x (kLanes * NV) block of C stays in registers for the whole k loop and
-// each B row is loaded once per MR rows, where a row-by-row loop would load and store C on every
-// multiply-add. The block is written with GCC/Clang vector types because auto-vectorisation of
-// the scalar form measured slower than no blocking at all. Every element still sums over k in
-// order, so blocks and edges agree bitwise.
-// Lanes follow the build's target: 8 where AVX is enabled, else 4 (SSE, NEON).
+// SIMD lanes follow the build's target: 8 where AVX is enabled, else 4 (SSE, NEON). GCC/Clang
+// vector types, because auto-vectorisation of the scalar loops measured slower than no blocking.
 #if defined(__AVX__)
 constexpr int kLanes = 8;
 #else
@@ -135,6 +129,12 @@ inline f32xN load_lanes(const float* p) {
 }
 inline void store_lanes(float* p, f32xN v) { std::memcpy(p, &v, sizeof v); }
 
+// C[m x n] += A[m x k] B[k x n] for the small tile products. A is read through two strides
+// (row, column) so that a transposed operand (dS^T) costs nothing; B and C are row-major.
+// Register blocking: an MR x (kLanes * NV) block of C stays in registers for the whole k loop and
+// each B row is loaded once per MR rows, where a row-by-row loop would load and store C on every
+// multiply-add. Blocks and edges both add the k terms to C one by one in order, so an element's
+// value does not depend on where the tiling puts it.
 template <int MR, int NV>
 inline void gemm_block(const float* a, int64_t a_row, int64_t a_col, const float* b, int64_t ldb, float* c,
                        int64_t ldc, int64_t k) {
