@@ -294,6 +294,10 @@ inline testing::AssertionResult within_2x(const std::string& what, const std::ve
   const ErrorStats e = compare(got, ref);
   const ErrorStats n = compare(naive, ref);
   const double bound = 2.0 * n.max_abs + floor;
+  // Kept in the gtest XML report (--gtest_output) so a passing sweep still documents its margins.
+  testing::Test::RecordProperty(what + "_err", std::to_string(e.max_abs));
+  testing::Test::RecordProperty(what + "_naive_err", std::to_string(n.max_abs));
+  testing::Test::RecordProperty(what + "_bound", std::to_string(bound));
   std::ostringstream os;
   os << what << ": kernel {" << e << "} naive {" << n << "} bound=" << bound;
   if (e.nonfinite == 0 && e.max_abs <= bound) return testing::AssertionSuccess() << os.str();

@@ -8,7 +8,7 @@
 // Key tiles are visited from the last to the first: with a causal mask only the first tiles
 // visited cross the diagonal, and the sequence-end tile comes first too, so the mask branch is
 // taken early and the interior tiles run without mask arithmetic. K and V have one buffer each;
-// the load of V(j) overlaps S = Q K(j)^T and the load of K(j-1) overlaps the softmax and P V(j).
+// the load of V(j) overlaps S = Q K(j)^T and the load of K(j-1) overlaps P V(j).
 #include <cuda_runtime.h>
 
 #include "common/mask.hpp"
@@ -221,35 +221,38 @@ __global__ void __launch_bounds__(FwdTraits<T, kHeadDim>::kThreads)
 
       cp_async_wait<0>();
       __syncthreads();  // V(n) landed; every warp is done with K(n)
+
+      stats.update(s, acc_o, p.scale_log2);
+      // P rounded to T, in the A layout of the P V mma (an S n-tile pair is one A k-step).
+      uint32_t pa[kMTiles][kBlockN / 16][4];
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int ks = 0; ks < kBlockN / 16; ++ks) {
+          pa[mt][ks][0] = pack2<T>(s[mt][2 * ks][0], s[mt][2 * ks][1]);
+          pa[mt][ks][1] = pack2<T>(s[mt][2 * ks][2], s[mt][2 * ks][3]);
+          pa[mt][ks][2] = pack2<T>(s[mt][2 * ks + 1][0], s[mt][2 * ks + 1][1]);
+          pa[mt][ks][3] = pack2<T>(s[mt][2 * ks + 1][2], s[mt][2 * ks + 1][3]);
+        }
+      // Issued once S is packed: the copy's address registers then do not compete with fp32 S.
       if (n > n_begin) {
         load_k(n - 1);
         cp_async_commit();
       }
 
-      stats.update(s, acc_o, p.scale_log2);
-
-      // O += P V, P rounded to T in registers
+      // O += P V
 #pragma unroll
-      for (int ks = 0; ks < kBlockN / 16; ++ks) {
-        uint32_t a[kMTiles][4];
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
-          a[mt][0] = pack2<T>(s[mt][2 * ks][0], s[mt][2 * ks][1]);
-          a[mt][1] = pack2<T>(s[mt][2 * ks][2], s[mt][2 * ks][3]);
-          a[mt][2] = pack2<T>(s[mt][2 * ks + 1][0], s[mt][2 * ks + 1][1]);
-          a[mt][3] = pack2<T>(s[mt][2 * ks + 1][2], s[mt][2 * ks + 1][3]);
-        }
+      for (int ks = 0; ks < kBlockN / 16; ++ks)
 #pragma unroll
         for (int dp = 0; dp < kOTiles / 2; ++dp) {
           uint32_t b[4];
           ldmatrix_x4_trans(b, KVTile::address(kv_addr, dp, ks * 16) + kVOffset);
 #pragma unroll
           for (int mt = 0; mt < kMTiles; ++mt) {
-            mma_m16n8k16<T>(acc_o[mt][2 * dp], a[mt], b[0], b[2]);
-            mma_m16n8k16<T>(acc_o[mt][2 * dp + 1], a[mt], b[1], b[3]);
+            mma_m16n8k16<T>(acc_o[mt][2 * dp], pa[mt][ks], b[0], b[2]);
+            mma_m16n8k16<T>(acc_o[mt][2 * dp + 1], pa[mt][ks], b[1], b[3]);
           }
         }
-      }
     }
   }
 
