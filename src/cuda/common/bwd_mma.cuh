@@ -40,10 +40,10 @@ __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162f
 // Two adjacent values (a at the lower address).
 template <class T>
 __device__ __forceinline__ void store2(T* p, float a, float b) {
-  if constexpr (sizeof(T) == 2) {
-    T lo = from_float<T>(a), hi = from_float<T>(b);
-    uint32_t bits = uint32_t(*reinterpret_cast<uint16_t*>(&lo)) | (uint32_t(*reinterpret_cast<uint16_t*>(&hi)) << 16);
-    *reinterpret_cast<uint32_t*>(p) = bits;
+  if constexpr (std::is_same_v<T, __half>) {
+    *reinterpret_cast<__half2*>(p) = __floats2half2_rn(a, b);  // one paired conversion
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
   } else {
     *reinterpret_cast<float2*>(p) = make_float2(a, b);
   }

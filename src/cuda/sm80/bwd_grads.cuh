@@ -26,49 +26,78 @@ __device__ __forceinline__ float scaled_score(float x, const BwdParams& p) {
 // block's tile, whose first query and key are q0 and k0 of the sequence. kRowsAreKeys says which
 // side of the tile is the key side (the dK/dV kernel computes S^T). lse2/dsum are per query of
 // the tile (fp32: row max and row_sum, see bwd_params.hpp). P goes to sP (when kStoreP) and dS
-// to sdS, both at the same (row, column).
-template <class T, bool kRowsAreKeys, bool kStoreP, int MT, int NT>
-__device__ __forceinline__ void scores_to_grads(const float (&s)[MT][NT][4], const float (&dp)[MT][NT][4],
-                                                const float* lse2, const float* row_sum, const float* dsum,
-                                                int row0, int col0, int q0,
-                                                int k0, bool masked, const Mask& mask, const BwdParams& p, T* sP,
-                                                T* sdS, int ld) {
+// to sdS, both at the same (row, column). Soft-capping and masking are template flags so that
+// the common tile runs neither test per element; scores_to_grads below picks the variant.
+template <class T, bool kRowsAreKeys, bool kStoreP, bool kCapped, bool kMasked, int MT, int NT>
+__device__ __forceinline__ void scores_to_grads_tile(const float (&s)[MT][NT][4], const float (&dp)[MT][NT][4],
+                                                     const float* lse2, const float* row_sum, const float* dsum,
+                                                     int row0, int col0, int q0, int k0, const Mask& mask,
+                                                     const BwdParams& p, T* sP, T* sdS, int ld) {
   const int lane = threadIdx.x & 31;
-  const bool capped = p.softcap > 0.0f;
 #pragma unroll
-  for (int i = 0; i < MT; ++i)
+  for (int j = 0; j < NT; ++j) {
+    const int c = col0 + j * 8 + (lane & 3) * 2;
+    // A column's query statistics, read once when the columns are queries.
+    float col_lse[2] = {0.0f, 0.0f}, col_sum[2] = {1.0f, 1.0f}, col_d[2] = {0.0f, 0.0f};
+    if constexpr (kRowsAreKeys) {
 #pragma unroll
-    for (int j = 0; j < NT; ++j)
+      for (int e = 0; e < 2; ++e) {
+        col_lse[e] = lse2[c + e];
+        col_d[e] = dsum[c + e];
+        if constexpr (std::is_same_v<T, float>) col_sum[e] = row_sum[c + e];
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = row0 + i * 16 + (lane >> 2) + h * 8;
-        const int c = col0 + j * 8 + (lane & 3) * 2;
         float pv[2], ds[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const int qi = kRowsAreKeys ? c + e : r;
-          const int kj = kRowsAreKeys ? r : c + e;
+          const float l = kRowsAreKeys ? col_lse[e] : lse2[r];
+          const float d = kRowsAreKeys ? col_d[e] : dsum[r];
           const float x = s[i][j][2 * h + e];
-          float grad = 1.0f;
+          // The capped score, formed exactly as scaled_score does (fp32 statistics match it).
+          const float cap = kCapped ? p.softcap * tanhf(x * p.scale_over_cap) : 0.0f;
           float pe;
           if constexpr (std::is_same_v<T, float>) {
-            const float v = scaled_score(x, p);
-            pe = expf(v - lse2[qi]) / row_sum[qi];
-            if (capped) grad = softcap_grad(v, p.softcap);
-          } else if (capped) {
-            const float cap = p.softcap * tanhf(x * p.scale_over_cap);
-            pe = fast_exp2(cap * kLog2e - lse2[qi]);
-            grad = softcap_grad(cap, p.softcap);
+            pe = expf((kCapped ? cap : x * p.scale) - l) / (kRowsAreKeys ? col_sum[e] : row_sum[r]);
+          } else if constexpr (kCapped) {
+            pe = fast_exp2(cap * kLog2e - l);
           } else {
-            pe = fast_exp2(fmaf(x, p.scale_log2, -lse2[qi]));
+            pe = fast_exp2(fmaf(x, p.scale_log2, -l));
           }
-          if (masked && !mask.visible(q0 + qi, k0 + kj)) pe = 0.0f;
+          if constexpr (kMasked) {
+            const int qi = kRowsAreKeys ? c + e : r, kj = kRowsAreKeys ? r : c + e;
+            if (!mask.visible(q0 + qi, k0 + kj)) pe = 0.0f;
+          }
           pv[e] = pe;
-          ds[e] = pe * (dp[i][j][2 * h + e] - dsum[qi]) * grad;
+          ds[e] = pe * (dp[i][j][2 * h + e] - d);
+          if constexpr (kCapped) ds[e] *= softcap_grad(cap, p.softcap);
         }
         if constexpr (kStoreP) store2(sP + r * ld + c, pv[0], pv[1]);
         store2(sdS + r * ld + c, ds[0], ds[1]);
       }
+  }
+}
+
+template <class T, bool kRowsAreKeys, bool kStoreP, int MT, int NT>
+__device__ __forceinline__ void scores_to_grads(const float (&s)[MT][NT][4], const float (&dp)[MT][NT][4],
+                                                const float* lse2, const float* row_sum, const float* dsum,
+                                                int row0, int col0, int q0, int k0, bool masked, const Mask& mask,
+                                                const BwdParams& p, T* sP, T* sdS, int ld) {
+#define TA_BWD_GRADS(capped, msk)                                                                               \
+  scores_to_grads_tile<T, kRowsAreKeys, kStoreP, capped, msk>(s, dp, lse2, row_sum, dsum, row0, col0, q0, k0, mask, \
+                                                              p, sP, sdS, ld)
+  if (p.softcap > 0.0f) {
+    if (masked) TA_BWD_GRADS(true, true);
+    else TA_BWD_GRADS(true, false);
+  } else {
+    if (masked) TA_BWD_GRADS(false, true);
+    else TA_BWD_GRADS(false, false);
+  }
+#undef TA_BWD_GRADS
 }
 
 }  // namespace tileattn::cuda::bwd

@@ -17,7 +17,14 @@
 namespace tileattn::cuda::bwd {
 
 template <class T, int D>
-void launch_backward(const BwdParams& p, cudaStream_t stream) {
+void launch_backward(const BwdParams& params, cudaStream_t stream) {
+  using KV = DkdvTile<T, D>;
+  int device = 0, smem_optin = 0;
+  TA_CUDA_CHECK(cudaGetDevice(&device));
+  TA_CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  BwdParams p = params;
+  p.dkdv_stages = KV::smem_bytes(2) <= smem_optin ? 2 : 1;
+
   const int64_t rows = int64_t(p.batch) * p.heads_q * p.seqlen_q_rounded;
   const unsigned row_blocks = unsigned((rows + kRowKernelThreads / 32 - 1) / (kRowKernelThreads / 32));
   static_assert(kWorkspaceRowTile % DkdvTile<T, D>::kBlockM == 0 && kWorkspaceRowTile % DqTile<T, D>::kBlockM == 0,
@@ -34,10 +41,10 @@ void launch_backward(const BwdParams& p, cudaStream_t stream) {
     TA_CUDA_CHECK_LAUNCH("backward fp32 row statistics");
   }
 
-  using KV = DkdvTile<T, D>;
-  TA_CUDA_CHECK(cudaFuncSetAttribute(dkdv_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, KV::kSmemBytes));
+  const int kv_smem = KV::smem_bytes(p.dkdv_stages);
+  TA_CUDA_CHECK(cudaFuncSetAttribute(dkdv_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, kv_smem));
   const dim3 kv_grid((p.seqlen_k + KV::kBlockN - 1) / KV::kBlockN, p.batch, p.heads_kv);
-  dkdv_kernel<T, D><<<kv_grid, kThreads, KV::kSmemBytes, stream>>>(p);
+  dkdv_kernel<T, D><<<kv_grid, kThreads, kv_smem, stream>>>(p);
   TA_CUDA_CHECK_LAUNCH("backward dK/dV");
 
   if (p.dq_accum != nullptr) {

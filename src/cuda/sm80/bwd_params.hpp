@@ -33,6 +33,7 @@ struct BwdParams {
   // 16-byte copies are legal for every tensor (head dims and strides multiples of 8 elements,
   // 16-byte aligned bases); otherwise tiles are gathered element by element.
   bool vec_io;
+  int dkdv_stages;  // query-tile buffers of the dK/dV kernel: 2 where shared memory allows, else 1
 
   // ---- workspace: rows (batch, heads_q, seqlen_q_rounded), padding rows inert ------------
   int seqlen_q_rounded;

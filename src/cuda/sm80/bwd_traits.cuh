@@ -47,8 +47,10 @@ struct DkdvTile {
   static constexpr WarpGrid kGridS = warp_grid(kBlockN, kBlockM, kGranN<T>);   // S^T, dP^T
   static constexpr WarpGrid kGridKV = warp_grid(kBlockN, D, kGranN<T>);        // dK, dV
   static constexpr WarpGrid kGridQ = warp_grid(kBlockM, D, kGranN<T>);         // dQ partial
-  static constexpr int kSmemElems = 2 * kBlockN * kLd + 2 * kBlockM * kLd + 2 * kBlockN * kLdP;
-  static constexpr int kSmemBytes = kSmemElems * int(sizeof(T)) + 3 * kBlockM * int(sizeof(float));  // L, D, row sum
+  // K, V, P^T, dS^T, then 1 or 2 stages of (Q, dO, L, D, row sum).
+  static constexpr int kFixedBytes = (2 * kBlockN * kLd + 2 * kBlockN * kLdP) * int(sizeof(T));
+  static constexpr int kStageBytes = 2 * kBlockM * kLd * int(sizeof(T)) + 3 * kBlockM * int(sizeof(float));
+  static constexpr int smem_bytes(int stages) { return kFixedBytes + stages * kStageBytes; }
   static_assert(kGridS.wm && kGridKV.wm && kGridQ.wm, "no warp grid fits these tiles");
 };
 
