@@ -4,7 +4,8 @@
 // result is bitwise repeatable. It recomputes S and dP, the price of not using atomics.
 //
 // Per key tile:  dP = dO V^T   S = Q K^T   dS = grads(S, dP) -> shared   dQ += dS K
-// V of the next tile is fetched once dP is done, K once dQ's product is done.
+// The next key tile is fetched into a second buffer while this one computes when shared memory
+// holds two (p.dq_stages == 2), else once dQ's product has read the one buffer.
 #include <type_traits>
 
 #include "cuda/common/bwd_mma.cuh"
@@ -24,12 +25,13 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const BwdParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
   T* sQ = reinterpret_cast<T*>(smem);
   T* sdO = sQ + BM * LD;
-  T* sK = sdO + BM * LD;
-  T* sV = sK + BN * LD;
-  T* sdS = sV + BN * LD;  // [query][key]
+  T* sdS = sdO + BM * LD;  // [query][key]
   float* sL = reinterpret_cast<float*>(sdS + BM * LDS);
   float* sDsum = sL + BM;
   float* sRowSum = sDsum + BM;  // fp32 only
+  T* stages = reinterpret_cast<T*>(sRowSum + BM);
+  // K and V of one key tile, in one of p.dq_stages buffers.
+  auto stage_k = [&](int it) { return stages + (p.dq_stages == 2 ? (it & 1) : 0) * 2 * BN * LD; };
 
   const int b = blockIdx.y, h = blockIdx.z, hk = h / p.group;
   const SeqInfo s = seq_info(p, b);
@@ -50,24 +52,17 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const BwdParams p) {
   load_row_floats<BM>(sL, p.lse2 + ws_row(p, b, h) + q0);
   load_row_floats<BM>(sDsum, p.dsum + ws_row(p, b, h) + q0);
   if constexpr (std::is_same_v<T, float>) load_row_floats<BM>(sRowSum, p.row_sum + ws_row(p, b, h) + q0);
-  cp_async_commit();
 
   const T* gK = static_cast<const T*>(p.k.ptr) + seq_base(p, p.k, b, false) + int64_t(hk) * p.k.head;
   const T* gV = static_cast<const T*>(p.v.ptr) + seq_base(p, p.v, b, false) + int64_t(hk) * p.v.head;
-  auto load_v = [&](int it) {
+  auto load_kv = [&](int it) {
     const int k0 = (t0 + it) * BN;
-    load_tile<T, BN, D, LD>(sV, gV + int64_t(k0) * p.v.seq, p.v.seq, s.sk - k0, p.headdim_v, p.vec_io);
+    T* sk = stage_k(it);
+    load_tile<T, BN, D, LD>(sk, gK + int64_t(k0) * p.k.seq, p.k.seq, s.sk - k0, p.headdim_qk, p.vec_io);
+    load_tile<T, BN, D, LD>(sk + BN * LD, gV + int64_t(k0) * p.v.seq, p.v.seq, s.sk - k0, p.headdim_v, p.vec_io);
   };
-  auto load_k = [&](int it) {
-    const int k0 = (t0 + it) * BN;
-    load_tile<T, BN, D, LD>(sK, gK + int64_t(k0) * p.k.seq, p.k.seq, s.sk - k0, p.headdim_qk, p.vec_io);
-  };
-  if (n_tiles > 0) {
-    load_v(0);
-    cp_async_commit();
-    load_k(0);
-    cp_async_commit();
-  }
+  if (n_tiles > 0) load_kv(0);
+  cp_async_commit();  // Q, dO, row statistics and the first key tile
 
   const int warp = threadIdx.x / 32;
   const int s_row = (warp / GS.wn) * GS.tm, s_col = (warp % GS.wn) * GS.tn;
@@ -77,26 +72,33 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const BwdParams p) {
 
   for (int it = 0; it < n_tiles; ++it) {
     const int k0 = (t0 + it) * BN;
-    cp_async_wait<1>();  // Q, dO, V of this tile
+    if (p.dq_stages == 2) {
+      __syncthreads();  // the other buffer was last read in iteration it - 1
+      if (it + 1 < n_tiles) load_kv(it + 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
     __syncthreads();
+    const T* sK = stage_k(it);
+    const T* sV = sK + BN * LD;
     float dp[GS.tm / 16][GS.tn / 8][4];
     zero(dp);
     warp_gemm<T, GS.tm / 16, GS.tn / 8, D, true, false>(dp, sdO + s_row * LD, LD, sV + s_col * LD, LD);
-    __syncthreads();
-    if (it + 1 < n_tiles) load_v(it + 1);
-    cp_async_commit();
-    cp_async_wait<1>();  // K of this tile
-    __syncthreads();
     float st[GS.tm / 16][GS.tn / 8][4];
     zero(st);
     warp_gemm<T, GS.tm / 16, GS.tn / 8, D, true, false>(st, sQ + s_row * LD, LD, sK + s_col * LD, LD);
     const bool masked = !(mask.full_begin_key(q1) <= k0 && mask.full_end_key(q0) >= k0 + BN);
-    scores_to_grads<T, false, false>(st, dp, sL, sRowSum, sDsum, s_row, s_col, q0, k0, masked, mask, p, nullptr, sdS, LDS);
+    scores_to_grads<T, false, false>(st, dp, sL, sRowSum, sDsum, s_row, s_col, q0, k0, masked, mask, p, nullptr, sdS,
+                                     LDS);
     __syncthreads();
     warp_gemm<T, GQ.tm / 16, GQ.tn / 8, BN, true, true>(dq, sdS + q_row * LDS, LDS, sK + q_col, LD);
-    __syncthreads();
-    if (it + 1 < n_tiles) load_k(it + 1);
-    cp_async_commit();
+    if (p.dq_stages == 1) {
+      __syncthreads();  // the single buffer and dS are free once dQ's product is done
+      if (it + 1 < n_tiles) load_kv(it + 1);
+      cp_async_commit();
+    }
   }
 
   cp_async_wait<0>();  // no copy may outlive the block (tiles loaded for an empty loop)

@@ -24,6 +24,7 @@ void launch_backward(const BwdParams& params, cudaStream_t stream) {
   TA_CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   BwdParams p = params;
   p.dkdv_stages = KV::smem_bytes(2) <= smem_optin ? 2 : 1;
+  p.dq_stages = DqTile<T, D>::smem_bytes(2) <= smem_optin ? 2 : 1;
 
   const int64_t rows = int64_t(p.batch) * p.heads_q * p.seqlen_q_rounded;
   const unsigned row_blocks = unsigned((rows + kRowKernelThreads / 32 - 1) / (kRowKernelThreads / 32));
@@ -52,9 +53,10 @@ void launch_backward(const BwdParams& params, cudaStream_t stream) {
     TA_CUDA_CHECK_LAUNCH("backward dQ conversion");
   } else {
     using Q = DqTile<T, D>;
-    TA_CUDA_CHECK(cudaFuncSetAttribute(dq_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, Q::kSmemBytes));
+    const int q_smem = Q::smem_bytes(p.dq_stages);
+    TA_CUDA_CHECK(cudaFuncSetAttribute(dq_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, q_smem));
     const dim3 q_grid((p.seqlen_q + Q::kBlockM - 1) / Q::kBlockM, p.batch, p.heads_q);
-    dq_kernel<T, D><<<q_grid, kThreads, Q::kSmemBytes, stream>>>(p);
+    dq_kernel<T, D><<<q_grid, kThreads, q_smem, stream>>>(p);
     TA_CUDA_CHECK_LAUNCH("backward dQ");
   }
 }

@@ -34,6 +34,7 @@ struct BwdParams {
   // 16-byte aligned bases); otherwise tiles are gathered element by element.
   bool vec_io;
   int dkdv_stages;  // query-tile buffers of the dK/dV kernel: 2 where shared memory allows, else 1
+  int dq_stages;    // key-tile buffers of the dQ pass, likewise
 
   // ---- workspace: rows (batch, heads_q, seqlen_q_rounded), padding rows inert ------------
   int seqlen_q_rounded;

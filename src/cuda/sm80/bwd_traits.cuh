@@ -63,8 +63,10 @@ struct DqTile {
   static constexpr int kLdS = kBlockN + kPad<T>;
   static constexpr WarpGrid kGridS = warp_grid(kBlockM, kBlockN, kGranN<T>);  // S, dP
   static constexpr WarpGrid kGridQ = warp_grid(kBlockM, D, kGranN<T>);        // dQ
-  static constexpr int kSmemElems = 2 * kBlockM * kLd + 2 * kBlockN * kLd + kBlockM * kLdS;
-  static constexpr int kSmemBytes = kSmemElems * int(sizeof(T)) + 3 * kBlockM * int(sizeof(float));  // L, D, row sum
+  // Q, dO, dS, (L, D, row sum), then 1 or 2 stages of (K, V).
+  static constexpr int kFixedBytes = (2 * kBlockM * kLd + kBlockM * kLdS) * int(sizeof(T)) + 3 * kBlockM * int(sizeof(float));
+  static constexpr int kStageBytes = 2 * kBlockN * kLd * int(sizeof(T));
+  static constexpr int smem_bytes(int stages) { return kFixedBytes + stages * kStageBytes; }
   static_assert(kGridS.wm && kGridQ.wm, "no warp grid fits these tiles");
 };
 
