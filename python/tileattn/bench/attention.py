@@ -68,10 +68,25 @@ def _measure(fn, inputs, warmup: int, passes: int, row: dict) -> None:
         return
     try:
         dout = torch.randn_like(out)
-        bwd = _common.time_each(lambda: out.backward(dout, retain_graph=True), warmup, passes, before=clear_grads)
+        graph = {"out": out}
+        del out
+
+        def fresh_forward():
+            # Each timed backward gets its own untimed forward: compiled backwards free (donate)
+            # their saved buffers, so one graph cannot be replayed with retain_graph.
+            clear_grads()
+            graph["out"] = None
+            graph["out"] = fn(*inputs)
+
+        def backward():
+            graph["out"].backward(dout)
+
+        bwd = _common.time_each(backward, warmup, passes, before=fresh_forward)
         row["backward_ms"] = _common.mean_std(bwd)[0]
+        fresh_forward()
+        row["backward_peak_MiB"] = _common.peak_mib(backward)
+        graph["out"] = None
         clear_grads()
-        row["backward_peak_MiB"] = _common.peak_mib(lambda: out.backward(dout, retain_graph=True))
         row["status"] = "ok"
     except (RuntimeError, NotImplementedError) as error:
         row["status"] = "OOM(backward)" if _common.is_oom(error) else f"failed(backward): {error}"[:200]
