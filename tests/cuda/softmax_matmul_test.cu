@@ -5,6 +5,8 @@
 #include <cuda_fp16.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -16,9 +18,9 @@
 namespace tileattn::test {
 namespace {
 
-constexpr double kTf32Roundoff = 1.0 / 2048.0;
-// Fast mode: P and V are rounded to TF32 (2u); X itself is not multiplied.
-constexpr double kFastRelBound = 8 * kTf32Roundoff;
+// Fast mode: P is rounded to TF32 (2^-11) and V truncated (2^-10), so out = sum_j p_j v_j moves
+// by at most 3 * 2^-11 * max|V|; one more 2^-11 covers the fp32 sums.
+constexpr double kFastBoundPerMaxV = 4.0 / 2048.0;
 
 constexpr int kNaiveThreads = 128;
 
@@ -142,8 +144,10 @@ TEST_P(SoftmaxMatmul, Fp32FastWithinTf32Bound) {
   DeviceSoftmaxMatmul d(h);
   d.run(Fp32Mode::fast);
   const ErrorStats e = compare(h.out.gather(), ref);
+  double max_v = 0.0;
+  for (double x : h.v.gather()) max_v = std::max(max_v, std::fabs(x));
   EXPECT_EQ(e.nonfinite, 0) << e;
-  EXPECT_LE(e.max_abs, kFastRelBound * std::max(1.0, e.max_ref)) << e;
+  EXPECT_LE(e.max_abs, kFastBoundPerMaxV * max_v + output_floor(DType::f32, e.max_ref)) << e << " max|V|=" << max_v;
   EXPECT_EQ(h.out.touched_outside_view(), 0);
 }
 

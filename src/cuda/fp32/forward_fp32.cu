@@ -26,9 +26,9 @@ int clamp_window(int64_t w, int64_t reach) { return w < 0 ? -1 : int(std::min(w,
 
 template <int kD, bool kExact>
 void launch(const fp32::FwdParams& params, int64_t batch, int64_t seqlen_q, int64_t heads_q, cudaStream_t stream) {
-  using Tile = fp32::FwdTile<kD>;
+  using Tile = fp32::FwdTile<kD, kExact>;
   const auto kernel = fp32::forward_fp32_kernel<kD, kExact>;
-  const size_t smem = sizeof(float) * Tile::smem_floats(kExact);
+  const size_t smem = sizeof(float) * Tile::smem_floats();
   TA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   const dim3 grid(unsigned((seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM), unsigned(heads_q), unsigned(batch));
   kernel<<<grid, Tile::kThreads, smem, stream>>>(params);

@@ -1,7 +1,7 @@
 #pragma once
-// fp32 attention forward on the GPU. `exact` (the default) multiplies on tensor cores with
-// split TF32 (three TF32 products per fp32 product), whose error matches plain fp32 FMA;
-// `fast` is a single TF32 product (about 10 mantissa bits per operand).
+// fp32 attention forward on the GPU. `exact` (the default) multiplies on fp64 tensor cores, so
+// its error stays below that of a plain fp32 FMA loop; `fast` is a single TF32 product (about
+// 11 significant bits per operand).
 #include <cstddef>
 
 #include "tileattn/problem.hpp"

@@ -1,16 +1,18 @@
 #pragma once
 // fp32 attention forward: one block owns kBlockM query rows of one (sequence, head) and walks
-// the key tiles its mask leaves visible, FlashAttention-2 style. Each warp owns kMTiles x 16
-// rows, so every K/V fragment it splits into TF32 parts feeds kMTiles (x3 in exact mode) MMAs.
+// the key tiles its mask leaves visible, FlashAttention-2 style; each warp owns kMTiles x 16
+// rows. Products run on tensor cores: fp64 in exact mode, TF32 in fast mode (mma_fp32.cuh).
 //
 // Pipeline (one K and one V buffer): the V tile loads while S = Q K^T is computed, and the
 // next K tile loads while O += P V is computed.
 #include <cstdint>
+#include <type_traits>
 
 #include "common/mask.hpp"
 #include "common/online_softmax.hpp"
+#include "cuda/common/ptx.cuh"
 #include "cuda/fp32/async_copy.cuh"
-#include "cuda/fp32/tf32_mma.cuh"
+#include "cuda/fp32/mma_fp32.cuh"
 
 namespace tileattn::cuda::fp32 {
 
@@ -38,38 +40,37 @@ struct FwdParams {
 };
 
 // Tile shapes, the one place they are chosen. kD is the head-dim bucket (max of qk and v).
-// Registers per thread ~ O (kMTiles*kD/2) + S (kMTiles*kBlockN/2): rows per warp shrink and
-// key tiles narrow as kD grows to stay clear of spills.
-template <int kD>
+// Registers per thread ~ O (kMTiles*kD/2 floats) + S (kMTiles*kBlockN/2, doubles in exact
+// mode): exact mode and large head dims take 16 rows per warp and 32-key tiles.
+template <int kD, bool kExact>
 struct FwdTile {
   static constexpr int kWarps = 4;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kMTiles = kD <= 64 ? 2 : 1;
+  static constexpr int kMTiles = !kExact && kD <= 64 ? 2 : 1;
   static constexpr int kBlockM = kWarps * 16 * kMTiles;
-  // 64-wide key tiles only where two blocks still fit an SM's shared memory (exact mode).
-  static constexpr int kBlockN = kD <= 64 ? 64 : 32;
+  static constexpr int kBlockN = !kExact && kD <= 64 ? 64 : 32;
   // Row pitches in floats. Q and K are read as float2 (rows g, columns 2t): a pitch of 8 mod 32
   // words spreads a half-warp over all banks. V is read as scalars from rows 2t and 2t+1:
   // pitch 4 mod 32 does the same.
   static constexpr int kQLd = kD + 8;
   static constexpr int kKLd = kD + 8;
   static constexpr int kVLd = kD + 4;
-  static constexpr int smem_floats(bool exact) { return (exact ? 2 : 1) * kBlockM * kQLd + kBlockN * (kKLd + kVLd); }
+  static constexpr int smem_floats() { return kBlockM * kQLd + kBlockN * (kKLd + kVLd); }
 };
 
 __device__ __forceinline__ int round_up8(int x) { return (x + 7) & ~7; }
 
 template <int kD, bool kExact>
-__global__ void __launch_bounds__(FwdTile<kD>::kThreads) forward_fp32_kernel(const FwdParams p) {
-  using Tile = FwdTile<kD>;
+__global__ void __launch_bounds__(FwdTile<kD, kExact>::kThreads) forward_fp32_kernel(const FwdParams p) {
+  using Tile = FwdTile<kD, kExact>;
+  using Acc = std::conditional_t<kExact, double, float>;
   constexpr int kBM = Tile::kBlockM, kBN = Tile::kBlockN, kMT = Tile::kMTiles;
   constexpr int kNT = kBN / 8, kDT = kD / 8;
   constexpr int kQLd = Tile::kQLd, kKLd = Tile::kKLd, kVLd = Tile::kVLd, kThreads = Tile::kThreads;
 
   extern __shared__ __align__(16) float smem[];
-  float* q_hi = smem;
-  float* q_lo = q_hi + kBM * kQLd;  // exact mode only
-  float* k_s = q_hi + (kExact ? 2 : 1) * kBM * kQLd;
+  float* q_s = smem;
+  float* k_s = q_s + kBM * kQLd;
   float* v_s = k_s + kBN * kKLd;
 
   // Blocks of long causal rows go first so the short ones fill the tail of the grid.
@@ -109,22 +110,22 @@ __global__ void __launch_bounds__(FwdTile<kD>::kThreads) forward_fp32_kernel(con
   const int full_begin = mask.full_begin_key(i1), full_end = mask.full_end_key(i0);
   const int dqk8 = round_up8(p.dqk), dv8 = round_up8(p.dv);
 
-  load_tile_async<kBM, kD, kQLd, kThreads>(q_hi, q, p.q_seq_stride, i1 - i0, p.dqk, dqk8, p.vec16);
+  load_tile_async<kBM, kD, kQLd, kThreads>(q_s, q, p.q_seq_stride, i1 - i0, p.dqk, dqk8, p.vec16);
   cp_async_commit();
   if (n_begin < n_end)
     load_tile_async<kBN, kD, kKLd, kThreads>(k_s, k + n_begin * p.k_seq_stride, p.k_seq_stride, sk - n_begin, p.dqk,
                                              dqk8, p.vec16);
   cp_async_commit();
-  cp_async_wait<1>();
-  __syncthreads();
-  // Q is split into TF32 parts once; K and V are split per fragment as they are read.
-  for (int idx = threadIdx.x; idx < kBM * kD; idx += kThreads) {
-    const int r = idx / kD, c = idx % kD;
-    if (c >= dqk8) continue;
-    const float x = q_hi[r * kQLd + c];
-    const uint32_t hi = to_tf32(x);
-    q_hi[r * kQLd + c] = __uint_as_float(hi);
-    if constexpr (kExact) q_lo[r * kQLd + c] = __uint_as_float(to_tf32(x - __uint_as_float(hi)));
+  if constexpr (!kExact) {
+    // Q (read by every key tile) is rounded to TF32 once; K and V go in as fp32 bits, which
+    // the tensor core truncates to TF32: rounding each fragment would cost an instruction per
+    // element per warp, the scarcest resource of this loop.
+    cp_async_wait<1>();
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < kBM * kD; idx += kThreads) {
+      const int r = idx / kD, c = idx % kD;
+      if (c < dqk8) q_s[r * kQLd + c] = __uint_as_float(to_tf32(q_s[r * kQLd + c]));
+    }
   }
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -145,56 +146,58 @@ __global__ void __launch_bounds__(FwdTile<kD>::kThreads) forward_fp32_kernel(con
 
   for (int n0 = n_begin; n0 < n_end; n0 += kBN) {
     cp_async_wait<0>();
-    __syncthreads();  // K tile (and, first time, the split Q) visible; V buffer free
+    __syncthreads();  // K tile (and, first time, Q) visible; V buffer free
     load_tile_async<kBN, kD, kVLd, kThreads>(v_s, v + n0 * p.v_seq_stride, p.v_seq_stride, sk - n0, p.dv, dv8,
                                              p.vec16);
     cp_async_commit();
 
     // S = Q K^T
+    Acc sa[kMT][kNT][4];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sa[mt][nt][e] = Acc(0);
+#pragma unroll
+    for (int ks = 0; ks < kDT; ++ks) {
+      if (ks * 8 >= dqk8) break;
+      float qa[kMT][4];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        const int r = wm0 + mt * 16 + g;
+        const float2 x0 = *reinterpret_cast<const float2*>(&q_s[r * kQLd + ks * 8 + 2 * t]);
+        const float2 x1 = *reinterpret_cast<const float2*>(&q_s[(r + 8) * kQLd + ks * 8 + 2 * t]);
+        qa[mt][0] = x0.x, qa[mt][1] = x1.x, qa[mt][2] = x0.y, qa[mt][3] = x1.y;
+      }
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt) {
+        const float2 kv = *reinterpret_cast<const float2*>(&k_s[(nt * 8 + g) * kKLd + ks * 8 + 2 * t]);
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          if constexpr (kExact) {
+            const double ad[4] = {qa[mt][0], qa[mt][1], qa[mt][2], qa[mt][3]}, bd[2] = {kv.x, kv.y};
+            mma_16x8x8_f64(sa[mt][nt], ad, bd);
+          } else {
+            const uint32_t au[4] = {__float_as_uint(qa[mt][0]), __float_as_uint(qa[mt][1]),
+                                    __float_as_uint(qa[mt][2]), __float_as_uint(qa[mt][3])};
+            const uint32_t bu[2] = {__float_as_uint(kv.x), __float_as_uint(kv.y)};
+            mma_16x8x8_tf32(sa[mt][nt], au, bu);
+          }
+        }
+      }
+    }
+
+    // Scores to the log2 domain; only tiles crossing a mask edge (or the key end) pay for masking.
+    const bool need_mask = n0 < full_begin || n0 + kBN > full_end;
     float s[kMT][kNT][4];
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
       for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.0f;
-#pragma unroll
-    for (int ks = 0; ks < kDT; ++ks) {
-      if (ks * 8 >= dqk8) break;
-      Tf32Frag<4> a[kMT];
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) {
-        const int r = wm0 + mt * 16 + g;
-        const float2 h0 = *reinterpret_cast<const float2*>(&q_hi[r * kQLd + ks * 8 + 2 * t]);
-        const float2 h1 = *reinterpret_cast<const float2*>(&q_hi[(r + 8) * kQLd + ks * 8 + 2 * t]);
-        a[mt].hi[0] = __float_as_uint(h0.x), a[mt].hi[1] = __float_as_uint(h1.x);
-        a[mt].hi[2] = __float_as_uint(h0.y), a[mt].hi[3] = __float_as_uint(h1.y);
-        if constexpr (kExact) {
-          const float2 l0 = *reinterpret_cast<const float2*>(&q_lo[r * kQLd + ks * 8 + 2 * t]);
-          const float2 l1 = *reinterpret_cast<const float2*>(&q_lo[(r + 8) * kQLd + ks * 8 + 2 * t]);
-          a[mt].lo[0] = __float_as_uint(l0.x), a[mt].lo[1] = __float_as_uint(l1.x);
-          a[mt].lo[2] = __float_as_uint(l0.y), a[mt].lo[3] = __float_as_uint(l1.y);
-        }
-      }
-#pragma unroll
-      for (int nt = 0; nt < kNT; ++nt) {
-        const float2 kv = *reinterpret_cast<const float2*>(&k_s[(nt * 8 + g) * kKLd + ks * 8 + 2 * t]);
-        const float kb[2] = {kv.x, kv.y};
-        const Tf32Frag<2> bf = split<kExact>(kb);
-#pragma unroll
-        for (int mt = 0; mt < kMT; ++mt) mma_fp32<kExact>(s[mt][nt], a[mt], bf);
-      }
-    }
-
-    // Scores to the log2 domain; only tiles crossing a mask edge (or the key end) pay for masking.
-    const bool need_mask = n0 < full_begin || n0 + kBN > full_end;
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
         for (int e = 0; e < 4; ++e) {
-          float x = s[mt][nt][e];
+          float x = float(sa[mt][nt][e]);
           x = p.softcap > 0.0f ? apply_softcap(x * p.scale, p.softcap) * kLog2e : x * p.scale_log2;
           if (need_mask) {
             const int i = i0 + wm0 + mt * 16 + g + (e >= 2 ? 8 : 0);
@@ -222,7 +225,7 @@ __global__ void __launch_bounds__(FwdTile<kD>::kThreads) forward_fp32_kernel(con
         for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
           for (int e = 2 * hf; e < 2 * hf + 2; ++e) {
-            const float pe = exp2f(s[mt][nt][e] - base);
+            const float pe = kExact ? exp2f(s[mt][nt][e] - base) : exp2_fast(s[mt][nt][e] - base);
             s[mt][nt][e] = pe;
             sum += pe;
           }
@@ -241,22 +244,49 @@ __global__ void __launch_bounds__(FwdTile<kD>::kThreads) forward_fp32_kernel(con
                                                p.dqk, dqk8, p.vec16);
     cp_async_commit();
 
-    // O += P V; the S accumulator layout is the A fragment layout (see tf32_mma.cuh).
+    // O += P V; the S accumulator layout is the A fragment layout (see mma_fp32.cuh).
+    if constexpr (kExact) {
+      // Each 8-column slice of this tile's P V is summed in fp64 and rounded into O once.
+      double pd[kMT][kNT][4];
 #pragma unroll
-    for (int kk = 0; kk < kNT; ++kk) {
-      Tf32Frag<4> a[kMT];
+      for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) {
-        const float pa[4] = {s[mt][kk][0], s[mt][kk][2], s[mt][kk][1], s[mt][kk][3]};
-        a[mt] = split<kExact>(pa);
-      }
+        for (int kk = 0; kk < kNT; ++kk) {
+          pd[mt][kk][0] = s[mt][kk][0], pd[mt][kk][1] = s[mt][kk][2];
+          pd[mt][kk][2] = s[mt][kk][1], pd[mt][kk][3] = s[mt][kk][3];
+        }
 #pragma unroll
       for (int dt = 0; dt < kDT; ++dt) {
         if (dt * 8 >= dv8) break;
-        const float vb[2] = {v_s[(kk * 8 + 2 * t) * kVLd + dt * 8 + g], v_s[(kk * 8 + 2 * t + 1) * kVLd + dt * 8 + g]};
-        const Tf32Frag<2> bf = split<kExact>(vb);
+        double part[kMT][4] = {};
 #pragma unroll
-        for (int mt = 0; mt < kMT; ++mt) mma_fp32<kExact>(acc[mt][dt], a[mt], bf);
+        for (int kk = 0; kk < kNT; ++kk) {
+          const double vb[2] = {v_s[(kk * 8 + 2 * t) * kVLd + dt * 8 + g], v_s[(kk * 8 + 2 * t + 1) * kVLd + dt * 8 + g]};
+#pragma unroll
+          for (int mt = 0; mt < kMT; ++mt) mma_16x8x8_f64(part[mt], pd[mt][kk], vb);
+        }
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[mt][dt][e] += float(part[mt][e]);
+      }
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < kNT; ++kk) {
+        uint32_t pa[kMT][4];
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          pa[mt][0] = to_tf32(s[mt][kk][0]), pa[mt][1] = to_tf32(s[mt][kk][2]);
+          pa[mt][2] = to_tf32(s[mt][kk][1]), pa[mt][3] = to_tf32(s[mt][kk][3]);
+        }
+#pragma unroll
+        for (int dt = 0; dt < kDT; ++dt) {
+          if (dt * 8 >= dv8) break;
+          const uint32_t vb[2] = {__float_as_uint(v_s[(kk * 8 + 2 * t) * kVLd + dt * 8 + g]),
+                                  __float_as_uint(v_s[(kk * 8 + 2 * t + 1) * kVLd + dt * 8 + g])};
+#pragma unroll
+          for (int mt = 0; mt < kMT; ++mt) mma_16x8x8_tf32(acc[mt][dt], pa[mt], vb);
+        }
       }
     }
   }

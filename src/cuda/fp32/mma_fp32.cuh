@@ -1,10 +1,11 @@
 #pragma once
-// TF32 tensor-core products for fp32 inputs (sm_80+): mma.sync m16n8k8 with fp32 accumulation.
+// Tensor-core products for fp32 inputs (sm_80+).
 //
-// exact mode splits each operand x into hi = tf32(x) and lo = tf32(x - hi) (22 of fp32's 24
-// mantissa bits) and sums lo*hi + hi*lo + hi*hi; the dropped lo*lo term is below 2^-22 of the
-// product, so a dot product carries about the error of a plain fp32 FMA loop. fast mode keeps
-// hi*hi only (about 2^-11 relative per operand).
+// exact mode multiplies in fp64 (DMMA): a product of two fp32 values is exact in fp64 and the
+// sums keep 53 bits, so each 8-wide product tile is rounded to fp32 once, where a plain fp32
+// loop rounds after every FMA. (Split TF32, 3 products of 11-bit halves, keeps only 22 of the
+// 24 mantissa bits per operand: it measured 3-5x the error of a naive fp32 loop.)
+// fast mode is one TF32 product (mma m16n8k8 .tf32): about 2^-11 relative per operand.
 //
 // Fragment layout used throughout (g = lane / 4, t = lane % 4). The k index inside an 8-wide
 // step is permuted so that a lane's two k values are adjacent in memory (one 64-bit load) and
@@ -12,7 +13,8 @@
 //   A (16 x 8):  a[0] = (row g, k 2t)  a[1] = (row g+8, k 2t)  a[2] = (row g, k 2t+1)  a[3] = (row g+8, k 2t+1)
 //   B (8 x 8):   b[0] = (k 2t, col g)  b[1] = (k 2t+1, col g)
 //   C (16 x 8):  c[0] = (g, 2t)  c[1] = (g, 2t+1)  c[2] = (g+8, 2t)  c[3] = (g+8, 2t+1)
-// A C tile is therefore an A fragment of the next product without any lane exchange.
+// A C tile is therefore an A fragment of the next product without any lane exchange, and the
+// fp64 shapes (k = 4, one k value t per lane) take the 2t half and the 2t+1 half in turn.
 #include <cstdint>
 
 namespace tileattn::cuda::fp32 {
@@ -23,38 +25,32 @@ __device__ __forceinline__ uint32_t to_tf32(float x) {
   return r;
 }
 
-template <int N>
-struct Tf32Frag {
-  uint32_t hi[N];
-  uint32_t lo[N];  // unused (and optimised away) in fast mode
-};
-
-template <bool kExact, int N>
-__device__ __forceinline__ Tf32Frag<N> split(const float (&x)[N]) {
-  Tf32Frag<N> f;
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-    f.hi[i] = to_tf32(x[i]);
-    f.lo[i] = kExact ? to_tf32(x[i] - __uint_as_float(f.hi[i])) : 0u;
-  }
-  return f;
-}
-
-__device__ __forceinline__ void mma_m16n8k8_tf32(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+// c += a * b, TF32 operands (as rounded by to_tf32), fp32 accumulation.
+__device__ __forceinline__ void mma_16x8x8_tf32(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
   asm volatile(
       "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// c += a * b in the precision of the mode.
-template <bool kExact>
-__device__ __forceinline__ void mma_fp32(float (&c)[4], const Tf32Frag<4>& a, const Tf32Frag<2>& b) {
-  if constexpr (kExact) {
-    mma_m16n8k8_tf32(c, a.lo, b.hi);
-    mma_m16n8k8_tf32(c, a.hi, b.lo);
-  }
-  mma_m16n8k8_tf32(c, a.hi, b.hi);
+// c += a * b in fp64.
+__device__ __forceinline__ void mma_16x8x8_f64(double (&c)[4], const double (&a)[4], const double (&b)[2]) {
+#if __CUDA_ARCH__ >= 900
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+    asm volatile(
+        "mma.sync.aligned.m16n8k4.row.col.f64.f64.f64.f64 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+        : "+d"(c[0]), "+d"(c[1]), "+d"(c[2]), "+d"(c[3])
+        : "d"(a[2 * h]), "d"(a[2 * h + 1]), "d"(b[h]));
+#else
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+      asm volatile("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0,%1}, {%2}, {%3}, {%0,%1};\n"
+                   : "+d"(c[2 * m]), "+d"(c[2 * m + 1])
+                   : "d"(a[2 * h + m]), "d"(b[h]));
+#endif
 }
 
 }  // namespace tileattn::cuda::fp32

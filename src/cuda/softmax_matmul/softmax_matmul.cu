@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "cuda/common/check.cuh"
 #include "cuda/cuda_backend.hpp"
@@ -17,7 +18,7 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 
 template <class T, int kBlockD3, bool kExact>
 void launch(const SoftmaxMatmulProblem& pr) {
-  using Tile = smm::SmmTile<T, kBlockD3>;
+  using Tile = smm::SmmTile<T, kBlockD3, kExact>;
   constexpr int kVec = Tile::kVec;
   smm::Params p{};
   p.x = pr.x, p.v = pr.v, p.out = pr.out;
@@ -41,11 +42,13 @@ void launch(const SoftmaxMatmulProblem& pr) {
   TA_CUDA_CHECK_LAUNCH("softmax_matmul_kernel");
 }
 
-// Narrow outputs take a 64-column slice so a small d3 does not idle half the MMAs.
+// Narrow outputs take a 64-column slice so a small d3 does not idle half the MMAs. fp32 exact
+// mode keeps 128-column slices: its fp64 temporaries spill at 256.
 template <class T, bool kExact>
 void launch_width(const SoftmaxMatmulProblem& pr) {
   if (pr.d3 <= 64) return launch<T, 64, kExact>(pr);
-  launch<T, 256, kExact>(pr);
+  if constexpr (std::is_same_v<T, float> && kExact) return launch<T, 128, kExact>(pr);
+  else return launch<T, 256, kExact>(pr);
 }
 
 }  // namespace

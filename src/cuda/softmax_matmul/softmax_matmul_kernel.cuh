@@ -16,7 +16,7 @@
 #include "common/online_softmax.hpp"
 #include "cuda/common/ptx.cuh"
 #include "cuda/fp32/async_copy.cuh"
-#include "cuda/fp32/tf32_mma.cuh"
+#include "cuda/fp32/mma_fp32.cuh"
 
 namespace tileattn::cuda::smm {
 
@@ -32,13 +32,14 @@ struct Params {
   bool vec16;     // X and V rows 16-byte aligned with d2, d3 multiples of the 16-byte vector
 };
 
-// Tile shapes. fp32 takes 8-deep k steps (m16n8k8), 16-bit types 16-deep (m16n8k16).
-// Accumulators per thread: kMTiles * kD3Tiles * 4 = 128 floats for the wide slice.
-template <class T, int kBlockD3>
+// Tile shapes. fp32 takes 8-deep k steps (fp64 or TF32 products, mma_fp32.cuh), 16-bit types
+// 16-deep (m16n8k16). Accumulators per thread: kMTiles * kD3Tiles * 4 (128 floats for the wide
+// slice); fp32 exact mode holds P in fp64 as well and so takes one 16-row tile per warp.
+template <class T, int kBlockD3, bool kExact>
 struct SmmTile {
   static constexpr bool kF32 = std::is_same_v<T, float>;
   static constexpr int kWarpsM = 4, kWarpsN = 2, kWarps = kWarpsM * kWarpsN, kThreads = kWarps * 32;
-  static constexpr int kMTiles = 2;  // 16-row MMA tiles per warp
+  static constexpr int kMTiles = kF32 && kExact ? 1 : 2;  // 16-row MMA tiles per warp
   static constexpr int kBlockM = kWarpsM * kMTiles * 16;
   static constexpr int kD3Tiles = kBlockD3 / kWarpsN / 8;  // 8-column MMA tiles per warp
   static constexpr int kKStep = kF32 ? 8 : 16;
@@ -99,8 +100,8 @@ __device__ __forceinline__ void store_pair(T* dst, float a, float b, bool second
 }
 
 template <class T, int kBlockD3, bool kExact>
-__global__ void __launch_bounds__(SmmTile<T, kBlockD3>::kThreads, 1) softmax_matmul_kernel(const Params p) {
-  using Tile = SmmTile<T, kBlockD3>;
+__global__ void __launch_bounds__(SmmTile<T, kBlockD3, kExact>::kThreads, 1) softmax_matmul_kernel(const Params p) {
+  using Tile = SmmTile<T, kBlockD3, kExact>;
   constexpr int kMT = Tile::kMTiles, kNT = Tile::kD3Tiles, kBN = Tile::kBlockN, kBM = Tile::kBlockM;
   constexpr int kKS = Tile::kKStep, kKT = kBN / kKS;  // k steps per stage
   constexpr int kE = Tile::kF32 ? 4 : 8;              // accumulator-layout elements per (m tile, k step)
@@ -211,7 +212,7 @@ __global__ void __launch_bounds__(SmmTile<T, kBlockD3>::kThreads, 1) softmax_mat
 #pragma unroll
           for (int e = 0; e < kE; ++e)
             if ((e / 2) % 2 == hf) {
-              const float pe = exp2f(sc[mt][kt][e] - base);
+              const float pe = Tile::kF32 && kExact ? exp2f(sc[mt][kt][e] - base) : exp2_fast(sc[mt][kt][e] - base);
               sc[mt][kt][e] = pe;
               sum += pe;
             }
@@ -227,22 +228,49 @@ __global__ void __launch_bounds__(SmmTile<T, kBlockD3>::kThreads, 1) softmax_mat
     }
 
     // out += P V
+    if constexpr (Tile::kF32 && kExact) {
+      // Each 8-column slice of this stage's P V is summed in fp64 and rounded into out once.
+      double pd[kMT][kKT][4];
 #pragma unroll
-    for (int kt = 0; kt < kKT; ++kt) {
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int kt = 0; kt < kKT; ++kt) {
+          pd[mt][kt][0] = sc[mt][kt][0], pd[mt][kt][1] = sc[mt][kt][2];
+          pd[mt][kt][2] = sc[mt][kt][1], pd[mt][kt][3] = sc[mt][kt][3];
+        }
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt) {
+        double part[kMT][4] = {};
+#pragma unroll
+        for (int kt = 0; kt < kKT; ++kt) {
+          const float* vcol = vs + (kt * 8 + 2 * t) * kVLd + wn0 + nt * 8 + g;
+          const double vb[2] = {vcol[0], vcol[kVLd]};
+#pragma unroll
+          for (int mt = 0; mt < kMT; ++mt) fp32::mma_16x8x8_f64(part[mt], pd[mt][kt], vb);
+        }
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[mt][nt][e] += float(part[mt][e]);
+      }
+    }
+#pragma unroll
+    for (int kt = 0; kt < kKT && !(Tile::kF32 && kExact); ++kt) {
       if constexpr (Tile::kF32) {
-        fp32::Tf32Frag<4> a[kMT];
+        uint32_t a[kMT][4];
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) {
-          const float pa[4] = {sc[mt][kt][0], sc[mt][kt][2], sc[mt][kt][1], sc[mt][kt][3]};
-          a[mt] = fp32::split<kExact>(pa);
+          a[mt][0] = fp32::to_tf32(sc[mt][kt][0]), a[mt][1] = fp32::to_tf32(sc[mt][kt][2]);
+          a[mt][2] = fp32::to_tf32(sc[mt][kt][1]), a[mt][3] = fp32::to_tf32(sc[mt][kt][3]);
         }
         const float* vrow = vs + (kt * 8 + 2 * t) * kVLd + wn0 + g;
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt) {
-          const float vb[2] = {vrow[nt * 8], vrow[kVLd + nt * 8]};
-          const fp32::Tf32Frag<2> bf = fp32::split<kExact>(vb);
+          // V goes in as fp32 bits (the tensor core truncates to TF32): a rounding per element
+          // per warp would cost as many instructions as the products.
+          const uint32_t vb[2] = {__float_as_uint(vrow[nt * 8]), __float_as_uint(vrow[kVLd + nt * 8])};
 #pragma unroll
-          for (int mt = 0; mt < kMT; ++mt) fp32::mma_fp32<kExact>(acc[mt][nt], a[mt], bf);
+          for (int mt = 0; mt < kMT; ++mt) fp32::mma_16x8x8_tf32(acc[mt][nt], a[mt], vb);
         }
       } else {
         uint32_t a[kMT][4];
