@@ -145,7 +145,7 @@ void kv_head_fused(const AttentionProblem& p, const ScoreTransform& transform, c
   for (int64_t j0 = 0; j0 < s.len_k; j0 += kTileK) key_tile(p, transform, delta, s, hk, j0, w, dq_accum.data());
   const std::vector<float> scale(size_t(s.len_q), *p.softmax_scale);
   for (int64_t g = 0; g < group; ++g)
-    store_rows(p, p.dq, s, true, hk * group + g, 0, s.len_q, dqk, &dq_accum[size_t(g * s.len_q * dqk)], dqk,
+    store_rows(p, p.dq, s, true, hk * group + g, 0, s.len_q, dqk, dq_accum.data() + g * s.len_q * dqk, dqk,
                scale.data());
 }
 
