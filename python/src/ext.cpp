@@ -10,7 +10,6 @@
 
 #include <cstdint>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -27,13 +26,16 @@ using OptArray = std::optional<Array>;
 
 [[noreturn]] void fail(ErrorKind kind, const std::string& message) { throw Error(kind, message); }
 
-std::string shape_of(const Array& a) {
-  std::ostringstream s;
-  s << "(";
-  for (size_t i = 0; i < a.ndim(); ++i) s << (i ? ", " : "") << a.shape(i);
-  s << (a.ndim() == 1 ? ",)" : ")");
-  return s.str();
+// Tuple text, "(2, 64, 8)" or "(3,)". Plain std::string + std::to_string on purpose: formatting
+// with std::ostringstream inside this module crashed under torch 2.11 built with gcc 13, where
+// string concatenation did not.
+std::string tuple_text(const int64_t* values, size_t n) {
+  std::string s = "(";
+  for (size_t i = 0; i < n; ++i) s += (i ? ", " : "") + std::to_string(values[i]);
+  return s + (n == 1 ? ",)" : ")");
 }
+
+std::string shape_of(const Array& a) { return tuple_text(a.shape_ptr(), a.ndim()); }
 
 std::string dtype_name(nb::dlpack::dtype t) {
   using Code = nb::dlpack::dtype_code;
@@ -111,11 +113,8 @@ void check_shape(const Array& a, const char* name, const std::vector<int64_t>& e
   bool ok = a.ndim() == expected.size();
   for (size_t i = 0; ok && i < expected.size(); ++i) ok = int64_t(a.shape(i)) == expected[i];
   if (ok) return;
-  std::ostringstream e;
-  e << "(";
-  for (size_t i = 0; i < expected.size(); ++i) e << (i ? ", " : "") << expected[i];
-  e << (expected.size() == 1 ? ",)" : ")");
-  fail(ErrorKind::invalid_argument, std::string(name) + ".shape=" + shape_of(a) + " must be " + e.str() + " " + why);
+  fail(ErrorKind::invalid_argument, std::string(name) + ".shape=" + shape_of(a) + " must be " +
+                                        tuple_text(expected.data(), expected.size()) + " " + why);
 }
 
 // A dense row-major tensor of the given dtype on the reference's device (lse, cu_seqlens).
