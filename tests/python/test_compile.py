@@ -6,7 +6,6 @@ operators' fake implementations and autograd formulas, without code generation);
 default Inductor backend end to end.
 """
 
-import pytest
 import torch
 
 import tileattn

@@ -63,7 +63,7 @@ def _measure(fn, inputs, warmup: int, passes: int, row: dict) -> None:
         torch.cuda.synchronize()
         row["saved_activations_MiB"] = (torch.cuda.memory_allocated() - before
                                         - out.numel() * out.element_size()) / _common.MIB
-    except (RuntimeError, NotImplementedError) as error:
+    except Exception as error:  # recorded in the row, never fatal
         row["status"] = "OOM" if _common.is_oom(error) else f"failed: {type(error).__name__}: {error}"[:200]
         return
     try:
@@ -88,7 +88,7 @@ def _measure(fn, inputs, warmup: int, passes: int, row: dict) -> None:
         graph["out"] = None
         clear_grads()
         row["status"] = "ok"
-    except (RuntimeError, NotImplementedError) as error:
+    except Exception as error:  # recorded in the row, never fatal
         row["status"] = "OOM(backward)" if _common.is_oom(error) else f"failed(backward): {error}"[:200]
 
 
@@ -110,7 +110,7 @@ def run_course(impls: list[str], causal: bool, warmup: int, passes: int, seq_len
             try:
                 inputs = [torch.randn(BATCH, n, D_MODEL, device=device, requires_grad=True) for _ in range(3)]
                 _measure(compiled, inputs, warmup, passes, row)
-            except RuntimeError as error:  # allocating the inputs
+            except Exception as error:  # allocating the inputs
                 row["status"] = "OOM" if _common.is_oom(error) else f"failed: {error}"[:200]
             finally:
                 inputs = None
@@ -150,11 +150,17 @@ def _h100_impls(causal: bool, seqlen: int, device):
     except ImportError:
         return impls
     flex = torch.compile(flex_attention)
-    mask = (create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, seqlen, seqlen,
-                              device=device) if causal else None)
+    try:
+        mask = (create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, seqlen, seqlen,
+                                  device=device) if causal else None)
+    except Exception as error:  # recorded as this peer's status
+        reason = f"create_block_mask: {error}"
 
-    def flex_fn(q, k, v):
-        return flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask)
+        def flex_fn(q, k, v):
+            raise RuntimeError(reason)
+    else:
+        def flex_fn(q, k, v):
+            return flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask)
 
     impls["flex_attention"] = flex_fn
     return impls
@@ -187,7 +193,7 @@ def run_h100(warmup: int, passes: int, impl_filter: list[str] | None):
                 inputs = [torch.randn(batch, n, heads, d, device=device, dtype=torch.bfloat16, requires_grad=True)
                           for _ in range(3)]
                 _measure(fn, inputs, warmup, passes, row)
-            except RuntimeError as error:
+            except Exception as error:
                 row["status"] = "OOM" if _common.is_oom(error) else f"failed: {error}"[:200]
             finally:
                 inputs = None
@@ -206,6 +212,36 @@ def run_h100(warmup: int, passes: int, impl_filter: list[str] | None):
     frame = pd.DataFrame(rows)
     frame["matmul_tflops"] = matmul
     return frame
+
+
+def _plot_h100(frame, path: str) -> None:
+    """One panel per (head dim, pass); colour = implementation, dashed = causal."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    headdims = sorted(frame.headdim.unique())
+    fig, axes = plt.subplots(len(headdims), 2, figsize=(11, 4 * len(headdims)), squeeze=False)
+    colours = {name: f"C{i}" for i, name in enumerate(frame.implementation.unique())}
+    for row, d in enumerate(headdims):
+        for col, metric in enumerate(["forward_tflops", "backward_tflops"]):
+            ax = axes[row][col]
+            for (name, causal), group in frame[frame.headdim == d].groupby(["implementation", "causal"]):
+                group = group.dropna(subset=[metric])
+                ax.plot(group.seq_len, group[metric], marker="o", color=colours[name],
+                        linestyle="--" if causal else "-", label=f"{name}{' causal' if causal else ''}")
+            ax.axhline(frame.matmul_tflops.iloc[0], color="grey", linewidth=0.8, label="bf16 matmul (measured)")
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("seq_len")
+            ax.set_ylabel(f"{metric.split('_')[0]} TFLOP/s")
+            ax.set_title(f"D = {d}")
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.suptitle(f"attention bf16, 16k tokens, hidden 2048 ({frame.gpu.iloc[0]})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main(argv=None):
@@ -228,10 +264,7 @@ def main(argv=None):
         frame = run_h100(args.warmup, args.passes, args.only)
         path = _common.output_path(args.csv or "outputs/csv/attention_h100.csv")
         frame.to_csv(path, index=False)
-        plot = frame.assign(series=frame.implementation + " D" + frame.headdim.astype(str)
-                            + frame.causal.map({True: " causal", False: ""}))
-        _common.save_plot(plot, "seq_len", ["forward_tflops", "backward_tflops"], "series",
-                          path.rsplit(".", 1)[0] + ".png", f"attention bf16, 16k tokens, hidden 2048 ({frame.gpu[0]})")
+        _plot_h100(frame, path.rsplit(".", 1)[0] + ".png")
         columns = ["implementation", "headdim", "seq_len", "causal", "status", "forward_ms", "forward_tflops",
                    "forward_matmul_fraction", "backward_ms", "backward_tflops", "backward_matmul_fraction"]
         print(frame[columns].to_string(index=False, float_format=lambda x: f"{x:.3f}"))
