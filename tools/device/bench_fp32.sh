@@ -9,13 +9,11 @@ OUT=${OUT:-outputs/device}
 BUILD=${BUILD:-build-device}
 mkdir -p "$OUT"
 SANITIZE='Sweep/Fp32Forward.*/odd_dims:Sweep/Fp32Forward.*/varlen_with_empty:Sweep/Fp32Forward.*/dqk256_dv32'
-SANITIZE+=':Sweep/SoftmaxMatmul.*/f32_odd_sizes:Sweep/SoftmaxMatmul.*/bf16_padded'
+SANITIZE+=':Sweep/Fp32Forward.*/headdim_40:Sweep/SoftmaxMatmul*.*/f32_odd_sizes:Sweep/SoftmaxMatmul.*/bf16_padded'
 
 OUT="$OUT" tools/device/check.sh --quick --build-dir "$BUILD" --tests '*Fp32*|*SoftmaxMatmul*' --bench none \
   --sanitize none > "$OUT/check_fp32.log" 2>&1
 tail -25 "$OUT/check_fp32.log"
-grep -E "(O|L|out): kernel" "$OUT/ctest_gpu.log" | sed -E 's/.*(O|L|out): kernel \{max_abs=([^ ]*) rel_l2=([^ ]*).*naive \{max_abs=([^ ]*) rel_l2=([^ ]*).*/\1 kernel \2 \3 naive \4 \5/' |
-  sort | uniq -c | head -20
 
 if [[ ! -x "$BUILD/tests/tileattn_cuda_tests" ]]; then
   echo "== full test binary missing: building tileattn and the fp32/softmax_matmul suites alone"

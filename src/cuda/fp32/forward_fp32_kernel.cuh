@@ -41,12 +41,12 @@ struct FwdParams {
 
 // Tile shapes, the one place they are chosen. kD is the head-dim bucket (max of qk and v).
 // Registers per thread ~ O (kMTiles*kD/2 floats) + S (kMTiles*kBlockN/2, doubles in exact
-// mode): exact mode and large head dims take 16 rows per warp and 32-key tiles.
+// mode): large head dims take 16 rows per warp, exact mode and large head dims 32-key tiles.
 template <int kD, bool kExact>
 struct FwdTile {
   static constexpr int kWarps = 4;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kMTiles = !kExact && kD <= 64 ? 2 : 1;
+  static constexpr int kMTiles = kD <= 64 ? 2 : 1;
   static constexpr int kBlockM = kWarps * 16 * kMTiles;
   static constexpr int kBlockN = !kExact && kD <= 64 ? 64 : 32;
   // Row pitches in floats. Q and K are read as float2 (rows g, columns 2t): a pitch of 8 mod 32
@@ -188,7 +188,10 @@ __global__ void __launch_bounds__(FwdTile<kD, kExact>::kThreads) forward_fp32_ke
       }
     }
 
-    // Scores to the log2 domain; only tiles crossing a mask edge (or the key end) pay for masking.
+    // Scores: soft-capped into the log2 domain, or left raw with scale * log2(e) folded into the
+    // exponent's FMA below. Only tiles crossing a mask edge (or the key end) pay for masking.
+    const bool capped = p.softcap > 0.0f;
+    const float to_log2 = capped ? 1.0f : p.scale_log2;
     const bool need_mask = n0 < full_begin || n0 + kBN > full_end;
     float s[kMT][kNT][4];
 #pragma unroll
@@ -198,7 +201,7 @@ __global__ void __launch_bounds__(FwdTile<kD, kExact>::kThreads) forward_fp32_ke
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           float x = float(sa[mt][nt][e]);
-          x = p.softcap > 0.0f ? apply_softcap(x * p.scale, p.softcap) * kLog2e : x * p.scale_log2;
+          if (capped) x = apply_softcap(x * p.scale, p.softcap) * kLog2e;
           if (need_mask) {
             const int i = i0 + wm0 + mt * 16 + g + (e >= 2 ? 8 : 0);
             const int j = n0 + nt * 8 + 2 * t + (e & 1);
@@ -207,16 +210,17 @@ __global__ void __launch_bounds__(FwdTile<kD, kExact>::kThreads) forward_fp32_ke
           s[mt][nt][e] = x;
         }
 
-    // Online softmax: each row lives in the 4 lanes of a quad.
+    // Online softmax: each row lives in the 4 lanes of a quad; row_max is in the log2 domain.
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
-        float mx = row_max[mt][hf];
+        float mx = -INFINITY;
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * hf], s[mt][nt][2 * hf + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        mx = fmaxf(row_max[mt][hf], mx * to_log2);
         const float factor = rescale_factor(row_max[mt][hf], mx);
         row_max[mt][hf] = mx;
         const float base = safe_row_max(mx);
@@ -225,7 +229,8 @@ __global__ void __launch_bounds__(FwdTile<kD, kExact>::kThreads) forward_fp32_ke
         for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
           for (int e = 2 * hf; e < 2 * hf + 2; ++e) {
-            const float pe = kExact ? exp2f(s[mt][nt][e] - base) : exp2_fast(s[mt][nt][e] - base);
+            const float arg = fmaf(s[mt][nt][e], to_log2, -base);
+            const float pe = kExact ? exp2f(arg) : exp2_fast(arg);
             s[mt][nt][e] = pe;
             sum += pe;
           }

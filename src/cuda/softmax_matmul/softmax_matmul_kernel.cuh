@@ -34,12 +34,12 @@ struct Params {
 
 // Tile shapes. fp32 takes 8-deep k steps (fp64 or TF32 products, mma_fp32.cuh), 16-bit types
 // 16-deep (m16n8k16). Accumulators per thread: kMTiles * kD3Tiles * 4 (128 floats for the wide
-// slice); fp32 exact mode holds P in fp64 as well and so takes one 16-row tile per warp.
+// slice); fp32 exact mode accumulates in fp64 and so takes at most 128-column slices.
 template <class T, int kBlockD3, bool kExact>
 struct SmmTile {
   static constexpr bool kF32 = std::is_same_v<T, float>;
   static constexpr int kWarpsM = 4, kWarpsN = 2, kWarps = kWarpsM * kWarpsN, kThreads = kWarps * 32;
-  static constexpr int kMTiles = kF32 && kExact ? 1 : 2;  // 16-row MMA tiles per warp
+  static constexpr int kMTiles = 2;  // 16-row MMA tiles per warp
   static constexpr int kBlockM = kWarpsM * kMTiles * 16;
   static constexpr int kD3Tiles = kBlockD3 / kWarpsN / 8;  // 8-column MMA tiles per warp
   static constexpr int kKStep = kF32 ? 8 : 16;
@@ -130,7 +130,9 @@ __global__ void __launch_bounds__(SmmTile<T, kBlockD3, kExact>::kThreads, 1) sof
   const int wm0 = (warp % Tile::kWarpsM) * kMT * 16;
   const int wn0 = (warp / Tile::kWarpsM) * kNT * 8;
 
-  float acc[kMT][kNT][4];
+  // fp32 exact mode accumulates in fp64 over all of d2 and rounds once, in the epilogue.
+  using Acc = std::conditional_t<Tile::kF32 && kExact, double, float>;
+  Acc acc[kMT][kNT][4];
   float row_max[kMT][2], row_sum[kMT][2];
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt) {
@@ -158,7 +160,8 @@ __global__ void __launch_bounds__(SmmTile<T, kBlockD3, kExact>::kThreads, 1) sof
     const T* vs = xs + kBM * kXLd;
     const int n0 = tile * kBN;
 
-    // Scores in the accumulator layout, to the log2 domain; columns past d2 are masked.
+    // Scores in the accumulator layout; columns past d2 (last tile only) are masked. They stay
+    // in the natural domain: log2(e) is folded into the exponent's FMA.
     // Element e of (mt, kt): row g + 8 * ((e / 2) % 2), column 2t + (e % 2) + 8 * (e / 4).
     float sc[kMT][kKT][kE];
 #pragma unroll
@@ -179,10 +182,10 @@ __global__ void __launch_bounds__(SmmTile<T, kBlockD3, kExact>::kThreads, 1) sof
             }
           }
         }
+        if (n0 + kBN > p.d2) {
 #pragma unroll
-        for (int e = 0; e < kE; ++e) {
-          const int j = n0 + c + (e % 2) + 8 * (e / 4);
-          sc[mt][kt][e] = j < p.d2 ? sc[mt][kt][e] * kLog2e : -INFINITY;
+          for (int e = 0; e < kE; ++e)
+            if (n0 + c + (e % 2) + 8 * (e / 4) >= p.d2) sc[mt][kt][e] = -INFINITY;
         }
       }
 
@@ -194,7 +197,7 @@ __global__ void __launch_bounds__(SmmTile<T, kBlockD3, kExact>::kThreads, 1) sof
     for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
-        float mx = row_max[mt][hf];
+        float mx = -INFINITY;
 #pragma unroll
         for (int kt = 0; kt < kKT; ++kt)
 #pragma unroll
@@ -202,6 +205,7 @@ __global__ void __launch_bounds__(SmmTile<T, kBlockD3, kExact>::kThreads, 1) sof
             if ((e / 2) % 2 == hf) mx = fmaxf(mx, sc[mt][kt][e]);
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        mx = fmaxf(row_max[mt][hf], mx * kLog2e);  // row_max is in the log2 domain
         factor[mt][hf] = rescale_factor(row_max[mt][hf], mx);
         moved |= mx != row_max[mt][hf];
         row_max[mt][hf] = mx;
@@ -212,7 +216,8 @@ __global__ void __launch_bounds__(SmmTile<T, kBlockD3, kExact>::kThreads, 1) sof
 #pragma unroll
           for (int e = 0; e < kE; ++e)
             if ((e / 2) % 2 == hf) {
-              const float pe = Tile::kF32 && kExact ? exp2f(sc[mt][kt][e] - base) : exp2_fast(sc[mt][kt][e] - base);
+              const float arg = fmaf(sc[mt][kt][e], kLog2e, -base);
+              const float pe = Tile::kF32 && kExact ? exp2f(arg) : exp2_fast(arg);
               sc[mt][kt][e] = pe;
               sum += pe;
             }
@@ -228,35 +233,21 @@ __global__ void __launch_bounds__(SmmTile<T, kBlockD3, kExact>::kThreads, 1) sof
     }
 
     // out += P V
-    if constexpr (Tile::kF32 && kExact) {
-      // Each 8-column slice of this stage's P V is summed in fp64 and rounded into out once.
-      double pd[kMT][kKT][4];
 #pragma unroll
-      for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-        for (int kt = 0; kt < kKT; ++kt) {
-          pd[mt][kt][0] = sc[mt][kt][0], pd[mt][kt][1] = sc[mt][kt][2];
-          pd[mt][kt][2] = sc[mt][kt][1], pd[mt][kt][3] = sc[mt][kt][3];
-        }
-#pragma unroll
-      for (int nt = 0; nt < kNT; ++nt) {
-        double part[kMT][4] = {};
-#pragma unroll
-        for (int kt = 0; kt < kKT; ++kt) {
-          const float* vcol = vs + (kt * 8 + 2 * t) * kVLd + wn0 + nt * 8 + g;
-          const double vb[2] = {vcol[0], vcol[kVLd]};
-#pragma unroll
-          for (int mt = 0; mt < kMT; ++mt) fp32::mma_16x8x8_f64(part[mt], pd[mt][kt], vb);
-        }
+    for (int kt = 0; kt < kKT; ++kt) {
+      if constexpr (Tile::kF32 && kExact) {
+        double pd[kMT][4];
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt)
+          pd[mt][0] = sc[mt][kt][0], pd[mt][1] = sc[mt][kt][2], pd[mt][2] = sc[mt][kt][1], pd[mt][3] = sc[mt][kt][3];
+        const float* vrow = vs + (kt * 8 + 2 * t) * kVLd + wn0 + g;
 #pragma unroll
-          for (int e = 0; e < 4; ++e) acc[mt][nt][e] += float(part[mt][e]);
-      }
-    }
+        for (int nt = 0; nt < kNT; ++nt) {
+          const double vb[2] = {vrow[nt * 8], vrow[kVLd + nt * 8]};
 #pragma unroll
-    for (int kt = 0; kt < kKT && !(Tile::kF32 && kExact); ++kt) {
-      if constexpr (Tile::kF32) {
+          for (int mt = 0; mt < kMT; ++mt) fp32::mma_16x8x8_f64(acc[mt][nt], pd[mt], vb);
+        }
+      } else if constexpr (Tile::kF32) {
         uint32_t a[kMT][4];
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) {
@@ -310,7 +301,8 @@ __global__ void __launch_bounds__(SmmTile<T, kBlockD3, kExact>::kThreads, 1) sof
 #pragma unroll
       for (int nt = 0; nt < kNT; ++nt) {
         const int c = wn0 + nt * 8 + 2 * t;
-        if (c < cols) store_pair<T>(orow + c, acc[mt][nt][2 * hf] * inv, acc[mt][nt][2 * hf + 1] * inv, c + 1 < cols);
+        if (c < cols)
+          store_pair<T>(orow + c, float(acc[mt][nt][2 * hf] * inv), float(acc[mt][nt][2 * hf + 1] * inv), c + 1 < cols);
       }
     }
 }
