@@ -36,7 +36,7 @@ nvcc -O3 -std=c++20 -arch=sm_90a -Iinclude -Isrc tools/device/bench_fp32.cu "$BU
   -o "$BUILD/bench_fp32" > "$OUT/bench_fp32_build.log" 2>&1 || tail -20 "$OUT/bench_fp32_build.log"
 "$BUILD/bench_fp32" > "$OUT/bench_fp32.csv" 2> "$OUT/bench_fp32.err"
 python3 tools/device/peers_fp32.py > "$OUT/peers_fp32.csv" 2> "$OUT/peers_fp32.err"
-tail -5 "$OUT/bench_fp32.err" "$OUT/peers_fp32.err"
+tail -n 5 "$OUT/bench_fp32.err" "$OUT/peers_fp32.err"
 python3 - "$OUT/bench_fp32.csv" "$OUT/peers_fp32.csv" <<'PY'
 import sys
 for path in sys.argv[1:]:
