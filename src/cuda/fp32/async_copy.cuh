@@ -3,20 +3,13 @@
 // source matrix so that padded rows and columns contribute exact zeros to the products.
 #include <cstdint>
 
+#include "cuda/common/ptx.cuh"
+
 namespace tileattn::cuda::fp32 {
 
-__device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
-  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(valid ? 16 : 0));
-}
+// 4-byte copy for rows that are not 16-byte aligned; an invalid one writes a zero.
 __device__ __forceinline__ void cp_async_4(void* dst, const void* src, bool valid) {
-  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(src), "r"(valid ? 4 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_address(dst)), "l"(src), "r"(valid ? 4 : 0));
 }
 
 // Starts copying a kRows x (cols_fill) tile of 4-byte elements: source rows [0, rows) and
@@ -34,7 +27,7 @@ __device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, int64_t 
       const int r = idx / kChunks, c = (idx % kChunks) * 4;
       if (c >= cols_fill) continue;
       const bool valid = r < rows && c < cols;
-      cp_async_16(smem + r * kLd + c, valid ? gmem + r * ld + c : gmem, valid);
+      cp_async_16(smem_address(smem + r * kLd + c), valid ? gmem + r * ld + c : gmem, valid ? 16 : 0);
     }
   } else {
 #pragma unroll 4

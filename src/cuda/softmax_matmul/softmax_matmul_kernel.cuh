@@ -64,7 +64,7 @@ __device__ __forceinline__ void load_tile(T* smem, const T* gmem, int64_t ld, in
     for (int idx = threadIdx.x; idx < kRows * kChunks; idx += kThreads) {
       const int r = idx / kChunks, c = (idx % kChunks) * kVec;
       const bool valid = r < rows && c < cols;
-      fp32::cp_async_16(smem + r * kLd + c, valid ? gmem + r * ld + c : gmem, valid);
+      cp_async_16(smem_address(smem + r * kLd + c), valid ? gmem + r * ld + c : gmem, valid ? 16 : 0);
     }
   } else if constexpr (sizeof(T) == 4) {
 #pragma unroll 4
@@ -147,14 +147,14 @@ __global__ void __launch_bounds__(SmmTile<T, kBlockD3, kExact>::kThreads, 1) sof
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < n_tiles) load_stage(s);
-    fp32::cp_async_commit();
+    cp_async_commit();
   }
 
   for (int tile = 0; tile < n_tiles; ++tile) {
-    fp32::cp_async_wait<kStages - 2>();
+    cp_async_wait<kStages - 2>();
     __syncthreads();  // this stage visible; the stage refilled below was consumed last step
     if (tile + kStages - 1 < n_tiles) load_stage(tile + kStages - 1);
-    fp32::cp_async_commit();
+    cp_async_commit();
 
     const T* xs = smem + (tile % kStages) * Tile::kStageElems;
     const T* vs = xs + kBM * kXLd;
@@ -285,7 +285,7 @@ __global__ void __launch_bounds__(SmmTile<T, kBlockD3, kExact>::kThreads, 1) sof
       }
     }
   }
-  fp32::cp_async_wait<0>();
+  cp_async_wait<0>();
 
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
