@@ -104,6 +104,9 @@ void dispatch(int bucket, const bwd::BwdParams& params, cudaStream_t stream) {
 size_t backward_workspace_size(const AttentionProblem& problem) { return workspace_layout(problem).total(); }
 
 void backward(const AttentionProblem& p) {
+  // The kernels read the workspace with 16-byte copies.
+  if (p.workspace != nullptr && reinterpret_cast<uintptr_t>(p.workspace) % 16 != 0)
+    throw Error(ErrorKind::invalid_argument, "workspace must be 16-byte aligned for the CUDA backward");
   const cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
   const WorkspaceLayout layout = workspace_layout(p);
   Workspace ws(p.workspace, p.workspace_bytes, layout.total(), stream);

@@ -420,5 +420,18 @@ TEST(BackwardWorkspace, TooSmallIsAnError) {
   EXPECT_THROW(tileattn::backward(dp.problem), Error);
 }
 
+// The kernels read the workspace with 16-byte copies: a misaligned one is refused.
+TEST(BackwardWorkspace, MisalignedIsAnError) {
+  TA_SKIP_WITHOUT_GPU();
+  HostProblem hp(base(DType::bf16, 64, 64, 64));
+  DeviceProblem dp(hp);
+  tileattn::forward(dp.problem);
+  const size_t need = tileattn::backward_workspace_size(dp.problem);
+  DeviceBuffer ws(need + 256);
+  dp.problem.workspace = ws.get<char>() + 4;
+  dp.problem.workspace_bytes = need;
+  EXPECT_THROW(tileattn::backward(dp.problem), Error);
+}
+
 }  // namespace
 }  // namespace tileattn::test

@@ -3,6 +3,8 @@
 // conversion or dQ's own pass. Instantiated per (dtype, head-dim bucket) in bwd_inst_*.cu.
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <string>
 #include <type_traits>
 
 #include "cuda/common/check.cuh"
@@ -13,6 +15,7 @@
 #include "cuda/sm80/bwd_params.hpp"
 #include "cuda/sm80/bwd_preprocess.cuh"
 #include "cuda/sm80/bwd_traits.cuh"
+#include "tileattn/error.hpp"
 
 namespace tileattn::cuda::bwd {
 
@@ -25,6 +28,11 @@ void launch_backward(const BwdParams& params, cudaStream_t stream) {
   BwdParams p = params;
   p.dkdv_stages = KV::smem_bytes(2) <= smem_optin ? 2 : 1;
   p.dq_stages = DqTile<T, D>::smem_bytes(2) <= smem_optin ? 2 : 1;
+  const int needed = std::max(KV::smem_bytes(1), p.dq_accum != nullptr ? 0 : DqTile<T, D>::smem_bytes(1));
+  if (needed > smem_optin)
+    throw Error(ErrorKind::unsupported, "the CUDA backward for head dims up to " + std::to_string(D) + " needs " +
+                                            std::to_string(needed) + " bytes of shared memory per block; this device " +
+                                            "allows " + std::to_string(smem_optin));
 
   const int64_t rows = int64_t(p.batch) * p.heads_q * p.seqlen_q_rounded;
   const unsigned row_blocks = unsigned((rows + kRowKernelThreads / 32 - 1) / (kRowKernelThreads / 32));
