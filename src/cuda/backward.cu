@@ -26,8 +26,8 @@ int headdim_bucket(const AttentionProblem& p) {
   const int64_t d = std::max(p.headdim_qk, p.headdim_v);
   for (int b : bwd::kHeadDimBuckets)
     if (d <= b) return b;
-  throw Error(ErrorKind::unsupported, "headdim " + std::to_string(d) +
-                                          " exceeds every head-dim bucket this build has (TILEATTN_HEADDIMS)");
+  throw Error(ErrorKind::unsupported,
+              "headdim " + std::to_string(d) + " exceeds every head-dim bucket this build has (TILEATTN_HEADDIMS)");
 }
 
 bool uses_atomic_dq(const AttentionProblem& p) { return !p.deterministic; }
@@ -46,7 +46,8 @@ struct WorkspaceLayout {
 
 WorkspaceLayout workspace_layout(const AttentionProblem& p) {
   WorkspaceLayout w;
-  const int64_t rows_per_head = (p.seqlen_q + bwd::kWorkspaceRowTile - 1) / bwd::kWorkspaceRowTile * bwd::kWorkspaceRowTile;
+  const int64_t rows_per_head =
+      (p.seqlen_q + bwd::kWorkspaceRowTile - 1) / bwd::kWorkspaceRowTile * bwd::kWorkspaceRowTile;
   w.rows = p.batch * p.heads_q * rows_per_head;
   w.dim = headdim_bucket(p);
   w.lse2 = w.dsum = size_t(w.rows) * sizeof(float);
@@ -138,7 +139,6 @@ void backward(const AttentionProblem& p) {
   params.scale_log2 = params.scale * kLog2e;
   params.softcap = p.softcap;
   params.scale_over_cap = p.softcap > 0.0f ? params.scale / p.softcap : 0.0f;
-  params.cap_log2 = p.softcap * kLog2e;
   params.vec_io = vector_io_ok(p);
   params.seqlen_q_rounded = int(layout.rows / (p.batch * p.heads_q));
   params.dq_accum_dim = layout.dim;
@@ -149,9 +149,12 @@ void backward(const AttentionProblem& p) {
   if (params.dq_accum != nullptr) TA_CUDA_CHECK(cudaMemsetAsync(params.dq_accum, 0, layout.accum, stream));
 
   switch (p.dtype) {
-    case DType::f16: return dispatch<__half>(layout.dim, params, stream);
-    case DType::bf16: return dispatch<__nv_bfloat16>(layout.dim, params, stream);
-    case DType::f32: return dispatch<float>(layout.dim, params, stream);
+    case DType::f16:
+      return dispatch<__half>(layout.dim, params, stream);
+    case DType::bf16:
+      return dispatch<__nv_bfloat16>(layout.dim, params, stream);
+    case DType::f32:
+      return dispatch<float>(layout.dim, params, stream);
   }
 }
 

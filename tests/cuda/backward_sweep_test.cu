@@ -57,8 +57,8 @@ __device__ int64_t offset(const AttentionProblem& p, const TensorView& t, int64_
 
 // One block per (query row, head): the rows of P and dS, and dQ. sbuf is scratch for the scores.
 template <class T>
-__global__ void __launch_bounds__(kNaiveThreads) naive_bwd_rows(AttentionProblem p, float scale, float* sbuf,
-                                                                 float* pbuf, float* dsbuf, float* dq_out) {
+__global__ void __launch_bounds__(kNaiveThreads)
+    naive_bwd_rows(AttentionProblem p, float scale, float* sbuf, float* pbuf, float* dsbuf, float* dq_out) {
   __shared__ float red[kNaiveThreads / 32];
   const int64_t rows_q = p.cu_seqlens_q ? p.total_q : p.batch * p.seqlen_q;
   const int64_t h = blockIdx.x % p.heads_q, r = blockIdx.x / p.heads_q;
@@ -108,7 +108,7 @@ __global__ void __launch_bounds__(kNaiveThreads) naive_bwd_rows(AttentionProblem
 // One block per (key row, kv head): dK and dV summed over the group's query heads.
 template <class T>
 __global__ void __launch_bounds__(kNaiveThreads) naive_bwd_cols(AttentionProblem p, float scale, const float* pbuf,
-                                                                 const float* dsbuf, float* dk_out, float* dv_out) {
+                                                                const float* dsbuf, float* dk_out, float* dv_out) {
   const int64_t rows_q = p.cu_seqlens_q ? p.total_q : p.batch * p.seqlen_q;
   const int64_t g = blockIdx.x % p.heads_kv, rk = blockIdx.x / p.heads_kv;
   int64_t b, j, q_row0, sq;
@@ -164,18 +164,24 @@ Grads naive_backward(const AttentionProblem& device_problem) {
   auto run = [&](auto tag) {
     using T = decltype(tag);
     if (row_blocks)
-      naive_bwd_rows<T><<<row_blocks, kNaiveThreads>>>(p, scale, s.get<float>(), pb.get<float>(), ds.get<float>(),
-                                                       dq.get<float>());
+      naive_bwd_rows<T>
+          <<<row_blocks, kNaiveThreads>>>(p, scale, s.get<float>(), pb.get<float>(), ds.get<float>(), dq.get<float>());
     check_cuda(cudaGetLastError(), "naive_bwd_rows launch");
     if (col_blocks)
-      naive_bwd_cols<T><<<col_blocks, kNaiveThreads>>>(p, scale, pb.get<float>(), ds.get<float>(), dk.get<float>(),
-                                                       dv.get<float>());
+      naive_bwd_cols<T>
+          <<<col_blocks, kNaiveThreads>>>(p, scale, pb.get<float>(), ds.get<float>(), dk.get<float>(), dv.get<float>());
     check_cuda(cudaGetLastError(), "naive_bwd_cols launch");
   };
   switch (p.dtype) {
-    case DType::f32: run(float{}); break;
-    case DType::f16: run(__half{}); break;
-    case DType::bf16: run(__nv_bfloat16{}); break;
+    case DType::f32:
+      run(float{});
+      break;
+    case DType::f16:
+      run(__half{});
+      break;
+    case DType::bf16:
+      run(__nv_bfloat16{});
+      break;
   }
   check_cuda(cudaDeviceSynchronize(), "naive backward");
   return {to_double(dq), to_double(dk), to_double(dv)};
@@ -336,9 +342,9 @@ int64_t nonzero_dq_in_empty_rows(const HostProblem& hp) {
   int64_t bad = 0;
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t h = 0; h < H; ++h) {
-      const int64_t li = hp.problem.is_varlen() ? h * rows + r
-                                                : ((r / hp.problem.seqlen_q) * H + h) * hp.problem.seqlen_q +
-                                                      r % hp.problem.seqlen_q;
+      const int64_t li = hp.problem.is_varlen()
+                             ? h * rows + r
+                             : ((r / hp.problem.seqlen_q) * H + h) * hp.problem.seqlen_q + r % hp.problem.seqlen_q;
       if (!(std::isinf(lse[size_t(li)]) && lse[size_t(li)] < 0)) continue;
       for (int64_t c = 0; c < d; ++c) bad += dq[size_t((r * H + h) * d + c)] != 0.0;
     }

@@ -99,8 +99,8 @@ int main(int argc, char** argv) {
       if (p.workspace_bytes) check(cudaMalloc(&workspace, p.workspace_bytes), "cudaMalloc");
       p.workspace = workspace;
       const double ms = median_ms(p);
-      std::printf("%s,bf16,%lld,%lld,%lld,%lld,%lld,%d,%.4f,%.1f\n", det ? "tileattn_det" : "tileattn", b, h, nq, nk,
-                  d, causal, ms, flops / ms / 1e9);
+      std::printf("%s,bf16,%lld,%lld,%lld,%lld,%lld,%d,%.4f,%.1f\n", det ? "tileattn_det" : "tileattn", b, h, nq, nk, d,
+                  causal, ms, flops / ms / 1e9);
       std::fflush(stdout);
       cudaFree(workspace);
     }

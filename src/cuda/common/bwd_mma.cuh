@@ -27,11 +27,17 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 template <class T>
 __device__ __forceinline__ T from_float(float x);
 template <>
-__device__ __forceinline__ float from_float<float>(float x) { return x; }
+__device__ __forceinline__ float from_float<float>(float x) {
+  return x;
+}
 template <>
-__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+__device__ __forceinline__ __half from_float<__half>(float x) {
+  return __float2half_rn(x);
+}
 template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
 
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
@@ -59,8 +65,7 @@ __device__ __forceinline__ float fast_exp2(float x) {
 // ---- asynchronous copies ---------------------------------------------------------------
 // 16 bytes global -> shared; `valid == false` zero-fills the destination without reading.
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem),
-               "r"(valid ? 16 : 0));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem), "r"(valid ? 16 : 0));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
@@ -125,15 +130,19 @@ __device__ __forceinline__ void warp_gemm(float (&acc)[MT][NT][4], const T* A, i
 #pragma unroll
       for (int i = 0; i < MT; ++i) {
         const T* pa = ARowMajor ? A + i * 16 * lda + ks * 16 : A + ks * 16 * lda + i * 16;
-        if constexpr (ARowMajor) ldmatrix_x4(a[i], pa + a_off);
-        else ldmatrix_x4_trans(a[i], pa + a_off);
+        if constexpr (ARowMajor)
+          ldmatrix_x4(a[i], pa + a_off);
+        else
+          ldmatrix_x4_trans(a[i], pa + a_off);
       }
 #pragma unroll
       for (int j = 0; j < NT / 2; ++j) {
         uint32_t b[4];
         const T* pb = BRowMajor ? B + ks * 16 * ldb + j * 16 : B + j * 16 * ldb + ks * 16;
-        if constexpr (BRowMajor) ldmatrix_x4_trans(b, pb + b_off);
-        else ldmatrix_x4(b, pb + b_off);
+        if constexpr (BRowMajor)
+          ldmatrix_x4_trans(b, pb + b_off);
+        else
+          ldmatrix_x4(b, pb + b_off);
 #pragma unroll
         for (int i = 0; i < MT; ++i) {
           mma_16816<T>(acc[i][2 * j], a[i], b[0], b[1]);

@@ -32,8 +32,8 @@ __device__ __forceinline__ void merge_stats(float& m, float& l, float m2, float 
 template <int D>
 struct RowStatsTile {
   using Tile = DqTile<float, D>;
-  static constexpr int kSmemBytes =
-      int(sizeof(float)) * (Tile::kBlockM * Tile::kLd + Tile::kBlockN * Tile::kLd + 2 * Tile::kGridS.wn * Tile::kBlockM);
+  static constexpr int kSmemBytes = int(sizeof(float)) * (Tile::kBlockM * Tile::kLd + Tile::kBlockN * Tile::kLd +
+                                                          2 * Tile::kGridS.wn * Tile::kBlockM);
 };
 
 template <int D>
@@ -59,8 +59,8 @@ __global__ void __launch_bounds__(kThreads, 1) row_stats_kernel(const BwdParams 
   const int t0 = k_begin / BN;
   const int n_tiles = k_end > k_begin ? (k_end + BN - 1) / BN - t0 : 0;
 
-  const float* gQ = static_cast<const float*>(p.q.ptr) + seq_base(p, p.q, b, true) + int64_t(h) * p.q.head +
-                    int64_t(q0) * p.q.seq;
+  const float* gQ =
+      static_cast<const float*>(p.q.ptr) + seq_base(p, p.q, b, true) + int64_t(h) * p.q.head + int64_t(q0) * p.q.seq;
   const float* gK = static_cast<const float*>(p.k.ptr) + seq_base(p, p.k, b, false) + int64_t(hk) * p.k.head;
   load_tile<float, BM, D, LD>(sQ, gQ, p.q.seq, q1 - q0, p.headdim_qk, p.vec_io);
 

@@ -71,8 +71,10 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const BwdParams p) {
   const int n_tiles = q_end > q_begin ? (q_end + BM - 1) / BM - t0 : 0;
   const int n_iter = n_tiles * p.group;
 
-  const T* gK = static_cast<const T*>(p.k.ptr) + seq_base(p, p.k, b, false) + int64_t(hk) * p.k.head + int64_t(k0) * p.k.seq;
-  const T* gV = static_cast<const T*>(p.v.ptr) + seq_base(p, p.v, b, false) + int64_t(hk) * p.v.head + int64_t(k0) * p.v.seq;
+  const T* gK =
+      static_cast<const T*>(p.k.ptr) + seq_base(p, p.k, b, false) + int64_t(hk) * p.k.head + int64_t(k0) * p.k.seq;
+  const T* gV =
+      static_cast<const T*>(p.v.ptr) + seq_base(p, p.v, b, false) + int64_t(hk) * p.v.head + int64_t(k0) * p.v.seq;
   load_tile<T, BN, D, LD>(sK, gK, p.k.seq, k1 - k0, p.headdim_qk, p.vec_io);
   load_tile<T, BN, D, LD>(sV, gV, p.v.seq, k1 - k0, p.headdim_v, p.vec_io);
 
@@ -81,8 +83,8 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const BwdParams p) {
   auto load_stage = [&](int it) {
     const int h = head_of(it), q0 = q0_of(it);
     const Stage st = stage(it);
-    const T* gq = static_cast<const T*>(p.q.ptr) + seq_base(p, p.q, b, true) + int64_t(h) * p.q.head +
-                  int64_t(q0) * p.q.seq;
+    const T* gq =
+        static_cast<const T*>(p.q.ptr) + seq_base(p, p.q, b, true) + int64_t(h) * p.q.head + int64_t(q0) * p.q.seq;
     const T* gd = static_cast<const T*>(p.dout.ptr) + seq_base(p, p.dout, b, true) + int64_t(h) * p.dout.head +
                   int64_t(q0) * p.dout.seq;
     load_tile<T, BM, D, LD>(st.q, gq, p.q.seq, s.sq - q0, p.headdim_qk, p.vec_io);
@@ -126,8 +128,8 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const BwdParams p) {
     warp_gemm<T, GS.tm / 16, GS.tn / 8, D, true, false>(st, sK + s_row * LD, LD, cur.q + s_col * LD, LD);
     const int q1 = min(q0 + BM, s.sq);
     const bool masked = !(mask.full_begin_key(q1) <= k0 && mask.full_end_key(q0) >= k0 + BN);
-    scores_to_grads<T, true, true>(st, dp, cur.lse2, cur.row_sum, cur.dsum, s_row, s_col, q0, k0, masked, mask, p,
-                                   sP, sdS, LDP);
+    scores_to_grads<T, true, true>(st, dp, cur.lse2, cur.row_sum, cur.dsum, s_row, s_col, q0, k0, masked, mask, p, sP,
+                                   sdS, LDP);
     __syncthreads();
 
     warp_gemm<T, GKV.tm / 16, GKV.tn / 8, BM, true, true>(dv, sP + kv_row * LDP, LDP, cur.dout + kv_col, LD);

@@ -44,7 +44,8 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const BwdParams p) {
   const int t0 = k_begin / BN;
   const int n_tiles = k_end > k_begin ? (k_end + BN - 1) / BN - t0 : 0;
 
-  const T* gQ = static_cast<const T*>(p.q.ptr) + seq_base(p, p.q, b, true) + int64_t(h) * p.q.head + int64_t(q0) * p.q.seq;
+  const T* gQ =
+      static_cast<const T*>(p.q.ptr) + seq_base(p, p.q, b, true) + int64_t(h) * p.q.head + int64_t(q0) * p.q.seq;
   const T* gdO = static_cast<const T*>(p.dout.ptr) + seq_base(p, p.dout, b, true) + int64_t(h) * p.dout.head +
                  int64_t(q0) * p.dout.seq;
   load_tile<T, BM, D, LD>(sQ, gQ, p.q.seq, q1 - q0, p.headdim_qk, p.vec_io);

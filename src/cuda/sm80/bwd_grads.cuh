@@ -84,18 +84,22 @@ __device__ __forceinline__ void scores_to_grads_tile(const float (&s)[MT][NT][4]
 
 template <class T, bool kRowsAreKeys, bool kStoreP, int MT, int NT>
 __device__ __forceinline__ void scores_to_grads(const float (&s)[MT][NT][4], const float (&dp)[MT][NT][4],
-                                                const float* lse2, const float* row_sum, const float* dsum,
-                                                int row0, int col0, int q0, int k0, bool masked, const Mask& mask,
+                                                const float* lse2, const float* row_sum, const float* dsum, int row0,
+                                                int col0, int q0, int k0, bool masked, const Mask& mask,
                                                 const BwdParams& p, T* sP, T* sdS, int ld) {
-#define TA_BWD_GRADS(capped, msk)                                                                               \
-  scores_to_grads_tile<T, kRowsAreKeys, kStoreP, capped, msk>(s, dp, lse2, row_sum, dsum, row0, col0, q0, k0, mask, \
-                                                              p, sP, sdS, ld)
+#define TA_BWD_GRADS(capped, msk)                                                                                      \
+  scores_to_grads_tile<T, kRowsAreKeys, kStoreP, capped, msk>(s, dp, lse2, row_sum, dsum, row0, col0, q0, k0, mask, p, \
+                                                              sP, sdS, ld)
   if (p.softcap > 0.0f) {
-    if (masked) TA_BWD_GRADS(true, true);
-    else TA_BWD_GRADS(true, false);
+    if (masked)
+      TA_BWD_GRADS(true, true);
+    else
+      TA_BWD_GRADS(true, false);
   } else {
-    if (masked) TA_BWD_GRADS(false, true);
-    else TA_BWD_GRADS(false, false);
+    if (masked)
+      TA_BWD_GRADS(false, true);
+    else
+      TA_BWD_GRADS(false, false);
   }
 #undef TA_BWD_GRADS
 }

@@ -1,6 +1,7 @@
 #pragma once
-// Host side of one backward: preprocess (and, for fp32, the row statistics), dK/dV (with atomic dQ, or not), then the dQ
-// conversion or dQ's own pass. Instantiated per (dtype, head-dim bucket) in bwd_inst_*.cu.
+// Host side of one backward: preprocess (and, for fp32, the row statistics), dK/dV (with atomic
+// dQ, or not), then the dQ conversion or dQ's own pass. Instantiated per (dtype, head-dim bucket)
+// in bwd_inst_*.cu.
 #include <cuda_runtime.h>
 
 #include <algorithm>

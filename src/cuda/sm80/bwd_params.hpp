@@ -15,7 +15,7 @@ struct Strided {
 
 struct BwdParams {
   Strided q, k, v, o, dout, dq, dk, dv;
-  const float* lse;  // the forward's L: (batch, heads_q, seqlen_q) or (heads_q, total_q)
+  const float* lse;             // the forward's L: (batch, heads_q, seqlen_q) or (heads_q, total_q)
   const int32_t* cu_seqlens_q;  // both null unless varlen
   const int32_t* cu_seqlens_k;
   int batch, seqlen_q, seqlen_k;  // varlen: the max over sequences
@@ -24,11 +24,10 @@ struct BwdParams {
   int headdim_qk, headdim_v;
   int window_left, window_right;  // -1 = unbounded; causal is folded in (right = 0)
 
-  float scale;          // softmax scale
-  float scale_log2;     // scale * log2(e): P = exp2(s * scale_log2 - lse2)
-  float softcap;        // 0 = off
-  float scale_over_cap; // scale / softcap: capped = softcap * tanh(s * scale_over_cap)
-  float cap_log2;       // softcap * log2(e)
+  float scale;           // softmax scale
+  float scale_log2;      // scale * log2(e): P = exp2(s * scale_log2 - lse2)
+  float softcap;         // 0 = off
+  float scale_over_cap;  // scale / softcap: capped = softcap * tanh(s * scale_over_cap)
 
   // 16-byte copies are legal for every tensor (head dims and strides multiples of 8 elements,
   // 16-byte aligned bases); otherwise tiles are gathered element by element.
@@ -38,13 +37,13 @@ struct BwdParams {
 
   // ---- workspace: rows (batch, heads_q, seqlen_q_rounded), padding rows inert ------------
   int seqlen_q_rounded;
-  int dq_accum_dim;   // row length of dq_accum (the kernel's head-dim bucket)
+  int dq_accum_dim;  // row length of dq_accum (the kernel's head-dim bucket)
   // fp16/bf16: L * log2(e). fp32: the row max of the scaled scores, natural domain (recomputed by
   // src/cuda/fp32/bwd_row_stats.cuh). +inf for padding and for rows that see no key, so P = 0.
   float* lse2;
-  float* row_sum;     // fp32 only: sum of exp(score - row max); 1 where P = 0; null otherwise
-  float* dsum;        // D = rowsum(O * dO); 0 for padding
-  float* dq_accum;    // fp32 dQ / scale, summed by atomics; null when dQ has its own pass
+  float* row_sum;   // fp32 only: sum of exp(score - row max); 1 where P = 0; null otherwise
+  float* dsum;      // D = rowsum(O * dO); 0 for padding
+  float* dq_accum;  // fp32 dQ / scale, summed by atomics; null when dQ has its own pass
 };
 
 struct SeqInfo {

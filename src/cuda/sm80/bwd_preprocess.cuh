@@ -39,7 +39,8 @@ __global__ void __launch_bounds__(kRowKernelThreads) preprocess_kernel(const Bwd
     }
     return;
   }
-  const T* o = static_cast<const T*>(p.o.ptr) + seq_base(p, p.o, b, true) + int64_t(i) * p.o.seq + int64_t(h) * p.o.head;
+  const T* o =
+      static_cast<const T*>(p.o.ptr) + seq_base(p, p.o, b, true) + int64_t(i) * p.o.seq + int64_t(h) * p.o.head;
   const T* d = static_cast<const T*>(p.dout.ptr) + seq_base(p, p.dout, b, true) + int64_t(i) * p.dout.seq +
                int64_t(h) * p.dout.head;
   float acc = 0.0f;

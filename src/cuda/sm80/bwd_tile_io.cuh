@@ -40,8 +40,8 @@ __device__ __forceinline__ void load_row_floats(float* s, const float* g) {
 // A warp's accumulator tile times `scale` to global (row 0, column 0 at g), keeping rows < rows
 // and columns < cols.
 template <class T, int MT, int NT>
-__device__ __forceinline__ void store_frag(const float (&acc)[MT][NT][4], float scale, T* g, int64_t stride,
-                                           int rows, int cols) {
+__device__ __forceinline__ void store_frag(const float (&acc)[MT][NT][4], float scale, T* g, int64_t stride, int rows,
+                                           int cols) {
   const int lane = threadIdx.x & 31;
 #pragma unroll
   for (int i = 0; i < MT; ++i)

@@ -6,6 +6,8 @@
 // the block), so kBlockN shrinks as D grows: 128 keys up to D = 128, 64 beyond.
 // dQ kernel (deterministic pass): a block owns kBlockM queries and walks key tiles of kBlockN.
 // fp32 tiles are half as long on one side: the same shared-memory budget holds half the values.
+// The streamed tiles (Q/dO, resp. K/V) get a second buffer where the device's shared memory
+// holds it (chosen at launch: smem_bytes(2) against the opt-in limit).
 #include "cuda/common/bwd_mma.cuh"
 
 namespace tileattn::cuda::bwd {
@@ -39,14 +41,13 @@ constexpr int kGranN = sizeof(T) == 2 ? 16 : 8;
 
 template <class T, int D>
 struct DkdvTile {
-  static constexpr int kD = D;
   static constexpr int kBlockN = (sizeof(T) == 2 ? (D <= 128 ? 128 : 64) : (D <= 64 ? 64 : 32));
   static constexpr int kBlockM = (sizeof(T) == 2 ? 64 : 32);
-  static constexpr int kLd = D + kPad<T>;             // K, V, Q, dO rows
-  static constexpr int kLdP = kBlockM + kPad<T>;      // P^T, dS^T rows (one per key)
-  static constexpr WarpGrid kGridS = warp_grid(kBlockN, kBlockM, kGranN<T>);   // S^T, dP^T
-  static constexpr WarpGrid kGridKV = warp_grid(kBlockN, D, kGranN<T>);        // dK, dV
-  static constexpr WarpGrid kGridQ = warp_grid(kBlockM, D, kGranN<T>);         // dQ partial
+  static constexpr int kLd = D + kPad<T>;                                     // K, V, Q, dO rows
+  static constexpr int kLdP = kBlockM + kPad<T>;                              // P^T, dS^T rows (one per key)
+  static constexpr WarpGrid kGridS = warp_grid(kBlockN, kBlockM, kGranN<T>);  // S^T, dP^T
+  static constexpr WarpGrid kGridKV = warp_grid(kBlockN, D, kGranN<T>);       // dK, dV
+  static constexpr WarpGrid kGridQ = warp_grid(kBlockM, D, kGranN<T>);        // dQ partial
   // K, V, P^T, dS^T, then 1 or 2 stages of (Q, dO, L, D, row sum).
   static constexpr int kFixedBytes = (2 * kBlockN * kLd + 2 * kBlockN * kLdP) * int(sizeof(T));
   static constexpr int kStageBytes = 2 * kBlockM * kLd * int(sizeof(T)) + 3 * kBlockM * int(sizeof(float));
@@ -56,7 +57,6 @@ struct DkdvTile {
 
 template <class T, int D>
 struct DqTile {
-  static constexpr int kD = D;
   static constexpr int kBlockM = (sizeof(T) == 2 ? (D <= 128 ? 128 : 64) : (D <= 64 ? 64 : 32));
   static constexpr int kBlockN = (sizeof(T) == 2 ? 64 : 32);
   static constexpr int kLd = D + kPad<T>;
@@ -64,7 +64,8 @@ struct DqTile {
   static constexpr WarpGrid kGridS = warp_grid(kBlockM, kBlockN, kGranN<T>);  // S, dP
   static constexpr WarpGrid kGridQ = warp_grid(kBlockM, D, kGranN<T>);        // dQ
   // Q, dO, dS, (L, D, row sum), then 1 or 2 stages of (K, V).
-  static constexpr int kFixedBytes = (2 * kBlockM * kLd + kBlockM * kLdS) * int(sizeof(T)) + 3 * kBlockM * int(sizeof(float));
+  static constexpr int kFixedBytes =
+      (2 * kBlockM * kLd + kBlockM * kLdS) * int(sizeof(T)) + 3 * kBlockM * int(sizeof(float));
   static constexpr int kStageBytes = 2 * kBlockN * kLd * int(sizeof(T));
   static constexpr int smem_bytes(int stages) { return kFixedBytes + stages * kStageBytes; }
   static_assert(kGridS.wm && kGridQ.wm, "no warp grid fits these tiles");
