@@ -3,9 +3,11 @@
 // gradients dS = P * (dP - D) (times d capped / d score under soft-capping), written to shared
 // memory in the input precision for the products that follow.
 //
-// P is recomputed from the saved log-sum-exp: P = exp2(s * scale * log2(e) - L * log2(e)). The
-// preprocess stored L * log2(e) as +inf for rows that see no key and for padding rows, which
-// makes P exactly 0 there: no mask arithmetic is needed for them, and no NaN can arise.
+// fp16/bf16 recompute P from the saved log-sum-exp: P = exp2(s * scale * log2(e) - L * log2(e));
+// fp32 forms P = exp(s * scale - max) / sum from per-row statistics recomputed for accuracy
+// (src/cuda/fp32/bwd_row_stats.cuh). Rows that see no key and padding rows carry +inf in place of
+// L * log2(e) (resp. max), which makes P exactly 0 there: no mask arithmetic is needed for them,
+// and no NaN can arise.
 #include <math.h>
 
 #include <type_traits>
