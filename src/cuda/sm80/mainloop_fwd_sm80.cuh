@@ -38,7 +38,8 @@ struct FwdTraits {
   static constexpr int kSmemBytes = int(sizeof(T)) * (QTile::kElements + 2 * KVTile::kElements);
 };
 
-// Where a block's rows live: resolves batch, varlen offsets and the block's key range.
+// Where a block works: batch, head, key split, its first query row, and the sequence it reads
+// (lengths, and for varlen batches its first row in the packed buffers).
 struct FwdBlock {
   int batch, head, split;
   int seqlen_q, seqlen_k;
