@@ -1,31 +1,23 @@
 // fp32 attention forward and softmax(X) @ V on the device through the public API.
 // Prints CSV rows  impl,case,ms,tflops,extra_mib  (timing: median of cudaEvent-timed runs after
 // warm-up) and, first, accuracy rows  accuracy,case,max_abs,rel_l2  against the float64 oracle on
-// small problems. tools/device/peers_fp32.py prints PyTorch's figures for the same cases.
-#include <cuda_bf16.h>
+// small problems. `peers.py fp32` prints PyTorch's figures for the same cases.
 #include <cuda_fp16.h>
-#include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cmath>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <string>
-#include <vector>
 
+#include "bench_common.cuh"
 #include "cpu/reference.hpp"
 #include "host/validate.hpp"
 #include "tileattn/tileattn.hpp"
 
 namespace {
 
-void check(cudaError_t status, const char* what) {
-  if (status != cudaSuccess) {
-    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(status));
-    std::exit(1);
-  }
-}
+using bench::check;
+
+constexpr bench::Timing kTiming{2, 5, 300.0f, 50};
 
 // N(0, 1)-like values from a hash (Box-Muller), written as fp32, fp16 or bf16 bits.
 __global__ void fill_normal(void* out, size_t n, tileattn::DType t, unsigned seed, float scale) {
@@ -49,30 +41,6 @@ void* device_normal(size_t n, tileattn::DType t, unsigned seed, float scale = 1.
   fill_normal<<<1024, 256>>>(p, n, t, seed, scale);
   check(cudaGetLastError(), "fill_normal");
   return p;
-}
-
-template <class F>
-double median_ms(F&& run) {
-  cudaEvent_t start, stop;
-  check(cudaEventCreate(&start), "cudaEventCreate");
-  check(cudaEventCreate(&stop), "cudaEventCreate");
-  for (int i = 0; i < 2; ++i) run();
-  check(cudaDeviceSynchronize(), "warm-up");
-  std::vector<float> times;
-  float total = 0.0f;
-  while (times.size() < 5 || (total < 300.0f && times.size() < 50)) {
-    check(cudaEventRecord(start), "cudaEventRecord");
-    run();
-    check(cudaEventRecord(stop), "cudaEventRecord");
-    check(cudaEventSynchronize(stop), "cudaEventSynchronize");
-    float ms = 0.0f;
-    check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
-    times.push_back(ms);
-    total += ms;
-  }
-  cudaEventDestroy(start), cudaEventDestroy(stop);
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
 }
 
 std::vector<double> to_host_double(const void* d, size_t n, tileattn::DType t) {
@@ -207,7 +175,7 @@ void time_attention(int64_t b, int64_t h, int64_t n, int64_t d, bool causal) {
   for (auto mode : {tileattn::Fp32Mode::exact, tileattn::Fp32Mode::fast}) {
     auto p = attention(b, h, n, d, causal, q, k, v, o, static_cast<float*>(lse));
     p.fp32_mode = mode;
-    const double ms = median_ms([&] { tileattn::forward(p); });
+    const double ms = bench::median_ms(kTiming, [&] { tileattn::forward(p); });
     const double flops = tileattn::attention_forward_flops(b, h, n, n, d, d, causal);
     std::printf("tileattn_%s,attention_f32_b%lld_h%lld_n%lld_d%lld%s,%.3f,%.1f,0\n", mode_name(mode), (long long)b,
                 (long long)h, (long long)n, (long long)d, causal ? "_causal" : "", ms, flops / ms / 1e9);
@@ -230,7 +198,7 @@ void time_softmax_matmul(int64_t b, int64_t d1, int64_t d2, int64_t d3, tileattn
     p.fp32_mode = mode;
     size_t free0, free1, total;
     check(cudaMemGetInfo(&free0, &total), "cudaMemGetInfo");
-    const double ms = median_ms([&] { tileattn::softmax_matmul(p); });
+    const double ms = bench::median_ms(kTiming, [&] { tileattn::softmax_matmul(p); });
     check(cudaMemGetInfo(&free1, &total), "cudaMemGetInfo");
     const std::string impl = t == tileattn::DType::f32 ? std::string("tileattn_") + mode_name(mode) : "tileattn";
     std::printf("%s,softmax_matmul_%s_b%lld_%lldx%lldx%lld,%.3f,%.1f,%.0f\n", impl.c_str(), dtype_name(t),

@@ -1,23 +1,27 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: configure, build, GPU tests, compute-sanitizer memcheck on a small
-# filter, the forward benchmark beside PyTorch SDPA (flash backend) on the same shapes, and a
-# short summary printed last. Full logs go to $OUT (default: outputs/device).
+# filter, the benchmarks beside their PyTorch peers on the same shapes (forward and backward vs
+# SDPA flash, fp32 attention and softmax(X) @ V vs torch), the Python package's tests, and a short
+# summary printed last. Full logs go to $OUT (default: outputs/device).
 #
 #   tools/device/check.sh                      everything, all head dims, sm_90a
 #   tools/device/check.sh --quick              head dims 64;128 only (tests needing others skip)
-#   tools/device/check.sh --tests 'Backward*' --bench none --sanitize none
+#   tools/device/check.sh --tests 'Backward*' --bench none --sanitize none --pytest none
+#   tools/device/check.sh --dry-run            print the commands without running them
 #
 # Options:
 #   --quick               TILEATTN_HEADDIMS=64;128
-#   --headdims "LIST"     TILEATTN_HEADDIMS (e.g. "64;128;256")
+#   --headdims "LIST"     TILEATTN_HEADDIMS (e.g. "64;128;256"), for the library and the package
 #   --arch ARCH           TILEATTN_CUDA_ARCHITECTURES (default 90a)
 #   --tests PATTERN       only GPU tests whose ctest name matches (a glob: * and ? work); none: skip
 #   --cpu-tests           also run the host and CPU test labels
 #   --sanitize FILTER     gtest filter for the compute-sanitizer run; none: skip
-#   --bench all|none      forward benchmark + SDPA peer (default all)
+#   --bench WHICH         all, none, or a comma list of forward,backward,fp32 (default all)
+#   --pytest WHAT         all, none, or a pytest -k expression for tests/python (default all)
 #   --jobs N              build parallelism (default: all cores)
-#   --build-dir DIR       (default build-device)
-#   --profile             also Nsight Compute (basic set) on one forward kernel
+#   --build-dir DIR       (default build-device; the package builds in DIR/pip)
+#   --profile             also Nsight Compute (full set) on one forward kernel
+#   --dry-run             print each step's command and log file instead of running it
 #
 # $OUT gets summary.txt and logs.tar.gz (the device tool returns at most 8 files).
 set -uo pipefail
@@ -32,10 +36,14 @@ ARCH=90a
 TESTS="*"
 CPU_TESTS=0
 SANITIZE='Sweep/ForwardAccuracy.*/len17_bf16:Sweep/ForwardAccuracy.*/d20_f16:Sweep/ForwardAccuracy.*/varlen_causal_bf16:Sweep/ForwardAccuracy.*/split_varlen_f16:Sweep/ForwardAccuracy.*/padded_split_bf16:Sweep/ForwardAccuracy.*/window_33_17_f16:ForwardApi.*'
+SANITIZE+=':Sweep/Fp32Forward.*/odd_dims:Sweep/Fp32Forward.*/varlen_with_empty:Sweep/Fp32Forward.*/dqk256_dv32'
+SANITIZE+=':Sweep/Fp32Forward.*/headdim_40:Sweep/SoftmaxMatmul*.*/f32_odd_sizes:Sweep/SoftmaxMatmul.*/bf16_padded'
 BENCH=all
+PYTEST=all
 JOBS=$(nproc)
 BUILD=build-device
 PROFILE=0
+DRY=0
 
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -46,145 +54,209 @@ while [[ $# -gt 0 ]]; do
     --cpu-tests) CPU_TESTS=1 ;;
     --sanitize) SANITIZE="$2"; shift ;;
     --bench) BENCH="$2"; shift ;;
+    --pytest) PYTEST="$2"; shift ;;
     --jobs) JOBS="$2"; shift ;;
     --build-dir) BUILD="$2"; shift ;;
     --profile) PROFILE=1 ;;
-    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+    --dry-run) DRY=1 ;;
+    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
     *) echo "check.sh: unknown option $1" >&2; exit 2 ;;
   esac
   shift
 done
+[[ "$BENCH" == all ]] && BENCH=forward,backward,fp32
+for b in ${BENCH//,/ }; do
+  case "$b" in forward|backward|fp32|none) ;; *) echo "check.sh: unknown benchmark $b" >&2; exit 2 ;; esac
+done
+bench_on() { [[ ",$BENCH," == *",$1,"* ]]; }
 
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
 note() { echo "$*" | tee -a "$SUMMARY"; }
 now() { date +%s; }
+# run LOGFILE CMD...: stdout and stderr to LOGFILE; with --dry-run only says what it would do.
+run() {
+  local log=$1
+  shift
+  if [[ $DRY -eq 1 ]]; then
+    echo "+ $* > $log" >&2
+    return 0
+  fi
+  "$@" > "$log" 2>&1
+}
+# Shapes: B*N = 16k tokens, hidden 2048 (H = 2048 / D), D in {64, 128}, N in {1k, 4k, 16k}.
+GRID=()
+for D in 64 128; do
+  for N in 1024 4096 16384; do
+    for C in 0 1; do GRID+=("$((16384 / N)),$((2048 / D)),$N,$N,$D,$C"); done
+  done
+done
+DECODE=("1,16,1,32768,128,0" "8,16,4,8192,128,0")  # forward only: split-KV
 
-note "device: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)"
-note "nvcc: $(nvcc --version | tail -1); cmake: $(cmake --version | head -1)"
+if [[ $DRY -eq 0 ]]; then
+  note "device: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)"
+  note "nvcc: $(nvcc --version | tail -1); cmake: $(cmake --version | head -1); python: $(python3 --version 2>&1)"
+fi
 
 # ---- configure and build ------------------------------------------------------------------
 GENERATOR="Unix Makefiles"
 command -v ninja > /dev/null && GENERATOR=Ninja
 t0=$(now)
-cmake -S . -B "$BUILD" -G "$GENERATOR" -DCMAKE_BUILD_TYPE=Release -DTILEATTN_CUDA=ON \
-  -DTILEATTN_CUDA_ARCHITECTURES="$ARCH" -DTILEATTN_HEADDIMS="$HEADDIMS" -DTILEATTN_BUILD_PYTHON=OFF \
-  > "$LOG/configure.log" 2>&1
+run "$LOG/configure.log" cmake -S . -B "$BUILD" -G "$GENERATOR" -DCMAKE_BUILD_TYPE=Release -DTILEATTN_CUDA=ON \
+  -DTILEATTN_CUDA_ARCHITECTURES="$ARCH" -DTILEATTN_HEADDIMS="$HEADDIMS" -DTILEATTN_BUILD_PYTHON=OFF
 rc=$?
 t1=$(now)
 note "configure: rc=$rc $((t1 - t0))s (archs $ARCH, head dims $HEADDIMS)"
 if [[ $rc -ne 0 ]]; then tail -30 "$LOG/configure.log"; exit 1; fi
-cmake --build "$BUILD" -j "$JOBS" > "$LOG/build.log" 2>&1
+run "$LOG/build.log" cmake --build "$BUILD" -j "$JOBS"
 rc=$?
 t2=$(now)
 note "build: rc=$rc $((t2 - t1))s with -j$JOBS"
 if [[ $rc -ne 0 ]]; then grep -E "error|Error" "$LOG/build.log" | head -40; exit 1; fi
+
+# ---- benchmark harnesses and the Python package, built while the GPU tests run -------------
+# They are waited for before the benchmarks, so no compile competes with timed runs.
+BG=()
+NVCC_FLAGS=(-O3 -std=c++20 "-arch=sm_${ARCH%%;*}" -Iinclude -Isrc)
+build_harness() {
+  run "$LOG/$1_build.log" nvcc "${NVCC_FLAGS[@]}" "tools/device/$1.cu" "$BUILD/libtileattn.a" -lpthread \
+    -o "$BUILD/$1"
+}
+if bench_on forward || bench_on backward || [[ $PROFILE -eq 1 ]]; then
+  build_harness bench_attention & BG+=($!)
+fi
+if bench_on fp32; then
+  build_harness bench_fp32 & BG+=($!)
+fi
+# Installed into a target folder: leaves the machine's site-packages alone (and needs no
+# externally-managed override); PYTHONPATH points the tests at it.
+PYTARGET="$BUILD/pip-target"
+if [[ "$PYTEST" != none ]]; then
+  [[ $DRY -eq 0 ]] && rm -rf "$PYTARGET"
+  CMAKE_BUILD_PARALLEL_LEVEL=$JOBS run "$LOG/pip_install.log" python3 -m pip install --no-build-isolation --no-deps \
+    --target "$PYTARGET" . -C build-dir="$BUILD/pip" -C cmake.define.TILEATTN_CUDA=ON \
+    -C cmake.define.TILEATTN_CUDA_ARCHITECTURES="$ARCH" -C cmake.define.TILEATTN_HEADDIMS="$HEADDIMS" &
+  PIP_PID=$!
+fi
 
 # ---- tests --------------------------------------------------------------------------------
 glob_to_regex() { printf '%s' "$1" | sed -e 's/[.]/\\./g' -e 's/[*]/.*/g' -e 's/[?]/./g'; }
 if [[ "$TESTS" != none ]]; then
   t0=$(now)
   mkdir -p "$LOG/gtest"
-  GTEST_OUTPUT="xml:$(realpath "$LOG")/gtest/" ctest --test-dir "$BUILD" -L gpu -R "$(glob_to_regex "$TESTS")" -j 8 --output-on-failure \
-    --output-junit "$(realpath "$LOG")/ctest_gpu.xml" > "$LOG/ctest_gpu.log" 2>&1
+  GTEST_OUTPUT="xml:$(realpath "$LOG")/gtest/" run "$LOG/ctest_gpu.log" ctest --test-dir "$BUILD" -L gpu \
+    -R "$(glob_to_regex "$TESTS")" -j 8 --output-on-failure --output-junit "$(realpath "$LOG")/ctest_gpu.xml"
   rc=$?
-  note "gpu tests: rc=$rc $(( $(now) - t0 ))s: $(grep -E 'tests passed|tests failed' "$LOG/ctest_gpu.log" | tail -1)"
-  note "  skipped: $(grep -c 'Skipped' "$LOG/ctest_gpu.log")"
-  grep -E '^\s+[0-9]+ - .*(Failed|SEGFAULT|Timeout|Exception)' "$LOG/ctest_gpu.log" | head -40 | tee -a "$SUMMARY"
+  note "gpu tests: rc=$rc $(( $(now) - t0 ))s: $(grep -E 'tests passed|tests failed' "$LOG/ctest_gpu.log" 2>/dev/null | tail -1)"
+  note "  skipped: $(grep -c 'Skipped' "$LOG/ctest_gpu.log" 2>/dev/null)"
+  grep -E '^\s+[0-9]+ - .*(Failed|SEGFAULT|Timeout|Exception)' "$LOG/ctest_gpu.log" 2>/dev/null | head -40 | tee -a "$SUMMARY"
   # Margins of the 2x rule recorded by the tests (gpu_test_util.cuh).
-  python3 - "$LOG/gtest" <<'PY' | tee -a "$SUMMARY"
-import glob, sys, xml.etree.ElementTree as ET
-rows = []
-for path in glob.glob(sys.argv[1] + "/*.xml"):
-    try:
-        root = ET.parse(path).getroot()
-    except ET.ParseError:
-        continue
-    for case in root.iter("testcase"):
-        props = {p.get("name"): float(p.get("value")) for p in case.iter("property")}
-        for what in sorted({k[:-len("_naive_err")] for k in props if k.endswith("_naive_err")}):
-            err, naive = props.get(what + "_err"), props[what + "_naive_err"]
-            bound = props.get(what + "_bound")
-            rows.append((err / bound if bound else 0.0, err, naive, bound, what,
-                         case.get("classname") + "." + case.get("name")))
-if rows:
-    rows.sort(reverse=True)
-    print(f"2x rule: {len(rows)} comparisons, closest to their bound (err/bound):")
-    for r in rows[:8]:
-        print(f"  {r[0]:5.2f}  err={r[1]:.3g} naive={r[2]:.3g} bound={r[3]:.3g}  {r[4]}  {r[5]}")
-PY
+  python3 tools/device/summarize.py margins "$LOG/gtest" | tee -a "$SUMMARY"
 fi
 if [[ $CPU_TESTS -eq 1 ]]; then
   t0=$(now)
-  ctest --test-dir "$BUILD" -L 'cpu|host' -j "$JOBS" --output-on-failure > "$LOG/ctest_cpu.log" 2>&1
+  run "$LOG/ctest_cpu.log" ctest --test-dir "$BUILD" -L 'cpu|host' -j "$JOBS" --output-on-failure
   rc=$?
-  note "cpu/host tests: rc=$rc $(( $(now) - t0 ))s: $(grep -E 'tests passed|tests failed' "$LOG/ctest_cpu.log" | tail -1)"
-  grep -E '^\s+[0-9]+ - .*(Failed|SEGFAULT|Timeout|Exception)' "$LOG/ctest_cpu.log" | head -20 | tee -a "$SUMMARY"
+  note "cpu/host tests: rc=$rc $(( $(now) - t0 ))s: $(grep -E 'tests passed|tests failed' "$LOG/ctest_cpu.log" 2>/dev/null | tail -1)"
+  grep -E '^\s+[0-9]+ - .*(Failed|SEGFAULT|Timeout|Exception)' "$LOG/ctest_cpu.log" 2>/dev/null | head -20 | tee -a "$SUMMARY"
 fi
 
 # ---- compute-sanitizer --------------------------------------------------------------------
 if [[ "$SANITIZE" != none ]]; then
   SAN=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || true)
+  [[ $DRY -eq 1 ]] && SAN=${SAN:-compute-sanitizer}
   if [[ -z "$SAN" ]]; then
     note "sanitizer: compute-sanitizer not found"
   else
     t0=$(now)
-    "$SAN" --tool memcheck --error-exitcode 3 "$BUILD/tests/tileattn_cuda_tests" --gtest_filter="$SANITIZE" \
-      > "$LOG/sanitizer.log" 2>&1
+    run "$LOG/sanitizer.log" "$SAN" --tool memcheck --print-limit 8 --error-exitcode 3 \
+      "$BUILD/tests/tileattn_cuda_tests" --gtest_filter="$SANITIZE"
     rc=$?
-    note "sanitizer (memcheck): rc=$rc $(( $(now) - t0 ))s: $(grep -E 'ERROR SUMMARY' "$LOG/sanitizer.log" | tail -1); $(grep -E '^\[  PASSED|^\[  FAILED' "$LOG/sanitizer.log" | tr '\n' ' ')"
+    note "sanitizer (memcheck): rc=$rc $(( $(now) - t0 ))s: $(grep -E 'ERROR SUMMARY' "$LOG/sanitizer.log" 2>/dev/null | tail -1); $(grep -E '^\[  PASSED|^\[  FAILED' "$LOG/sanitizer.log" 2>/dev/null | tr '\n' ' ')"
+    grep -E "^========= (Invalid|Program hit|Misaligned|    at|Address)" "$LOG/sanitizer.log" 2>/dev/null | head -12 | tee -a "$SUMMARY"
   fi
 fi
 
-# ---- benchmark ----------------------------------------------------------------------------
-if [[ "$BENCH" != none ]]; then
-  SHAPES=()
-  for D in 64 128; do
-    for N in 1024 4096 16384; do
-      for C in 0 1; do SHAPES+=("$((16384 / N)),$((2048 / D)),$N,$N,$D,$C"); done
-    done
-  done
-  SHAPES+=("1,16,1,32768,128,0" "8,16,4,8192,128,0")  # decoding: split-KV
-  nvcc -O3 -std=c++17 -arch=sm_${ARCH%%;*} -Iinclude tools/device/bench_forward.cu "$BUILD/libtileattn.a" \
-    -lpthread -o "$BUILD/bench_forward" > "$LOG/bench_build.log" 2>&1 || note "bench build failed (see bench_build.log)"
-  if [[ -x "$BUILD/bench_forward" ]]; then
-    "$BUILD/bench_forward" "${SHAPES[@]}" > "$LOG/bench_tileattn.csv" 2> "$LOG/bench_tileattn.err"
+t0=$(now)
+for pid in "${BG[@]}"; do wait "$pid"; done
+if [[ "$PYTEST" != none ]]; then
+  wait "$PIP_PID"
+  PIP_RC=$?
+  note "python package build: rc=$PIP_RC (waited $(( $(now) - t0 ))s after the tests)"
+  [[ $PIP_RC -ne 0 ]] && grep -iE "error" "$LOG/pip_install.log" | head -20 | tee -a "$SUMMARY"
+fi
+
+# ---- benchmarks ---------------------------------------------------------------------------
+# bench_attention (forward, backward) and bench_fp32 beside peers.py on the same shapes.
+bench_section() {  # NAME HARNESS_ARGS... -- PEER_ARGS...
+  local name=$1 t0
+  t0=$(now)
+  shift
+  local harness=() peer=()
+  while [[ $1 != -- ]]; do harness+=("$1"); shift; done
+  shift
+  peer=("$@")
+  local bin="$BUILD/${harness[0]}"
+  if [[ $DRY -eq 1 ]]; then
+    echo "+ $bin ${harness[*]:1} > $LOG/bench_${name}_tileattn.csv" >&2
+    echo "+ python3 tools/device/peers.py ${peer[*]} > $LOG/bench_${name}_peer.csv" >&2
+    return
   fi
-  python3 tools/device/sdpa_peer.py "${SHAPES[@]}" > "$LOG/bench_sdpa.csv" 2> "$LOG/bench_sdpa.err"
-  python3 - "$LOG/bench_tileattn.csv" "$LOG/bench_sdpa.csv" <<'PY' | tee -a "$SUMMARY"
-import csv, sys
-rows = {}
-for path in sys.argv[1:]:
-    try:
-        for r in csv.DictReader(open(path)):
-            key = tuple(r[k] for k in ("batch", "heads", "seqlen_q", "seqlen_k", "headdim", "causal"))
-            rows.setdefault(key, {})[r["impl"]] = r
-    except FileNotFoundError:
-        pass
-print("forward, bf16 (TFLOP/s; decoding rows also GB/s)")
-print(f"{'B':>3} {'H':>3} {'Nq':>6} {'Nk':>6} {'D':>4} {'causal':>6} {'tileattn':>9} {'sdpa_flash':>10} {'ratio':>6}  {'ms':>8}")
-for key, impls in rows.items():
-    t, s = impls.get("tileattn"), impls.get("sdpa_flash")
-    tf = float(t["tflops"]) if t else float("nan")
-    sf = float(s["tflops"]) if s else float("nan")
-    extra = f"  {t['gbps']} GB/s vs {s['gbps'] if s else '-'}" if key[2] in ("1", "4") and t else ""
-    print(f"{key[0]:>3} {key[1]:>3} {key[2]:>6} {key[3]:>6} {key[4]:>4} {key[5]:>6} {tf:9.1f} {sf:10.1f} "
-          f"{tf / sf if sf == sf and sf > 0 else float('nan'):6.2f}  {t['ms'] if t else '-':>8}{extra}")
-PY
+  if [[ -x "$bin" ]]; then
+    "$bin" "${harness[@]:1}" > "$LOG/bench_${name}_tileattn.csv" 2> "$LOG/bench_${name}_tileattn.err"
+    rc=$?
+    [[ $rc -ne 0 ]] && note "$name benchmark: tileattn harness rc=$rc: $(tail -1 "$LOG/bench_${name}_tileattn.err")"
+  else
+    note "$name benchmark: harness build failed (logs/${harness[0]}_build.log)"
+  fi
+  python3 tools/device/peers.py "${peer[@]}" > "$LOG/bench_${name}_peer.csv" 2> "$LOG/bench_${name}_peer.err"
+  rc=$?
+  [[ $rc -ne 0 ]] && note "$name benchmark: peers.py rc=$rc: $(tail -1 "$LOG/bench_${name}_peer.err")"
+  note "$name benchmark: $(( $(now) - t0 ))s"
+}
+if bench_on forward; then
+  bench_section forward bench_attention --pass forward "${GRID[@]}" "${DECODE[@]}" -- forward "${GRID[@]}" "${DECODE[@]}"
+fi
+if bench_on backward; then
+  bench_section backward bench_attention --pass backward "${GRID[@]}" -- backward "${GRID[@]}"
+fi
+if bench_on fp32; then
+  bench_section fp32 bench_fp32 -- fp32
+fi
+
+# ---- Python package tests -----------------------------------------------------------------
+if [[ "$PYTEST" != none ]]; then
+  t0=$(now)
+  PYTEST_K=()
+  [[ "$PYTEST" != all ]] && PYTEST_K=(-k "$PYTEST")
+  PYTHONPATH="$(realpath -m "$PYTARGET")${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 \
+    run "$LOG/pytest.log" python3 -m pytest -q tests/python -p no:cacheprovider "${PYTEST_K[@]}" \
+    --junitxml="$(realpath "$LOG")/pytest.xml"
+  rc=$?
+  note "python tests: rc=$rc $(( $(now) - t0 ))s: $(tail -1 "$LOG/pytest.log" 2>/dev/null)"
+  grep -E '^(FAILED|ERROR) ' "$LOG/pytest.log" 2>/dev/null | head -20 | tee -a "$SUMMARY"
 fi
 
 # ---- profile ------------------------------------------------------------------------------
-if [[ $PROFILE -eq 1 && -x "$BUILD/bench_forward" ]]; then
+if [[ $PROFILE -eq 1 && -x "$BUILD/bench_attention" ]]; then
   NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null || true)
   if [[ -n "$NCU" ]]; then
-    "$NCU" --set full -k regex:fwd_kernel_sm80 -c 1 "$BUILD/bench_forward" 1,16,16384,16384,128,0 \
-      > "$LOG/ncu_hd128.txt" 2>&1
+    run "$LOG/ncu_hd128.txt" "$NCU" --set full -k regex:fwd_kernel_sm80 -c 1 "$BUILD/bench_attention" --pass forward \
+      1,16,16384,16384,128,0
     note "profile: rc=$? (logs/ncu_hd128.txt)"
   fi
   CUOBJDUMP=$(command -v cuobjdump || ls /usr/local/cuda/bin/cuobjdump 2>/dev/null || true)
   OBJ=$(find "$BUILD" -name 'fwd_sm80_nv_bfloat16_hd128.cu.o' | head -1)
-  [[ -n "$CUOBJDUMP" && -n "$OBJ" ]] && "$CUOBJDUMP" -sass "$OBJ" > "$LOG/sass_fwd_bf16_hd128.txt" 2>&1
+  [[ -n "$CUOBJDUMP" && -n "$OBJ" ]] && run "$LOG/sass_fwd_bf16_hd128.txt" "$CUOBJDUMP" -sass "$OBJ"
 fi
+
+# ---- summary tables, last -----------------------------------------------------------------
+for b in forward backward fp32; do
+  if bench_on "$b"; then
+    echo | tee -a "$SUMMARY"
+    python3 tools/device/summarize.py "$b" "$LOG/bench_${b}_tileattn.csv" "$LOG/bench_${b}_peer.csv" | tee -a "$SUMMARY"
+  fi
+done
 
 tar czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$LOG"
 echo

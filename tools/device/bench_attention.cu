@@ -1,0 +1,110 @@
+// bf16 attention timing on the device through the public API, flash-attn layout. Shapes come as
+// arguments "B,H,Nq,Nk,D,causal"; tools/device/check.sh builds this with nvcc against the library
+// and times the same shapes through PyTorch SDPA (peers.py).
+//
+//   bench_attention --pass forward SHAPE...    impl,dtype,batch,heads,seqlen_q,seqlen_k,headdim,causal,ms,tflops,gbps
+//     gbps counts one read of Q, K, V and one write of O (the floor for memory-bound decoding).
+//   bench_attention --pass backward SHAPE...   impl,dtype,batch,heads,seqlen_q,seqlen_k,headdim,causal,ms,tflops
+//     impl is tileattn (dQ by atomics) or tileattn_det (deterministic: dQ in its own pass). The
+//     forward runs once to give O and L; only the backward is timed, counted as 2.5x the forward
+//     FLOPs (include/tileattn/flops.hpp).
+// Every timed call gets a caller workspace, keeping allocation out of the timed region.
+#include <cstdio>
+#include <cstring>
+#include <vector>
+
+#include "bench_common.cuh"
+#include "tileattn/tileattn.hpp"
+
+namespace {
+
+using bench::check;
+
+constexpr bench::Timing kForwardTiming{3, 10, 500.0f, 200};
+constexpr bench::Timing kBackwardTiming{3, 10, 500.0f, 100};
+
+struct Buffers {
+  std::vector<void*> owned;
+  __nv_bfloat16* bf16(size_t n, unsigned seed) {
+    __nv_bfloat16* x;
+    check(cudaMalloc(&x, n * 2), "cudaMalloc");
+    bench::fill_random<<<1024, 256>>>(x, n, seed);
+    owned.push_back(x);
+    return x;
+  }
+  void* bytes(size_t n) {
+    void* x = nullptr;
+    if (n) check(cudaMalloc(&x, n), "cudaMalloc");
+    owned.push_back(x);
+    return x;
+  }
+  ~Buffers() {
+    for (void* x : owned) cudaFree(x);
+  }
+};
+
+void run_shape(bool backward, long long b, long long h, long long nq, long long nk, long long d, int causal) {
+  const size_t nq_el = size_t(b * nq * h * d), nk_el = size_t(b * nk * h * d);
+  Buffers mem;
+  tileattn::AttentionProblem p;
+  p.batch = b, p.seqlen_q = nq, p.seqlen_k = nk, p.heads_q = h, p.heads_kv = h;
+  p.headdim_qk = d, p.headdim_v = d, p.dtype = tileattn::DType::bf16, p.causal = causal != 0;
+  auto view = [&](void* data, long long n) { return tileattn::TensorView{data, n * h * d, h * d, d}; };
+  p.q = view(mem.bf16(nq_el, 1), nq), p.k = view(mem.bf16(nk_el, 2), nk), p.v = view(mem.bf16(nk_el, 3), nk);
+  p.o = view(mem.bf16(nq_el, 4), nq);
+  p.lse = static_cast<float*>(mem.bytes(size_t(b * h * nq) * 4));
+  p.backend = tileattn::Backend::cuda;
+
+  if (!backward) {
+    p.workspace_bytes = tileattn::forward_workspace_size(p);
+    p.workspace = mem.bytes(p.workspace_bytes);
+    const double ms = bench::median_ms(kForwardTiming, [&] { tileattn::forward(p); });
+    const double flops = tileattn::attention_forward_flops(b, h, nq, nk, d, d, causal != 0);
+    const double bytes = 2.0 * double(2 * nq_el + 2 * nk_el);
+    std::printf("tileattn,bf16,%lld,%lld,%lld,%lld,%lld,%d,%.4f,%.1f,%.0f\n", b, h, nq, nk, d, causal, ms,
+                flops / ms / 1e9, bytes / ms / 1e6);
+    std::fflush(stdout);
+    return;
+  }
+
+  p.dout = view(mem.bf16(nq_el, 5), nq), p.dq = view(mem.bf16(nq_el, 6), nq);
+  p.dk = view(mem.bf16(nk_el, 7), nk), p.dv = view(mem.bf16(nk_el, 8), nk);
+  tileattn::forward(p);
+  check(cudaDeviceSynchronize(), "forward");
+  const double flops = tileattn::attention_backward_flops(b, h, nq, nk, d, d, causal != 0);
+  for (bool det : {false, true}) {
+    p.deterministic = det;
+    p.workspace = nullptr;
+    p.workspace_bytes = tileattn::backward_workspace_size(p);
+    void* workspace = nullptr;
+    if (p.workspace_bytes) check(cudaMalloc(&workspace, p.workspace_bytes), "cudaMalloc");
+    p.workspace = workspace;
+    const double ms = bench::median_ms(kBackwardTiming, [&] { tileattn::backward(p); });
+    std::printf("%s,bf16,%lld,%lld,%lld,%lld,%lld,%d,%.4f,%.1f\n", det ? "tileattn_det" : "tileattn", b, h, nq, nk, d,
+                causal, ms, flops / ms / 1e9);
+    std::fflush(stdout);
+    cudaFree(workspace);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 3 || std::strcmp(argv[1], "--pass") != 0 ||
+      (std::strcmp(argv[2], "forward") != 0 && std::strcmp(argv[2], "backward") != 0)) {
+    std::fprintf(stderr, "usage: %s --pass forward|backward B,H,Nq,Nk,D,causal ...\n", argv[0]);
+    return 2;
+  }
+  const bool backward = std::strcmp(argv[2], "backward") == 0;
+  std::printf("impl,dtype,batch,heads,seqlen_q,seqlen_k,headdim,causal,ms,tflops%s\n", backward ? "" : ",gbps");
+  for (int a = 3; a < argc; ++a) {
+    long long b, h, nq, nk, d;
+    int causal;
+    if (std::sscanf(argv[a], "%lld,%lld,%lld,%lld,%lld,%d", &b, &h, &nq, &nk, &d, &causal) != 6) {
+      std::fprintf(stderr, "bad shape '%s' (want B,H,Nq,Nk,D,causal)\n", argv[a]);
+      return 2;
+    }
+    run_shape(backward, b, h, nq, nk, d, causal);
+  }
+  return 0;
+}
