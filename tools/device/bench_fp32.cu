@@ -59,9 +59,9 @@ std::vector<double> to_host_double(const void* d, size_t n, tileattn::DType t) {
         std::memcpy(&f, &bits, 4);
         out[i] = f;
       } else {
-        __half x;
-        std::memcpy(&x, &h[i], 2);
-        out[i] = __half2float(x);
+        __half_raw raw;
+        raw.x = h[i];
+        out[i] = __half2float(__half(raw));
       }
     }
   }
@@ -107,15 +107,27 @@ const char* dtype_name(tileattn::DType t) {
   return t == tileattn::DType::f32 ? "f32" : t == tileattn::DType::f16 ? "f16" : "bf16";
 }
 
+// fp32 Q, K, V (N(0, 1), seeds first_seed, +1, +2), O and L on the device for one problem.
+struct AttentionBuffers {
+  size_t el;
+  void *q, *k, *v, *o, *lse;
+  AttentionBuffers(int64_t b, int64_t h, int64_t n, int64_t d, unsigned first_seed) : el(size_t(b * n * h * d)) {
+    q = device_normal(el, tileattn::DType::f32, first_seed);
+    k = device_normal(el, tileattn::DType::f32, first_seed + 1);
+    v = device_normal(el, tileattn::DType::f32, first_seed + 2);
+    check(cudaMalloc(&o, el * 4), "cudaMalloc");
+    check(cudaMalloc(&lse, size_t(b * h * n) * 4), "cudaMalloc");
+  }
+  AttentionBuffers(const AttentionBuffers&) = delete;
+  AttentionBuffers& operator=(const AttentionBuffers&) = delete;
+  ~AttentionBuffers() { cudaFree(q), cudaFree(k), cudaFree(v), cudaFree(o), cudaFree(lse); }
+};
+
 // Copies device inputs to host, points a copy of the problem there and runs the oracle.
 void accuracy_attention(int64_t b, int64_t h, int64_t n, int64_t d, bool causal) {
-  const size_t el = size_t(b * n * h * d);
-  void* q = device_normal(el, tileattn::DType::f32, 11);
-  void* k = device_normal(el, tileattn::DType::f32, 12);
-  void* v = device_normal(el, tileattn::DType::f32, 13);
-  void *o, *lse;
-  check(cudaMalloc(&o, el * 4), "cudaMalloc");
-  check(cudaMalloc(&lse, size_t(b * h * n) * 4), "cudaMalloc");
+  const AttentionBuffers dev(b, h, n, d, 11);
+  const size_t el = dev.el;
+  void *q = dev.q, *k = dev.k, *v = dev.v, *o = dev.o, *lse = dev.lse;
   std::vector<float> hq(el), hk(el), hv(el), ho(el), hl(size_t(b * h * n));
   check(cudaMemcpy(hq.data(), q, el * 4, cudaMemcpyDeviceToHost), "cudaMemcpy");
   check(cudaMemcpy(hk.data(), k, el * 4, cudaMemcpyDeviceToHost), "cudaMemcpy");
@@ -135,7 +147,6 @@ void accuracy_attention(int64_t b, int64_t h, int64_t n, int64_t d, bool causal)
     print_accuracy((name + "_O").c_str(), to_host_double(o, el, tileattn::DType::f32), ref.o);
     print_accuracy((name + "_L").c_str(), to_host_double(lse, hl.size(), tileattn::DType::f32), ref.lse);
   }
-  cudaFree(q), cudaFree(k), cudaFree(v), cudaFree(o), cudaFree(lse);
 }
 
 void accuracy_softmax_matmul(int64_t b, int64_t d1, int64_t d2, int64_t d3, tileattn::DType t,
@@ -165,13 +176,8 @@ void accuracy_softmax_matmul(int64_t b, int64_t d1, int64_t d2, int64_t d3, tile
 }
 
 void time_attention(int64_t b, int64_t h, int64_t n, int64_t d, bool causal) {
-  const size_t el = size_t(b * n * h * d);
-  void* q = device_normal(el, tileattn::DType::f32, 1);
-  void* k = device_normal(el, tileattn::DType::f32, 2);
-  void* v = device_normal(el, tileattn::DType::f32, 3);
-  void *o, *lse;
-  check(cudaMalloc(&o, el * 4), "cudaMalloc");
-  check(cudaMalloc(&lse, size_t(b * h * n) * 4), "cudaMalloc");
+  const AttentionBuffers dev(b, h, n, d, 1);
+  void *q = dev.q, *k = dev.k, *v = dev.v, *o = dev.o, *lse = dev.lse;
   for (auto mode : {tileattn::Fp32Mode::exact, tileattn::Fp32Mode::fast}) {
     auto p = attention(b, h, n, d, causal, q, k, v, o, static_cast<float*>(lse));
     p.fp32_mode = mode;
@@ -181,7 +187,6 @@ void time_attention(int64_t b, int64_t h, int64_t n, int64_t d, bool causal) {
                 (long long)h, (long long)n, (long long)d, causal ? "_causal" : "", ms, flops / ms / 1e9);
     std::fflush(stdout);
   }
-  cudaFree(q), cudaFree(k), cudaFree(v), cudaFree(o), cudaFree(lse);
 }
 
 void time_softmax_matmul(int64_t b, int64_t d1, int64_t d2, int64_t d3, tileattn::DType t) {
