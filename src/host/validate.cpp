@@ -235,15 +235,21 @@ struct TensorSpec {
   bool is_output;
 };
 
-}  // namespace
-
-AttentionProblem validate_attention(const AttentionProblem& problem, Pass pass, Backend backend) {
-  const AttentionProblem& p = problem;
+// The rules both problem kinds share: backend, dtype, fp32 mode and CPU thread count.
+template <class Problem>
+void check_execution(const Problem& p, Backend backend) {
   check_backend(backend);
   check_requested_backend(p.backend, backend);
   check_dtype(p.dtype);
   check_fp32_mode(p.fp32_mode);
   check_num_threads(p.num_threads);
+}
+
+}  // namespace
+
+AttentionProblem validate_attention(const AttentionProblem& problem, Pass pass, Backend backend) {
+  const AttentionProblem& p = problem;
+  check_execution(p, backend);
 
   check_size("batch", p.batch);
   check_size("seqlen_q", p.seqlen_q);
@@ -354,11 +360,7 @@ AttentionProblem validate_attention(const AttentionProblem& problem, Pass pass, 
 
 SoftmaxMatmulProblem validate_softmax_matmul(const SoftmaxMatmulProblem& problem, Backend backend) {
   const SoftmaxMatmulProblem& p = problem;
-  check_backend(backend);
-  check_requested_backend(p.backend, backend);
-  check_dtype(p.dtype);
-  check_fp32_mode(p.fp32_mode);
-  check_num_threads(p.num_threads);
+  check_execution(p, backend);
   check_size("batch", p.batch);
   check_size("d1", p.d1);
   check_size("d2", p.d2);
