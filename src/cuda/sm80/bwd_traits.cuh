@@ -3,7 +3,9 @@
 //
 // dK/dV kernel: a block owns kBlockN keys of one (batch, kv head) and walks query tiles of
 // kBlockM rows. Its live registers are the dK and dV accumulators (kBlockN x D each, spread over
-// the block), so kBlockN shrinks as D grows: 128 keys up to D = 128, 64 beyond.
+// the block), so kBlockN shrinks as D grows: 128 keys up to D = 128, 64 beyond. Up to D = 64 the
+// accumulators leave room for 128-row query tiles: half the barriers and per-tile overhead per
+// FLOP, and twice the independent mma per k-step in the S^T and dP^T products.
 // dQ kernel (deterministic pass): a block owns kBlockM queries and walks key tiles of kBlockN.
 // fp32 tiles are half as long on one side: the same shared-memory budget holds half the values.
 // The streamed tiles (Q/dO, resp. K/V) get a second buffer where the device's shared memory
@@ -42,7 +44,7 @@ constexpr int kGranN = sizeof(T) == 2 ? 16 : 8;
 template <class T, int D>
 struct DkdvTile {
   static constexpr int kBlockN = (sizeof(T) == 2 ? (D <= 128 ? 128 : 64) : (D <= 64 ? 64 : 32));
-  static constexpr int kBlockM = (sizeof(T) == 2 ? 64 : 32);
+  static constexpr int kBlockM = (sizeof(T) == 2 ? (D <= 64 ? 128 : 64) : 32);
   static constexpr int kLd = D + kPad<T>;                                     // K, V, Q, dO rows
   static constexpr int kLdP = kBlockM + kPad<T>;                              // P^T, dS^T rows (one per key)
   static constexpr WarpGrid kGridS = warp_grid(kBlockN, kBlockM, kGranN<T>);  // S^T, dP^T
