@@ -382,7 +382,13 @@ TEST_P(Backward, GradientsWithin2xOfNaive) {
   for (bool deterministic : {false, true}) {
     SCOPED_TRACE(deterministic ? "deterministic" : "atomic dQ");
     dp.problem.deterministic = deterministic;
-    run_forward_backward(dp);
+    try {
+      run_forward_backward(dp);
+    } catch (const Error& e) {
+      // A narrowed build (TILEATTN_HEADDIMS) lacks the bucket; every other error is a failure.
+      if (e.kind() == ErrorKind::unsupported) GTEST_SKIP() << e.what();
+      throw;
+    }
     expect_grads_within_2x(hp, naive, ref, deterministic ? "deterministic" : "atomic");
   }
 }

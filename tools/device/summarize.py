@@ -103,7 +103,12 @@ def margins(directory):
         except ET.ParseError:
             continue
         for case in root.iter("testcase"):
-            props = {p.get("name"): float(p.get("value")) for p in case.iter("property")}
+            props = {}
+            for p in case.iter("property"):  # tests also record text properties: keep the numbers
+                try:
+                    props[p.get("name")] = float(p.get("value"))
+                except (TypeError, ValueError):
+                    pass
             for what in sorted({k[:-len("_naive_err")] for k in props if k.endswith("_naive_err")}):
                 err, naive = props.get(what + "_err"), props[what + "_naive_err"]
                 bound = props.get(what + "_bound")
