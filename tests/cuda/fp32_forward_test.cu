@@ -157,8 +157,8 @@ TEST_P(Fp32Forward, FastWithinTf32Bound) {
   EXPECT_LE(el.max_abs, kFastRelBound * std::max(1.0, el.max_ref)) << "L " << el;
   EXPECT_EQ(hp.o.touched_outside_view(), 0);
   EXPECT_EQ(hp.lse_guard_touched(), 0);
-  RecordProperty("fast_o_max_abs", std::to_string(eo.max_abs));
-  RecordProperty("fast_o_rel_l2", std::to_string(eo.rel_l2));
+  RecordProperty("fast_o_max_abs", property_text(eo.max_abs));
+  RecordProperty("fast_o_rel_l2", property_text(eo.rel_l2));
 }
 
 INSTANTIATE_TEST_SUITE_P(Sweep, Fp32Forward, testing::ValuesIn(cases()),

@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdint>
 #include <sstream>
 #include <stdexcept>
@@ -287,6 +288,14 @@ inline NaiveForward naive_forward(const AttentionProblem& device_problem) {
 // Floor for outputs stored in `dtype`: one rounding of the largest reference value.
 inline double output_floor(DType dtype, double max_ref) { return unit_roundoff(dtype) * std::max(1.0, max_ref); }
 
+// Test properties keep six significant digits: std::to_string's fixed six decimals would print
+// fp32-sized errors as 0.000001 and hide the margin.
+inline std::string property_text(double x) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.6g", x);
+  return buf;
+}
+
 // Passes when max|got - ref| <= 2 * max|naive - ref| + floor, and got has no NaN/inf where ref is finite.
 inline testing::AssertionResult within_2x(const std::string& what, const std::vector<double>& got,
                                           const std::vector<double>& naive, const std::vector<double>& ref,
@@ -295,9 +304,9 @@ inline testing::AssertionResult within_2x(const std::string& what, const std::ve
   const ErrorStats n = compare(naive, ref);
   const double bound = 2.0 * n.max_abs + floor;
   // Kept in the gtest XML report (--gtest_output) so a passing sweep still documents its margins.
-  testing::Test::RecordProperty(what + "_err", std::to_string(e.max_abs));
-  testing::Test::RecordProperty(what + "_naive_err", std::to_string(n.max_abs));
-  testing::Test::RecordProperty(what + "_bound", std::to_string(bound));
+  testing::Test::RecordProperty(what + "_err", property_text(e.max_abs));
+  testing::Test::RecordProperty(what + "_naive_err", property_text(n.max_abs));
+  testing::Test::RecordProperty(what + "_bound", property_text(bound));
   std::ostringstream os;
   os << what << ": kernel {" << e << "} naive {" << n << "} bound=" << bound;
   if (e.nonfinite == 0 && e.max_abs <= bound) return testing::AssertionSuccess() << os.str();
