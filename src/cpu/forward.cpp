@@ -1,6 +1,7 @@
 // Tiled CPU forward and softmax(X) @ V: one task per (batch, head, query tile); each task walks
 // the key tiles its mask leaves non-empty with an online softmax, so no score matrix larger than
 // one tile exists and every output element is written by exactly one task.
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -11,32 +12,55 @@
 namespace tileattn::cpu {
 namespace {
 
-// Running state of kTileQ rows: log2-domain max m, sum l, unnormalised output acc.
+// Score tiles are key-major (s[j * kTileQ + i], query i across the columns): each query's max and
+// sum then run across contiguous query lanes, one vector operation per key, where a query-major
+// tile needs a serial reduction along every row; and S^T = K Q^T reads K rows as they lie in
+// memory, so only Q is transposed (once per task) instead of every K tile for every query tile.
+static_assert(kTileQ % kLanes == 0, "the query columns of a score tile are whole vectors");
+
+// Running state of kTileQ queries: log2-domain max m, sum l, unnormalised output acc (rows x dv).
 struct OnlineRows {
-  std::vector<float> m, l, acc;
+  float m[kTileQ], l[kTileQ];
+  std::vector<float> acc;
   void reset(int64_t rows, int64_t dv) {
-    m.assign(size_t(rows), -INFINITY);
-    l.assign(size_t(rows), 0.0f);
+    std::fill(m, m + kTileQ, -INFINITY);
+    std::fill(l, l + kTileQ, 0.0f);
     acc.assign(size_t(rows * dv), 0.0f);
   }
 };
 
-// One online-softmax step over a tile of log2-domain scores s (rows x n, ld kTileK), masked
-// entries -inf: rescales the running state to the new max and replaces s by the weights
-// exp2(s - max), which the caller then multiplies into V.
+// One online-softmax step over a key-major tile of log2-domain scores s (n keys x kTileQ
+// queries; masked entries -inf; columns from `rows` on finite and ignored): rescales the running
+// state to the new max and replaces s by the weights exp2(s - max), which the caller then
+// multiplies into V. Each query's sum adds its keys in order, as a scalar loop would.
 void online_step(float* s, int64_t rows, int64_t n, int64_t dv, OnlineRows& st) {
+  constexpr int64_t kVecs = kTileQ / kLanes;
+  float m_new[kTileQ], ref[kTileQ];
+  for (int64_t c = 0; c < kVecs; ++c) {
+    f32xN mx = load_lanes(st.m + c * kLanes);
+    for (int64_t j = 0; j < n; ++j) {
+      const f32xN x = load_lanes(s + j * kTileQ + c * kLanes);
+      mx = x > mx ? x : mx;
+    }
+    store_lanes(m_new + c * kLanes, mx);
+  }
+  for (int64_t i = 0; i < kTileQ; ++i) ref[i] = safe_row_max(m_new[i]);
+  f32xN sum[kVecs];
+  for (int64_t c = 0; c < kVecs; ++c) sum[c] = f32xN{};
+  for (int64_t j = 0; j < n; ++j) {
+    float* sj = s + j * kTileQ;
+    for (int64_t c = 0; c < kVecs; ++c) {
+      const f32xN e = exp2_lanes(load_lanes(sj + c * kLanes) - load_lanes(ref + c * kLanes));
+      store_lanes(sj + c * kLanes, e);
+      sum[c] += e;
+    }
+  }
+  float tile_sum[kTileQ];
+  for (int64_t c = 0; c < kVecs; ++c) store_lanes(tile_sum + c * kLanes, sum[c]);
   for (int64_t i = 0; i < rows; ++i) {
-    float* si = s + i * kTileK;
-    float tile_max = -INFINITY;
-    for (int64_t j = 0; j < n; ++j) tile_max = std::max(tile_max, si[j]);
-    const float m_new = std::max(st.m[size_t(i)], tile_max);
-    const float alpha = rescale_factor(st.m[size_t(i)], m_new);
-    const float ref = safe_row_max(m_new);
-    exp2_row(si, n, ref);
-    float sum = 0.0f;
-    for (int64_t j = 0; j < n; ++j) sum += si[j];
-    st.l[size_t(i)] = st.l[size_t(i)] * alpha + sum;
-    st.m[size_t(i)] = m_new;
+    const float alpha = rescale_factor(st.m[i], m_new[i]);
+    st.l[i] = st.l[i] * alpha + tile_sum[i];
+    st.m[i] = m_new[i];
     if (alpha != 1.0f) {
       float* ai = &st.acc[size_t(i * dv)];
       for (int64_t d = 0; d < dv; ++d) ai[d] *= alpha;
@@ -45,7 +69,7 @@ void online_step(float* s, int64_t rows, int64_t n, int64_t dv, OnlineRows& st) 
 }
 
 struct ForwardScratch {
-  std::vector<float> q, kt, v, s;
+  std::vector<float> qt, k, v, s;
   OnlineRows rows;
 };
 
@@ -56,37 +80,41 @@ void forward_tile(const AttentionProblem& p, const ScoreTransform& transform, in
   if (i0 >= s.len_q) return;
   const int64_t rows = std::min(kTileQ, s.len_q - i0), i1 = i0 + rows;
   const int64_t dqk = p.headdim_qk, dv = p.headdim_v, hk = h / (p.heads_q / p.heads_kv);
-  w.q.resize(size_t(kTileQ * dqk));
-  w.kt.resize(size_t(dqk * kTileK));
+  w.qt.assign(size_t(dqk * kTileQ), 0.0f);  // zero columns past `rows` give finite padding scores
+  w.k.resize(size_t(kTileK * dqk));
   w.v.resize(size_t(kTileK * dv));
-  w.s.resize(size_t(kTileQ * kTileK));
+  w.s.resize(size_t(kTileK * kTileQ));
   w.rows.reset(rows, dv);
-  load_rows(p, p.q, s, true, h, i0, rows, dqk, w.q.data(), dqk);
+  load_rows_transposed(p, p.q, s, true, h, i0, rows, dqk, w.qt.data(), kTileQ);
 
   const int64_t key_begin = s.mask.tile_begin_key(int(i0)), key_end = s.mask.tile_end_key(int(i1));
   const int64_t full_begin = s.mask.full_begin_key(int(i1)), full_end = s.mask.full_end_key(int(i0));
   for (int64_t j0 = key_begin; j0 < key_end; j0 += kTileK) {
     const int64_t n = std::min(kTileK, key_end - j0);
-    load_rows_transposed(p, p.k, s, false, hk, j0, n, dqk, w.kt.data(), kTileK);
+    load_rows(p, p.k, s, false, hk, j0, n, dqk, w.k.data(), dqk);
     load_rows(p, p.v, s, false, hk, j0, n, dv, w.v.data(), dv);
-    // S = Q K^T in the log2 domain; only tiles straddling the mask edge pay for masking.
-    gemm(w.q.data(), dqk, 1, w.kt.data(), kTileK, w.s.data(), kTileK, rows, n, dqk);
-    const bool boundary = j0 < full_begin || j0 + n > full_end;
-    for (int64_t i = 0; i < rows; ++i) {
-      transform.apply(&w.s[size_t(i * kTileK)], n, nullptr);
-      if (boundary) mask_row(s.mask, i0 + i, j0, n, &w.s[size_t(i * kTileK)]);
+    // S^T = K Q^T in the log2 domain; only tiles straddling the mask edge pay for masking.
+    gemm(w.k.data(), dqk, 1, w.qt.data(), kTileQ, w.s.data(), kTileQ, n, kTileQ, dqk);
+    for (int64_t j = 0; j < n; ++j) transform.apply(&w.s[size_t(j * kTileQ)], rows, nullptr);
+    if (j0 < full_begin || j0 + n > full_end) {
+      for (int64_t i = 0; i < rows; ++i) {
+        const int64_t lo = std::clamp<int64_t>(s.mask.begin_key(int(i0 + i)) - j0, 0, n);
+        const int64_t hi = std::clamp<int64_t>(s.mask.end_key(int(i0 + i)) - j0, lo, n);
+        for (int64_t j = 0; j < lo; ++j) w.s[size_t(j * kTileQ + i)] = -INFINITY;
+        for (int64_t j = hi; j < n; ++j) w.s[size_t(j * kTileQ + i)] = -INFINITY;
+      }
     }
     online_step(w.s.data(), rows, n, dv, w.rows);
-    // O += P V
-    gemm_accumulate(w.s.data(), kTileK, 1, w.v.data(), dv, w.rows.acc.data(), dv, rows, dv, n);
+    // O += P V, P read through its transpose
+    gemm_accumulate(w.s.data(), 1, kTileQ, w.v.data(), dv, w.rows.acc.data(), dv, rows, dv, n);
   }
 
-  std::vector<float>& inv = w.rows.l;  // l is finished: reuse it for 1/l
+  float* inv = w.rows.l;  // l is finished: reuse it for 1/l
   for (int64_t i = 0; i < rows; ++i) {
-    p.lse[lse_index(p, s, i0 + i, h)] = finish_lse(w.rows.m[size_t(i)], inv[size_t(i)]);
-    inv[size_t(i)] = inverse_row_sum(inv[size_t(i)]);
+    p.lse[lse_index(p, s, i0 + i, h)] = finish_lse(w.rows.m[i], inv[i]);
+    inv[i] = inverse_row_sum(inv[i]);
   }
-  store_rows(p, p.o, s, true, h, i0, rows, dv, w.rows.acc.data(), dv, inv.data());
+  store_rows(p, p.o, s, true, h, i0, rows, dv, w.rows.acc.data(), dv, inv);
 }
 
 }  // namespace
@@ -109,24 +137,24 @@ void softmax_matmul(const SoftmaxMatmulProblem& p) {
     thread_local ForwardScratch w;
     const int64_t b = task / tiles, r0 = (task % tiles) * kTileQ;
     const int64_t rows = std::min(kTileQ, p.d1 - r0), dv = p.d3;
-    w.s.resize(size_t(kTileQ * kTileK));
+    w.s.assign(size_t(kTileK * kTileQ), 0.0f);  // columns past `rows` stay finite
     w.v.resize(size_t(kTileK * dv));
     w.rows.reset(rows, dv);
     for (int64_t c0 = 0; c0 < p.d2; c0 += kTileK) {
       const int64_t n = std::min(kTileK, p.d2 - c0);
-      // Each element of X is read once, straight into the log2-domain score tile.
+      // Each element of X is read once, straight into the key-major log2-domain score tile.
       for (int64_t i = 0; i < rows; ++i)
         for (int64_t j = 0; j < n; ++j)
-          w.s[size_t(i * kTileK + j)] =
+          w.s[size_t(j * kTileQ + i)] =
               load_element(p.x, b * p.x_batch_stride + (r0 + i) * p.x_row_stride + c0 + j, p.dtype) * kLog2e;
       for (int64_t j = 0; j < n; ++j)
         for (int64_t d = 0; d < dv; ++d)
           w.v[size_t(j * dv + d)] = load_element(p.v, b * p.v_batch_stride + (c0 + j) * p.v_row_stride + d, p.dtype);
       online_step(w.s.data(), rows, n, dv, w.rows);
-      gemm_accumulate(w.s.data(), kTileK, 1, w.v.data(), dv, w.rows.acc.data(), dv, rows, dv, n);
+      gemm_accumulate(w.s.data(), 1, kTileQ, w.v.data(), dv, w.rows.acc.data(), dv, rows, dv, n);
     }
     for (int64_t i = 0; i < rows; ++i) {
-      const float inv = inverse_row_sum(w.rows.l[size_t(i)]);
+      const float inv = inverse_row_sum(w.rows.l[i]);
       for (int64_t d = 0; d < dv; ++d)
         store_element(p.out, b * p.out_batch_stride + (r0 + i) * p.out_row_stride + d, p.dtype,
                       w.rows.acc[size_t(i * dv + d)] * inv);
