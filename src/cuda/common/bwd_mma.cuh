@@ -17,31 +17,11 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "cuda/common/ptx.cuh"
+
 namespace tileattn::cuda::bwd {
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// ---- conversions -----------------------------------------------------------------------
-template <class T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ float from_float<float>(float x) {
-  return x;
-}
-template <>
-__device__ __forceinline__ __half from_float<__half>(float x) {
-  return __float2half_rn(x);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
-
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+// Conversions, cp.async, ldmatrix, mma.sync and exp2 come from cuda/common/ptx.cuh.
 
 // Two adjacent values (a at the lower address).
 template <class T>
@@ -52,53 +32,6 @@ __device__ __forceinline__ void store2(T* p, float a, float b) {
     *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
   } else {
     *reinterpret_cast<float2*>(p) = make_float2(a, b);
-  }
-}
-
-// 2^x by the special-function unit (about 2 ulp; 2^-inf = 0). Enough for P rounded to 16 bits.
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
-// ---- asynchronous copies ---------------------------------------------------------------
-// 16 bytes global -> shared; `valid == false` zero-fills the destination without reading.
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-// ---- tensor-core primitives ------------------------------------------------------------
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_u32(p)));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_u32(p)));
-}
-
-template <class T>
-__device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  if constexpr (std::is_same_v<T, __half>) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
 }
 
@@ -131,22 +64,22 @@ __device__ __forceinline__ void warp_gemm(float (&acc)[MT][NT][4], const T* A, i
       for (int i = 0; i < MT; ++i) {
         const T* pa = ARowMajor ? A + i * 16 * lda + ks * 16 : A + ks * 16 * lda + i * 16;
         if constexpr (ARowMajor)
-          ldmatrix_x4(a[i], pa + a_off);
+          ldmatrix_x4(a[i], smem_address(pa + a_off));
         else
-          ldmatrix_x4_trans(a[i], pa + a_off);
+          ldmatrix_x4_trans(a[i], smem_address(pa + a_off));
       }
 #pragma unroll
       for (int j = 0; j < NT / 2; ++j) {
         uint32_t b[4];
         const T* pb = BRowMajor ? B + ks * 16 * ldb + j * 16 : B + j * 16 * ldb + ks * 16;
         if constexpr (BRowMajor)
-          ldmatrix_x4_trans(b, pb + b_off);
+          ldmatrix_x4_trans(b, smem_address(pb + b_off));
         else
-          ldmatrix_x4(b, pb + b_off);
+          ldmatrix_x4(b, smem_address(pb + b_off));
 #pragma unroll
         for (int i = 0; i < MT; ++i) {
-          mma_16816<T>(acc[i][2 * j], a[i], b[0], b[1]);
-          mma_16816<T>(acc[i][2 * j + 1], a[i], b[2], b[3]);
+          mma_m16n8k16<T>(acc[i][2 * j], a[i], b[0], b[1]);
+          mma_m16n8k16<T>(acc[i][2 * j + 1], a[i], b[2], b[3]);
         }
       }
     }

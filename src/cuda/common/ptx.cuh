@@ -74,10 +74,15 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   }
 }
 
+// Element conversions through fp32 (round to nearest even); T is float, __half or __nv_bfloat16.
 template <class T>
 __device__ __forceinline__ T from_float(float x) {
-  if constexpr (std::is_same_v<T, __half>) return __float2half_rn(x);
+  if constexpr (std::is_same_v<T, float>) return x;
+  else if constexpr (std::is_same_v<T, __half>) return __float2half_rn(x);
   else return __float2bfloat16_rn(x);
 }
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 
 }  // namespace tileattn::cuda

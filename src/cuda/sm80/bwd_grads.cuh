@@ -66,9 +66,9 @@ __device__ __forceinline__ void scores_to_grads_tile(const float (&s)[MT][NT][4]
           if constexpr (std::is_same_v<T, float>) {
             pe = expf((kCapped ? cap : x * p.scale) - l) / (kRowsAreKeys ? col_sum[e] : row_sum[r]);
           } else if constexpr (kCapped) {
-            pe = fast_exp2(cap * kLog2e - l);
+            pe = exp2_fast(cap * kLog2e - l);
           } else {
-            pe = fast_exp2(fmaf(x, p.scale_log2, -l));
+            pe = exp2_fast(fmaf(x, p.scale_log2, -l));
           }
           if constexpr (kMasked) {
             const int qi = kRowsAreKeys ? c + e : r, kj = kRowsAreKeys ? r : c + e;

@@ -21,7 +21,7 @@ __device__ __forceinline__ void load_tile(T* s, const T* g, int64_t stride, int 
     for (int c = threadIdx.x; c < ROWS * kChunksPerRow; c += kThreads) {
       const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * kChunk;
       const bool valid = r < rows && col < cols;
-      cp_async_16(s + r * LD + col, valid ? g + r * stride + col : g, valid);
+      cp_async_16(smem_address(s + r * LD + col), valid ? g + r * stride + col : g, valid ? 16 : 0);
     }
   } else {
     for (int e = threadIdx.x; e < ROWS * COLS; e += kThreads) {
@@ -34,7 +34,7 @@ __device__ __forceinline__ void load_tile(T* s, const T* g, int64_t stride, int 
 // N floats from g into s (16-byte copies; workspace rows are padded, so no bounds).
 template <int N>
 __device__ __forceinline__ void load_row_floats(float* s, const float* g) {
-  for (int c = threadIdx.x; c < N / 4; c += kThreads) cp_async_16(s + 4 * c, g + 4 * c, true);
+  for (int c = threadIdx.x; c < N / 4; c += kThreads) cp_async_16(smem_address(s + 4 * c), g + 4 * c, 16);
 }
 
 // A warp's accumulator tile times `scale` to global (row 0, column 0 at g), keeping rows < rows

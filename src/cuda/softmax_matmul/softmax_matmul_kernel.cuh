@@ -90,13 +90,8 @@ __device__ __forceinline__ float2 unpack2(uint32_t u) {
 
 template <class T>
 __device__ __forceinline__ void store_pair(T* dst, float a, float b, bool second) {
-  if constexpr (std::is_same_v<T, float>) {
-    dst[0] = a;
-    if (second) dst[1] = b;
-  } else {
-    dst[0] = from_float<T>(a);
-    if (second) dst[1] = from_float<T>(b);
-  }
+  dst[0] = from_float<T>(a);
+  if (second) dst[1] = from_float<T>(b);
 }
 
 template <class T, int kBlockD3, bool kExact>
