@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "cuda/common/ptx.cuh"
 #include "memory.hpp"
 #include "naive_cublas.hpp"
 
@@ -26,23 +27,8 @@ void check(cublasStatus_t status, const char* what) {
 
 constexpr int kThreads = 256;
 
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <class T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ float from_float<float>(float x) {
-  return x;
-}
-template <>
-__device__ __forceinline__ __half from_float<__half>(float x) {
-  return __float2half_rn(x);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
+using cuda::from_float;
+using cuda::to_float;
 
 // Block-wide reduction; every thread gets the result. `scratch` holds one float per warp.
 template <bool kMax>
