@@ -66,9 +66,8 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const BwdParams p) {
   const Mask mask = seq_mask(p, s);
 
   // Query tiles that see any key of [k0, k1); only boundary tiles pay for masking.
-  const int q_begin = mask.tile_begin_query(k0), q_end = mask.tile_end_query(k1);
-  const int t0 = q_begin / BM;
-  const int n_tiles = q_end > q_begin ? (q_end + BM - 1) / BM - t0 : 0;
+  const TileSpan queries = tile_span(mask.tile_begin_query(k0), mask.tile_end_query(k1), BM);
+  const int t0 = queries.first, n_tiles = queries.count;
   const int n_iter = n_tiles * p.group;
 
   const T* gK =

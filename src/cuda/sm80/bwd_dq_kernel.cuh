@@ -40,9 +40,8 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const BwdParams p) {
   const int q1 = min(q0 + BM, s.sq);
   const Mask mask = seq_mask(p, s);
 
-  const int k_begin = mask.tile_begin_key(q0), k_end = mask.tile_end_key(q1);
-  const int t0 = k_begin / BN;
-  const int n_tiles = k_end > k_begin ? (k_end + BN - 1) / BN - t0 : 0;
+  const TileSpan keys = tile_span(mask.tile_begin_key(q0), mask.tile_end_key(q1), BN);
+  const int t0 = keys.first, n_tiles = keys.count;
 
   const T* gQ =
       static_cast<const T*>(p.q.ptr) + seq_base(p, p.q, b, true) + int64_t(h) * p.q.head + int64_t(q0) * p.q.seq;

@@ -87,6 +87,16 @@ __device__ __forceinline__ int64_t ws_row(const BwdParams& p, int b, int h) {
 __device__ __forceinline__ Mask seq_mask(const BwdParams& p, const SeqInfo& s) {
   return Mask{s.sq, s.sk, p.window_left, p.window_right};
 }
+
+// The tiles of `width` rows that cover [begin, end): the first one's index and how many
+// (none when the mask leaves the range empty).
+struct TileSpan {
+  int first, count;
+};
+__device__ __forceinline__ TileSpan tile_span(int begin, int end, int width) {
+  const int first = begin / width;
+  return {first, end > begin ? (end + width - 1) / width - first : 0};
+}
 #endif
 
 }  // namespace tileattn::cuda::bwd
