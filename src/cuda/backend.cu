@@ -6,6 +6,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <optional>
 #include <string>
 
 #include "common/online_softmax.hpp"
@@ -15,6 +18,7 @@
 #include "cuda/fp32/forward_fp32.hpp"
 #include "cuda/sm80/fwd_params.hpp"
 #include "cuda/sm80/launch_fwd_sm80.hpp"
+#include "cuda/sm90/launch_fwd_sm90.hpp"
 #include "tileattn/error.hpp"
 
 namespace tileattn::cuda {
@@ -90,6 +94,53 @@ FwdKernel pick_forward(const AttentionProblem& p) {
   return pick_forward<__nv_bfloat16>(headdim);
 }
 
+struct FwdKernelSm90 {
+  int (*num_splits)(const FwdParams&);
+  bool (*make_maps)(const AttentionProblem&, FwdSm90Params&);
+  void (*run)(const FwdSm90Params&, cudaStream_t);
+};
+
+// The Hopper kernel for the same bucket the sm80 dispatch would pick, when this build has it.
+template <class T>
+std::optional<FwdKernelSm90> pick_forward_sm90(int headdim) {
+#define TA_FWD90_BUCKET(D) \
+  if (headdim <= D) return FwdKernelSm90{&FwdSm90<T, D>::num_splits, &FwdSm90<T, D>::make_maps, &FwdSm90<T, D>::run};
+#if TILEATTN_CUDA_SM90_HEADDIM_32
+  TA_FWD90_BUCKET(32)
+#endif
+#if TILEATTN_CUDA_SM90_HEADDIM_64
+  TA_FWD90_BUCKET(64)
+#endif
+#if TILEATTN_CUDA_SM90_HEADDIM_96
+  TA_FWD90_BUCKET(96)
+#endif
+#if TILEATTN_CUDA_SM90_HEADDIM_128
+  TA_FWD90_BUCKET(128)
+#endif
+#undef TA_FWD90_BUCKET
+  (void)headdim;
+  return std::nullopt;
+}
+
+// Hopper (compute capability 9.0) runs the TMA + wgmma kernels unless the environment variable
+// TILEATTN_FORWARD_KERNEL=sm80 asks for the portable ones (for tests and comparisons).
+bool use_sm90() {
+  const char* forced = std::getenv("TILEATTN_FORWARD_KERNEL");
+  if (forced != nullptr && std::strcmp(forced, "sm80") == 0) return false;
+  int device = 0, major = 0, minor = 0;
+  TA_CUDA_CHECK(cudaGetDevice(&device));
+  TA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  TA_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  return major == 9 && minor == 0;
+}
+
+std::optional<FwdKernelSm90> pick_forward_sm90(const AttentionProblem& p) {
+  if (!use_sm90()) return std::nullopt;
+  const int headdim = int(std::max(p.headdim_qk, p.headdim_v));
+  if (p.dtype == DType::f16) return pick_forward_sm90<__half>(headdim);
+  return pick_forward_sm90<__nv_bfloat16>(headdim);
+}
+
 bool vectorizable(const TensorView& t, int64_t headdim, bool varlen) {
   return reinterpret_cast<uintptr_t>(t.data) % 16 == 0 && headdim % 8 == 0 && t.seq_stride % 8 == 0 &&
          t.head_stride % 8 == 0 && (varlen || t.batch_stride % 8 == 0);
@@ -129,22 +180,49 @@ size_t split_bytes(const FwdParams& f, int splits, size_t* lse_bytes) {
 
 bool empty(const AttentionProblem& p) { return p.batch == 0 || p.heads_q == 0 || p.seqlen_q == 0; }
 
+// The kernel that runs a problem and its split count, decided once for both the workspace query
+// and the run.
+struct ForwardPlan {
+  FwdSm90Params params;  // params.fwd is what the sm80 kernel reads too
+  FwdKernel sm80{};
+  std::optional<FwdKernelSm90> sm90;
+};
+
+ForwardPlan plan_forward(const AttentionProblem& problem) {
+  ForwardPlan plan;
+  plan.params.fwd = make_params(problem);
+  plan.sm90 = pick_forward_sm90(problem);
+  if (plan.sm90 && !plan.sm90->make_maps(problem, plan.params)) plan.sm90.reset();
+  if (plan.sm90) {
+    plan.params.fwd.num_splits = plan.sm90->num_splits(plan.params.fwd);
+  } else {
+    plan.sm80 = pick_forward(problem);
+    plan.params.fwd.num_splits = plan.sm80.num_splits(plan.params.fwd);
+  }
+  return plan;
+}
+
 }  // namespace
 
 size_t forward_workspace_size(const AttentionProblem& problem) {
   if (problem.dtype == DType::f32) return forward_fp32_workspace_size(problem);
   if (empty(problem)) return 0;
-  const FwdParams f = make_params(problem);
+  const ForwardPlan plan = plan_forward(problem);
   size_t lse_bytes = 0;
-  return split_bytes(f, pick_forward(problem).num_splits(f), &lse_bytes);
+  return split_bytes(plan.params.fwd, plan.params.fwd.num_splits, &lse_bytes);
+}
+
+const char* forward_kernel_name(const AttentionProblem& problem) {
+  if (problem.dtype == DType::f32) return "fp32";
+  if (empty(problem)) return "none";
+  return plan_forward(problem).sm90 ? "sm90" : "sm80";
 }
 
 void forward(const AttentionProblem& problem) {
   if (problem.dtype == DType::f32) return forward_fp32(problem);
   if (empty(problem)) return;
-  const FwdKernel kernel = pick_forward(problem);
-  FwdParams f = make_params(problem);
-  f.num_splits = kernel.num_splits(f);
+  ForwardPlan plan = plan_forward(problem);
+  FwdParams& f = plan.params.fwd;
   size_t lse_bytes = 0;
   const size_t needed = split_bytes(f, f.num_splits, &lse_bytes);
   const auto stream = static_cast<cudaStream_t>(problem.stream);
@@ -153,7 +231,8 @@ void forward(const AttentionProblem& problem) {
     f.lse_partial = workspace.take<float>(lse_bytes);
     f.o_partial = workspace.take<float>(needed - lse_bytes);
   }
-  kernel.run(f, stream);
+  if (plan.sm90) plan.sm90->run(plan.params, stream);
+  else plan.sm80.run(f, stream);
 }
 
 }  // namespace tileattn::cuda

@@ -20,6 +20,9 @@ void backward(const AttentionProblem& problem);
 void softmax_matmul(const SoftmaxMatmulProblem& problem);
 
 size_t forward_workspace_size(const AttentionProblem& problem);
+// The forward kernel family that runs this problem on the current device: "sm90" (TMA + wgmma),
+// "sm80" (mma.sync) or "fp32". For tests and benchmark labels.
+const char* forward_kernel_name(const AttentionProblem& problem);
 size_t backward_workspace_size(const AttentionProblem& problem);
 size_t softmax_matmul_workspace_size(const SoftmaxMatmulProblem& problem);
 

@@ -31,6 +31,7 @@
 
 #include "common/mask.hpp"
 #include "common/online_softmax.hpp"
+#include "cpu/reference.hpp"
 #include "host/validate.hpp"
 #include "support/host_problem.hpp"
 #include "support/metrics.hpp"
@@ -311,6 +312,23 @@ inline testing::AssertionResult within_2x(const std::string& what, const std::ve
   os << what << ": kernel {" << e << "} naive {" << n << "} bound=" << bound;
   if (e.nonfinite == 0 && e.max_abs <= bound) return testing::AssertionSuccess() << os.str();
   return testing::AssertionFailure() << os.str();
+}
+
+// L is fp32 everywhere; its error is a few fp32 roundings of |L|.
+constexpr double kLseFloor = 1e-5;
+
+// The forward's outputs (downloaded into hp) against the float64 oracle and the naive kernel,
+// with the 2x rule, and no write outside O's view or past L's end.
+inline void expect_forward_within_2x(HostProblem& hp, const DeviceProblem& dp) {
+  const AttentionProblem host = host::validate_attention(hp.problem, host::Pass::forward, Backend::cpu);
+  const cpu::ReferenceForward ref = cpu::reference_forward(host);
+  const NaiveForward naive = naive_forward(dp.problem);
+  const double o_max = compare(ref.o, ref.o).max_ref;
+  EXPECT_TRUE(within_2x("O", hp.o.gather(), naive.o, ref.o, output_floor(hp.problem.dtype, o_max)));
+  const double l_max = compare(ref.lse, ref.lse).max_ref;
+  EXPECT_TRUE(within_2x("L", hp.gather_lse(), naive.lse, ref.lse, kLseFloor * std::max(1.0, l_max)));
+  EXPECT_EQ(hp.o.touched_outside_view(), 0) << "O written outside its view";
+  EXPECT_EQ(hp.lse_guard_touched(), 0) << "L written past its end";
 }
 
 }  // namespace tileattn::test

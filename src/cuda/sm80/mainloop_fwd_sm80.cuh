@@ -13,6 +13,7 @@
 
 #include "common/mask.hpp"
 #include "common/online_softmax.hpp"
+#include "cuda/common/fwd_block.cuh"
 #include "cuda/common/ptx.cuh"
 #include "cuda/common/smem_tile.cuh"
 #include "cuda/sm80/fwd_params.hpp"
@@ -38,63 +39,6 @@ struct FwdTraits {
   static constexpr int kSmemBytes = int(sizeof(T)) * (QTile::kElements + 2 * KVTile::kElements);
 };
 
-// Where a block works: batch, head, key split, its first query row, and the sequence it reads
-// (lengths, and for varlen batches its first row in the packed buffers).
-struct FwdBlock {
-  int batch, head, split;
-  int seqlen_q, seqlen_k;
-  int64_t q_row0, k_row0;  // first row of this sequence in the (varlen) buffers
-  int m0;                  // first query row of the tile within the sequence
-};
-
-template <class Traits, class T>
-__device__ __forceinline__ void store_fwd_output(const FwdParams& p, const FwdBlock& blk, int row0,
-                                                 float (&o)[Traits::kMTiles][Traits::kOTiles][4],
-                                                 RowStats<Traits::kMTiles>& stats) {
-  const int t = threadIdx.x % 4;
-  stats.reduce_sums();
-#pragma unroll
-  for (int mt = 0; mt < Traits::kMTiles; ++mt)
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = row0 + mt * 16 + half * 8;
-      if (row >= blk.seqlen_q) continue;
-      const float inv = inverse_row_sum(stats.sum[mt][half]);
-      const float lse = finish_lse(stats.max_log2[mt][half], stats.sum[mt][half]);
-      if (p.num_splits > 1) {
-        const int64_t r = ((int64_t(blk.split) * p.batch + blk.batch) * p.heads_q + blk.head) * p.seqlen_q + row;
-        float* out = p.o_partial + r * p.headdim_v;
-#pragma unroll
-        for (int ot = 0; ot < Traits::kOTiles; ++ot)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int d = ot * 8 + 2 * t + e;
-            if (d < p.headdim_v) out[d] = o[mt][ot][2 * half + e] * inv;
-          }
-        if (t == 0) p.lse_partial[r] = lse;
-        continue;
-      }
-      T* out = static_cast<T*>(p.o) + (p.cu_seqlens_q ? 0 : blk.batch * p.o_batch_stride) +
-               (blk.q_row0 + row) * p.o_row_stride + blk.head * p.o_head_stride;
-#pragma unroll
-      for (int ot = 0; ot < Traits::kOTiles; ++ot) {
-        const int d = ot * 8 + 2 * t;
-        const float x0 = o[mt][ot][2 * half] * inv, x1 = o[mt][ot][2 * half + 1] * inv;
-        if (p.pair_o && d + 1 < p.headdim_v) {
-          *reinterpret_cast<uint32_t*>(out + d) = pack2<T>(x0, x1);
-        } else {
-          if (d < p.headdim_v) out[d] = from_float<T>(x0);
-          if (d + 1 < p.headdim_v) out[d + 1] = from_float<T>(x1);
-        }
-      }
-      if (t == 0) {
-        const int64_t l = p.cu_seqlens_q ? int64_t(blk.head) * p.total_q + blk.q_row0 + row
-                                         : (int64_t(blk.batch) * p.heads_q + blk.head) * p.seqlen_q + row;
-        p.lse[l] = lse;
-      }
-    }
-}
-
 template <class T, int kHeadDim>
 __global__ void __launch_bounds__(FwdTraits<T, kHeadDim>::kThreads)
     fwd_kernel_sm80(const __grid_constant__ FwdParams p) {
@@ -109,39 +53,16 @@ __global__ void __launch_bounds__(FwdTraits<T, kHeadDim>::kThreads)
   T* sK = sQ + QTile::kElements;
   T* sV = sK + KVTile::kElements;
 
-  // Heavy query tiles (late rows under a causal mask) are launched first.
-  const int m_blocks = int(gridDim.x) / p.num_splits;
-  FwdBlock blk;
-  blk.split = int(blockIdx.x) % p.num_splits;
-  blk.head = blockIdx.y;
-  blk.batch = blockIdx.z;
-  blk.m0 = (m_blocks - 1 - int(blockIdx.x) / p.num_splits) * kBlockM;
-  blk.seqlen_q = p.seqlen_q, blk.seqlen_k = p.seqlen_k;
-  blk.q_row0 = 0, blk.k_row0 = 0;
-  if (p.cu_seqlens_q) {
-    blk.q_row0 = p.cu_seqlens_q[blk.batch];
-    blk.k_row0 = p.cu_seqlens_k[blk.batch];
-    blk.seqlen_q = p.cu_seqlens_q[blk.batch + 1] - int(blk.q_row0);
-    blk.seqlen_k = p.cu_seqlens_k[blk.batch + 1] - int(blk.k_row0);
-  }
+  const FwdBlock blk = fwd_block_of_this_cta(p, kBlockM);
   if (blk.m0 >= blk.seqlen_q) return;
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int warp_row = warp * kMTiles * 16;           // first tile row of this warp
   const int row0 = blk.m0 + warp_row + lane / 4;      // sequence row of (m-tile 0, g)
-  const int m_end = min(blk.m0 + kBlockM, blk.seqlen_q);
 
   const Mask mask{blk.seqlen_q, blk.seqlen_k, p.window_left, p.window_right};
-  const int key_begin = mask.tile_begin_key(blk.m0), key_end = mask.tile_end_key(m_end);
-  int n_begin = key_begin / kBlockN;
-  int n_end = key_end > key_begin ? (key_end + kBlockN - 1) / kBlockN : n_begin;
-  if (p.num_splits > 1) {
-    const int per_split = (n_end - n_begin + p.num_splits - 1) / p.num_splits;
-    n_begin = min(n_end, n_begin + blk.split * per_split);
-    n_end = min(n_end, n_begin + per_split);
-  }
-  // Keys every row of the tile sees: a key tile inside [full_begin, full_end) needs no mask.
-  const int full_begin = mask.full_begin_key(m_end), full_end = mask.full_end_key(blk.m0);
+  const KeyTiles tiles = key_tiles(p, blk, mask, kBlockM, kBlockN);
+  const int n_begin = tiles.begin, n_end = tiles.end, full_begin = tiles.full_begin, full_end = tiles.full_end;
 
   float acc_o[kMTiles][kOTiles][4];
 #pragma unroll
@@ -258,7 +179,7 @@ __global__ void __launch_bounds__(FwdTraits<T, kHeadDim>::kThreads)
   }
 
   // Rows that saw no key keep sum 0: O = 0 and L = -inf.
-  store_fwd_output<Traits, T>(p, blk, row0, acc_o, stats);
+  store_fwd_output<T>(p, blk, row0, acc_o, stats);
 }
 
 }  // namespace tileattn::cuda

@@ -1,0 +1,194 @@
+#pragma once
+// The sm90 forward kernel: one block per (128 query rows, head, batch[, key split]), three
+// warpgroups.
+//
+//   warpgroup 0      producer: one thread streams Q once and K(j), V(j) through kStages
+//                    shared-memory stages with TMA; each stage has a "full" barrier (the copy
+//                    engine completes it) and an "empty" one (the consumers release it).
+//   warpgroups 1, 2  consumers, 64 query rows each:
+//                      S = Q K(j)^T     wgmma, both operands in shared memory
+//                      P = exp2(S * scale_log2 - rowmax), online-softmax rescale of O
+//                      O += P V(j)      wgmma, P from registers (the S accumulator layout is the
+//                                       A-fragment layout), V read N-major from shared memory
+// The two consumers run the same loop out of step, so one's softmax overlaps the other's
+// matrix products. Registers move from the producer (which needs few) to the consumers.
+// Key tiles are visited from the last to the first, as in the sm80 kernel (mask work first).
+#include <cuda_runtime.h>
+
+#include "common/mask.hpp"
+#include "cuda/common/fwd_block.cuh"
+#include "cuda/sm80/softmax_fwd_sm80.cuh"
+#include "cuda/sm90/fwd_params_sm90.hpp"
+#include "cuda/sm90/ptx_sm90.cuh"
+#include "cuda/sm90/wgmma_ops.cuh"
+
+namespace tileattn::cuda {
+
+template <class T, int kHeadDim>
+struct FwdSm90Traits {
+  static constexpr int kConsumers = 2;
+  static constexpr int kThreads = 128 * (kConsumers + 1);
+  static constexpr int kBlockM = 64 * kConsumers;
+  static constexpr int kBlockN = 128;
+  static constexpr int kStages = 2;
+  static constexpr int kPanels = (kHeadDim + 63) / 64;  // 128-byte panels of 64 columns
+  static constexpr int kQPanelBytes = kBlockM * 128;
+  static constexpr int kKVPanelBytes = kBlockN * 128;
+  static constexpr int kQBytes = kPanels * kQPanelBytes;
+  static constexpr int kKVBytes = kPanels * kKVPanelBytes;
+  static constexpr int kBarrierOffset = kQBytes + 2 * kStages * kKVBytes;
+  // + barriers, + slack to align the start to the 1024-byte swizzle period.
+  static constexpr int kSmemBytes = kBarrierOffset + 128 + 1024;
+  // 24 x 128 + 240 x 256 registers fit the 64K register file.
+  static constexpr int kProducerRegisters = 24;
+  static constexpr int kConsumerRegisters = 240;
+  static_assert(kHeadDim % 16 == 0 && kHeadDim <= 128, "sm90 forward: head dims 16..128 in steps of 16");
+};
+
+template <class T, int kHeadDim>
+__global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim>::kThreads, 1)
+    fwd_kernel_sm90(const __grid_constant__ FwdSm90Params params) {
+#if defined(TILEATTN_SM90_ENABLED)
+  using Traits = FwdSm90Traits<T, kHeadDim>;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kStages = Traits::kStages;
+  const FwdParams& p = params.fwd;
+
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024 - smem_address(smem_raw) % 1024) % 1024);
+  unsigned char* sQ = smem;
+  unsigned char* sK = sQ + Traits::kQBytes;
+  unsigned char* sV = sK + kStages * Traits::kKVBytes;
+  uint64_t* q_full = reinterpret_cast<uint64_t*>(smem + Traits::kBarrierOffset);
+  uint64_t* k_full = q_full + 1;
+  uint64_t* v_full = k_full + kStages;
+  uint64_t* k_empty = v_full + kStages;
+  uint64_t* v_empty = k_empty + kStages;
+
+  const FwdBlock blk = fwd_block_of_this_cta(p, kBlockM);
+  if (blk.m0 >= blk.seqlen_q) return;
+  const Mask mask{blk.seqlen_q, blk.seqlen_k, p.window_left, p.window_right};
+  const KeyTiles tiles = key_tiles(p, blk, mask, kBlockM, kBlockN);
+
+  if (threadIdx.x == 0) {
+    sm90::barrier_init(q_full, 1);
+    for (int s = 0; s < kStages; ++s) {
+      sm90::barrier_init(k_full + s, 1);
+      sm90::barrier_init(v_full + s, 1);
+      sm90::barrier_init(k_empty + s, 4 * Traits::kConsumers);  // one arrival per consumer warp
+      sm90::barrier_init(v_empty + s, 4 * Traits::kConsumers);
+    }
+    sm90::barrier_init_fence();
+  }
+  __syncthreads();
+
+  const int warpgroup = int(threadIdx.x) / 128;
+  if (warpgroup == 0) {
+    sm90::registers_decrease<Traits::kProducerRegisters>();
+    if (threadIdx.x != 0 || tiles.begin >= tiles.end) return;
+    const bool varlen = p.cu_seqlens_q != nullptr;
+    const int kv_head = blk.head / (p.heads_q / p.heads_kv);
+    const int batch = varlen ? 0 : blk.batch;
+    sm90::barrier_arrive_expect_bytes(q_full, Traits::kQBytes);
+#pragma unroll
+    for (int c = 0; c < Traits::kPanels; ++c)
+      sm90::tma_load_4d(sQ + c * Traits::kQPanelBytes, &params.q, q_full, 64 * c, int(blk.q_row0) + blk.m0, blk.head,
+                        batch);
+    int i = 0;
+    for (int n = tiles.end - 1; n >= tiles.begin; --n, ++i) {
+      const int s = i % kStages;
+      const uint32_t phase = (i / kStages) & 1;
+      const int row = int(blk.k_row0) + n * kBlockN;
+      sm90::barrier_wait(k_empty + s, phase ^ 1);
+      sm90::barrier_arrive_expect_bytes(k_full + s, Traits::kKVBytes);
+#pragma unroll
+      for (int c = 0; c < Traits::kPanels; ++c)
+        sm90::tma_load_4d(sK + s * Traits::kKVBytes + c * Traits::kKVPanelBytes, &params.k, k_full + s, 64 * c, row,
+                          kv_head, batch);
+      sm90::barrier_wait(v_empty + s, phase ^ 1);
+      sm90::barrier_arrive_expect_bytes(v_full + s, Traits::kKVBytes);
+#pragma unroll
+      for (int c = 0; c < Traits::kPanels; ++c)
+        sm90::tma_load_4d(sV + s * Traits::kKVBytes + c * Traits::kKVPanelBytes, &params.v, v_full + s, 64 * c, row,
+                          kv_head, batch);
+    }
+    return;
+  }
+
+  sm90::registers_increase<Traits::kConsumerRegisters>();
+  const int consumer = warpgroup - 1;
+  const int warp = (int(threadIdx.x) / 32) % 4, lane = int(threadIdx.x) % 32;
+  const int row0 = blk.m0 + 64 * consumer + 16 * warp + lane / 4;  // sequence row of (g, e < 2)
+
+  float acc_o[1][kHeadDim / 8][4];
+#pragma unroll
+  for (int ot = 0; ot < kHeadDim / 8; ++ot)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_o[0][ot][e] = 0.0f;
+  RowStats<1> stats;
+  stats.init();
+
+  if (tiles.begin < tiles.end) {
+    const uint32_t q_base = smem_address(sQ) + consumer * 64 * 128;
+    sm90::barrier_wait(q_full, 0);
+    int i = 0;
+    for (int n = tiles.end - 1; n >= tiles.begin; --n, ++i) {
+      const int s = i % kStages;
+      const uint32_t phase = (i / kStages) & 1;
+
+      // S = Q K^T; a k-step of 16 columns is 32 bytes along a 128-byte row of one panel.
+      float acc_s[1][kBlockN / 8][4];
+      const uint32_t k_base = smem_address(sK + s * Traits::kKVBytes);
+      sm90::barrier_wait(k_full + s, phase);
+      sm90::wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+        const uint32_t offset = (ks % 4) * 32;
+        sm90::Wgmma<T, kBlockN>::ss(acc_s[0],
+                                    sm90::k_major_descriptor(q_base + (ks / 4) * Traits::kQPanelBytes + offset),
+                                    sm90::k_major_descriptor(k_base + (ks / 4) * Traits::kKVPanelBytes + offset),
+                                    ks > 0);
+      }
+      sm90::wgmma_commit();
+      sm90::wgmma_wait<0>();
+      sm90::fence_registers(acc_s[0]);
+      __syncwarp();
+      if (lane == 0) sm90::barrier_arrive(k_empty + s);
+
+      if (p.softcap_pre > 0.0f) softcap_scores(acc_s, p.softcap_pre, p.softcap_post);
+      const int key0 = n * kBlockN;
+      if (!(key0 >= tiles.full_begin && key0 + kBlockN <= tiles.full_end)) mask_scores(acc_s, mask, row0, key0);
+      stats.update(acc_s, acc_o, p.scale_log2);
+
+      // P rounded to T, in the A-fragment layout (an S column-tile pair is one k-step of 16 keys).
+      uint32_t pa[kBlockN / 16][4];
+#pragma unroll
+      for (int ks = 0; ks < kBlockN / 16; ++ks) {
+        pa[ks][0] = pack2<T>(acc_s[0][2 * ks][0], acc_s[0][2 * ks][1]);
+        pa[ks][1] = pack2<T>(acc_s[0][2 * ks][2], acc_s[0][2 * ks][3]);
+        pa[ks][2] = pack2<T>(acc_s[0][2 * ks + 1][0], acc_s[0][2 * ks + 1][1]);
+        pa[ks][3] = pack2<T>(acc_s[0][2 * ks + 1][2], acc_s[0][2 * ks + 1][3]);
+      }
+
+      // O += P V; a k-step of 16 keys is 16 rows (2048 bytes) of every V panel.
+      const uint32_t v_base = smem_address(sV + s * Traits::kKVBytes);
+      sm90::barrier_wait(v_full + s, phase);
+      sm90::fence_registers(acc_o[0]);
+      sm90::wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < kBlockN / 16; ++ks)
+        sm90::Wgmma<T, kHeadDim>::template rs<1>(
+            acc_o[0], pa[ks], sm90::mn_major_descriptor(v_base + ks * 16 * 128, Traits::kKVPanelBytes), 1);
+      sm90::wgmma_commit();
+      sm90::wgmma_wait<0>();
+      sm90::fence_registers(acc_o[0]);
+      __syncwarp();
+      if (lane == 0) sm90::barrier_arrive(v_empty + s);
+    }
+  }
+
+  // Rows that saw no key keep sum 0: O = 0 and L = -inf.
+  store_fwd_output<T>(p, blk, row0, acc_o, stats);
+#endif
+}
+
+}  // namespace tileattn::cuda

@@ -1,0 +1,15 @@
+#pragma once
+// What the sm90 forward reads: the forward's parameters plus one tensor map per input, built on
+// the host (cuda/sm90/tma_map.hpp) and passed by value as a __grid_constant__ kernel parameter.
+#include <cuda.h>
+
+#include "cuda/sm80/fwd_params.hpp"
+
+namespace tileattn::cuda {
+
+struct FwdSm90Params {
+  FwdParams fwd;
+  CUtensorMap q, k, v;  // (dim, rows, heads, batch); varlen: (dim, total rows, heads, 1)
+};
+
+}  // namespace tileattn::cuda

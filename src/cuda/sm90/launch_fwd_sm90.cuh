@@ -1,0 +1,88 @@
+#pragma once
+// Launch side of the sm90 forward: tensor maps, grid shape, shared-memory opt-in, split decision.
+// Included only by the generated instantiation units.
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "cuda/common/check.cuh"
+#include "cuda/sm80/combine_fwd_sm80.cuh"
+#include "cuda/sm80/fwd_split_heuristic.hpp"
+#include "cuda/sm90/fwd_kernel_sm90.cuh"
+#include "cuda/sm90/launch_fwd_sm90.hpp"
+#include "cuda/sm90/tma_map.hpp"
+#include "tileattn/error.hpp"
+
+namespace tileattn::cuda {
+
+namespace fwd_sm90_detail {
+
+template <class T, int kHeadDim>
+void prepare_kernel() {
+  TA_CUDA_CHECK(cudaFuncSetAttribute(fwd_kernel_sm90<T, kHeadDim>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     FwdSm90Traits<T, kHeadDim>::kSmemBytes));
+}
+
+inline int m_blocks(const FwdParams& p, int block_m) { return (p.seqlen_q + block_m - 1) / block_m; }
+
+// Q, K or V as (dim, rows, heads, batch); varlen buffers are one sequence of total rows.
+inline sm90::TileMapShape map_shape(const AttentionProblem& problem, const TensorView& t, int64_t dim, int64_t seqlen,
+                                    int64_t total, int64_t heads, int box_rows) {
+  sm90::TileMapShape s;
+  const bool varlen = problem.is_varlen();
+  s.dim = dim, s.rows = varlen ? total : seqlen, s.heads = heads, s.batch = varlen ? 1 : problem.batch;
+  s.row_stride = t.seq_stride, s.head_stride = t.head_stride, s.batch_stride = varlen ? 0 : t.batch_stride;
+  s.box_rows = box_rows;
+  return s;
+}
+
+}  // namespace fwd_sm90_detail
+
+template <class T, int kHeadDim>
+int FwdSm90<T, kHeadDim>::num_splits(const FwdParams& p) {
+  using Traits = FwdSm90Traits<T, kHeadDim>;
+  int device = 0, sms = 0;
+  TA_CUDA_CHECK(cudaGetDevice(&device));
+  TA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int64_t tiles = int64_t(p.batch) * p.heads_q * fwd_sm90_detail::m_blocks(p, Traits::kBlockM);
+  const int key_blocks = (p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
+  return fwd_num_splits(tiles, key_blocks, sms, 1);  // one block per SM (launch bounds)
+}
+
+template <class T, int kHeadDim>
+bool FwdSm90<T, kHeadDim>::make_maps(const AttentionProblem& pr, FwdSm90Params& params) {
+  using Traits = FwdSm90Traits<T, kHeadDim>;
+  using fwd_sm90_detail::map_shape;
+  return sm90::make_tile_map(&params.q, pr.dtype, pr.q.data,
+                             map_shape(pr, pr.q, pr.headdim_qk, pr.seqlen_q, pr.total_q, pr.heads_q, Traits::kBlockM)) &&
+         sm90::make_tile_map(&params.k, pr.dtype, pr.k.data,
+                             map_shape(pr, pr.k, pr.headdim_qk, pr.seqlen_k, pr.total_k, pr.heads_kv, Traits::kBlockN)) &&
+         sm90::make_tile_map(&params.v, pr.dtype, pr.v.data,
+                             map_shape(pr, pr.v, pr.headdim_v, pr.seqlen_k, pr.total_k, pr.heads_kv, Traits::kBlockN));
+}
+
+template <class T, int kHeadDim>
+void FwdSm90<T, kHeadDim>::run(const FwdSm90Params& params, cudaStream_t stream) {
+  using Traits = FwdSm90Traits<T, kHeadDim>;
+  const FwdParams& p = params.fwd;
+  const int64_t grid_x = int64_t(fwd_sm90_detail::m_blocks(p, Traits::kBlockM)) * p.num_splits;
+  if (grid_x == 0 || p.heads_q == 0 || p.batch == 0) return;
+  if (grid_x > 0x7fffffff || p.heads_q > 65535 || p.batch > 65535)
+    throw Error(ErrorKind::unsupported, "CUDA forward: grid too large (query tiles " + std::to_string(grid_x) +
+                                            ", heads_q " + std::to_string(p.heads_q) + ", batch " +
+                                            std::to_string(p.batch) + "; heads and batch must be <= 65535)");
+  fwd_sm90_detail::prepare_kernel<T, kHeadDim>();
+  fwd_kernel_sm90<T, kHeadDim><<<dim3(unsigned(grid_x), p.heads_q, p.batch), Traits::kThreads, Traits::kSmemBytes,
+                                 stream>>>(params);
+  TA_CUDA_CHECK_LAUNCH("fwd_kernel_sm90");
+  if (p.num_splits > 1) {
+    const int64_t rows = int64_t(p.batch) * p.heads_q * p.seqlen_q;
+    const int64_t blocks = (rows + kCombineWarps - 1) / kCombineWarps;
+    fwd_combine_kernel<T><<<unsigned(blocks), 32 * kCombineWarps, 0, stream>>>(p);
+    TA_CUDA_CHECK_LAUNCH("fwd_combine_kernel");
+  }
+}
+
+}  // namespace tileattn::cuda
+
+#define TILEATTN_INSTANTIATE_FWD_SM90(T, D) template struct tileattn::cuda::FwdSm90<T, D>;

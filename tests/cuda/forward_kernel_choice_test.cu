@@ -1,0 +1,78 @@
+// Which forward kernel runs: Hopper takes the TMA + wgmma kernel whenever the copy engine can
+// describe the inputs, falls back to the portable kernel when it cannot, and both agree.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "cuda/cuda_backend.hpp"
+#include "cuda/gpu_test_util.cuh"
+#include "tileattn/attention.hpp"
+
+namespace tileattn::test {
+namespace {
+
+bool is_hopper() {
+  int device = 0, major = 0, minor = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "major");
+  check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "minor");
+  return major == 9 && minor == 0;
+}
+
+bool forced_sm80() {
+  const char* v = std::getenv("TILEATTN_FORWARD_KERNEL");
+  return v != nullptr && std::string(v) == "sm80";
+}
+
+ProblemShape shape(int64_t headdim) {
+  ProblemShape s;
+  s.batch = 2;
+  s.seqlen_q = 200;
+  s.seqlen_k = 300;
+  s.heads_q = 4;
+  s.heads_kv = 2;
+  s.headdim_qk = headdim;
+  s.dtype = DType::bf16;
+  s.with_backward = false;
+  return s;
+}
+
+TEST(ForwardKernelChoice, HopperRunsTheTmaKernelForAlignedInputs) {
+  TA_SKIP_WITHOUT_GPU();
+  if (!is_hopper() || forced_sm80()) GTEST_SKIP() << "not a compute capability 9.0 device";
+  for (int64_t d : {64, 128}) {
+    HostProblem hp(shape(d));
+    DeviceProblem dp(hp);
+    EXPECT_STREQ(cuda::forward_kernel_name(dp.problem), "sm90") << "head dim " << d;
+  }
+}
+
+TEST(ForwardKernelChoice, UnalignedRowStrideFallsBackAndStaysAccurate) {
+  TA_SKIP_WITHOUT_GPU();
+  ProblemShape s = shape(64);
+  s.headdim_qk = 60;  // rows of 120 bytes: not a multiple of 16, so no tensor map
+  HostProblem hp(s);
+  DeviceProblem dp(hp);
+  EXPECT_STREQ(cuda::forward_kernel_name(dp.problem), "sm80");
+  tileattn::forward(dp.problem);
+  dp.download();
+  expect_forward_within_2x(hp, dp);
+}
+
+TEST(ForwardKernelChoice, EnvironmentForcesThePortableKernel) {
+  TA_SKIP_WITHOUT_GPU();
+  HostProblem hp(shape(128));
+  DeviceProblem dp(hp);
+  const char* old = std::getenv("TILEATTN_FORWARD_KERNEL");
+  const std::string saved = old ? old : "";
+  setenv("TILEATTN_FORWARD_KERNEL", "sm80", 1);
+  EXPECT_STREQ(cuda::forward_kernel_name(dp.problem), "sm80");
+  if (old) setenv("TILEATTN_FORWARD_KERNEL", saved.c_str(), 1);
+  else unsetenv("TILEATTN_FORWARD_KERNEL");
+}
+
+}  // namespace
+}  // namespace tileattn::test
