@@ -6,8 +6,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <optional>
 #include <string>
 
@@ -19,6 +17,7 @@
 #include "cuda/sm80/fwd_params.hpp"
 #include "cuda/sm80/launch_fwd_sm80.hpp"
 #include "cuda/sm90/launch_fwd_sm90.hpp"
+#include "cuda/sm90/tma_map.hpp"
 #include "tileattn/error.hpp"
 
 namespace tileattn::cuda {
@@ -122,20 +121,8 @@ std::optional<FwdKernelSm90> pick_forward_sm90(int headdim) {
   return std::nullopt;
 }
 
-// Hopper (compute capability 9.0) runs the TMA + wgmma kernels unless the environment variable
-// TILEATTN_FORWARD_KERNEL=sm80 asks for the portable ones (for tests and comparisons).
-bool use_sm90() {
-  const char* forced = std::getenv("TILEATTN_FORWARD_KERNEL");
-  if (forced != nullptr && std::strcmp(forced, "sm80") == 0) return false;
-  int device = 0, major = 0, minor = 0;
-  TA_CUDA_CHECK(cudaGetDevice(&device));
-  TA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  TA_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  return major == 9 && minor == 0;
-}
-
 std::optional<FwdKernelSm90> pick_forward_sm90(const AttentionProblem& p) {
-  if (!use_sm90()) return std::nullopt;
+  if (!sm90::hopper_kernels_enabled()) return std::nullopt;
   const int headdim = int(std::max(p.headdim_qk, p.headdim_v));
   if (p.dtype == DType::f16) return pick_forward_sm90<__half>(headdim);
   return pick_forward_sm90<__nv_bfloat16>(headdim);

@@ -1,15 +1,18 @@
 // The CUDA backward entry: the validated problem becomes kernel parameters and a workspace, then
-// dispatch on dtype and head-dim bucket (src/cuda/sm80/bwd_*).
+// dispatch on device, dtype and head-dim bucket: the Hopper kernels (src/cuda/sm90/bwd_*) where
+// they apply, else the portable ones (src/cuda/sm80/bwd_*).
 //
-// dQ is summed either by fp32 atomics from the dK/dV kernel into a workspace accumulator (then
-// scaled and converted), or by its own pass over key tiles. The own pass is the deterministic
-// mode; docs/perf.md ("CUDA backward") records the measured cost of each.
+// The sm80 kernels sum dQ either by fp32 atomics from the dK/dV kernel into a workspace
+// accumulator (then scaled and converted), or by its own pass over key tiles (the deterministic
+// mode). The sm90 kernels always give dQ its own pass, so they are deterministic as they stand;
+// docs/perf.md ("CUDA backward") records the measured cost of each.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "common/online_softmax.hpp"
@@ -17,6 +20,8 @@
 #include "cuda/common/workspace.cuh"
 #include "cuda/cuda_backend.hpp"
 #include "cuda/sm80/bwd_launch.hpp"
+#include "cuda/sm90/launch_bwd_sm90.hpp"
+#include "cuda/sm90/tma_map.hpp"
 #include "tileattn/error.hpp"
 
 namespace tileattn::cuda {
@@ -30,7 +35,52 @@ int headdim_bucket(const AttentionProblem& p) {
               "headdim " + std::to_string(d) + " exceeds every head-dim bucket this build has (TILEATTN_HEADDIMS)");
 }
 
-bool uses_atomic_dq(const AttentionProblem& p) { return !p.deterministic; }
+struct BwdKernelSm90 {
+  bool (*make_maps)(const AttentionProblem&, BwdSm90Params&);
+  void (*run)(const BwdSm90Params&, cudaStream_t);
+};
+
+// The Hopper backward for this bucket, when the build has it and the device runs it.
+std::optional<BwdKernelSm90> pick_backward_sm90(const AttentionProblem& p, int bucket) {
+  if (p.dtype == DType::f32 || !sm90::hopper_kernels_enabled()) return std::nullopt;
+  const bool f16 = p.dtype == DType::f16;
+#define TA_BWD90_BUCKET(D)                                                                             \
+  if (bucket == D)                                                                                     \
+    return f16 ? BwdKernelSm90{&BwdSm90<__half, D>::make_maps, &BwdSm90<__half, D>::run}               \
+               : BwdKernelSm90{&BwdSm90<__nv_bfloat16, D>::make_maps, &BwdSm90<__nv_bfloat16, D>::run};
+#if TILEATTN_CUDA_SM90_HEADDIM_32
+  TA_BWD90_BUCKET(32)
+#endif
+#if TILEATTN_CUDA_SM90_HEADDIM_64
+  TA_BWD90_BUCKET(64)
+#endif
+#if TILEATTN_CUDA_SM90_HEADDIM_96
+  TA_BWD90_BUCKET(96)
+#endif
+#if TILEATTN_CUDA_SM90_HEADDIM_128
+  TA_BWD90_BUCKET(128)
+#endif
+#undef TA_BWD90_BUCKET
+  (void)f16;
+  return std::nullopt;
+}
+
+// The Hopper kernels with their tensor maps, or nothing (the sm80 kernels run).
+struct BwdPlan {
+  std::optional<BwdKernelSm90> sm90;
+  BwdSm90Params params{};
+};
+
+BwdPlan plan_backward(const AttentionProblem& p) {
+  BwdPlan plan;
+  plan.sm90 = pick_backward_sm90(p, headdim_bucket(p));
+  if (plan.sm90 && !plan.sm90->make_maps(p, plan.params)) plan.sm90.reset();
+  return plan;
+}
+
+// The sm80 kernels sum dQ by atomics unless asked for determinism (then dQ has its own pass);
+// the sm90 kernels always give dQ its own pass.
+bool uses_atomic_dq(const AttentionProblem& p, const BwdPlan& plan) { return !plan.sm90 && !p.deterministic; }
 
 // The workspace, carved in this order: lse2, dsum, row_sum (fp32 only), one float per padded
 // query row each, then the fp32 dQ accumulator when dQ is summed by atomics.
@@ -44,7 +94,7 @@ struct WorkspaceLayout {
   }
 };
 
-WorkspaceLayout workspace_layout(const AttentionProblem& p) {
+WorkspaceLayout workspace_layout(const AttentionProblem& p, const BwdPlan& plan) {
   WorkspaceLayout w;
   const int64_t rows_per_head =
       (p.seqlen_q + bwd::kWorkspaceRowTile - 1) / bwd::kWorkspaceRowTile * bwd::kWorkspaceRowTile;
@@ -52,7 +102,7 @@ WorkspaceLayout workspace_layout(const AttentionProblem& p) {
   w.dim = headdim_bucket(p);
   w.lse2 = w.dsum = size_t(w.rows) * sizeof(float);
   w.row_sum = p.dtype == DType::f32 ? size_t(w.rows) * sizeof(float) : 0;
-  w.accum = uses_atomic_dq(p) ? size_t(w.rows) * size_t(w.dim) * sizeof(float) : 0;
+  w.accum = uses_atomic_dq(p, plan) ? size_t(w.rows) * size_t(w.dim) * sizeof(float) : 0;
   return w;
 }
 
@@ -102,14 +152,17 @@ void dispatch(int bucket, const bwd::BwdParams& params, cudaStream_t stream) {
 
 }  // namespace
 
-size_t backward_workspace_size(const AttentionProblem& problem) { return workspace_layout(problem).total(); }
+size_t backward_workspace_size(const AttentionProblem& problem) {
+  return workspace_layout(problem, plan_backward(problem)).total();
+}
 
 void backward(const AttentionProblem& p) {
   // The kernels read the workspace with 16-byte copies.
   if (p.workspace != nullptr && reinterpret_cast<uintptr_t>(p.workspace) % 16 != 0)
     throw Error(ErrorKind::invalid_argument, "workspace must be 16-byte aligned for the CUDA backward");
   const cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
-  const WorkspaceLayout layout = workspace_layout(p);
+  BwdPlan plan = plan_backward(p);
+  const WorkspaceLayout layout = workspace_layout(p, plan);
   Workspace ws(p.workspace, p.workspace_bytes, layout.total(), stream);
 
   bwd::BwdParams params{};
@@ -147,6 +200,10 @@ void backward(const AttentionProblem& p) {
   params.row_sum = layout.row_sum > 0 ? ws.take<float>(layout.row_sum) : nullptr;
   params.dq_accum = layout.accum > 0 ? ws.take<float>(layout.accum) : nullptr;
   if (params.dq_accum != nullptr) TA_CUDA_CHECK(cudaMemsetAsync(params.dq_accum, 0, layout.accum, stream));
+  if (plan.sm90) {
+    plan.params.bwd = params;
+    return plan.sm90->run(plan.params, stream);
+  }
 
   switch (p.dtype) {
     case DType::f16:

@@ -23,7 +23,7 @@ bool is_hopper() {
 }
 
 bool forced_sm80() {
-  const char* v = std::getenv("TILEATTN_FORWARD_KERNEL");
+  const char* v = std::getenv("TILEATTN_CUDA_KERNELS");
   return v != nullptr && std::string(v) == "sm80";
 }
 
@@ -66,12 +66,12 @@ TEST(ForwardKernelChoice, EnvironmentForcesThePortableKernel) {
   TA_SKIP_WITHOUT_GPU();
   HostProblem hp(shape(128));
   DeviceProblem dp(hp);
-  const char* old = std::getenv("TILEATTN_FORWARD_KERNEL");
+  const char* old = std::getenv("TILEATTN_CUDA_KERNELS");
   const std::string saved = old ? old : "";
-  setenv("TILEATTN_FORWARD_KERNEL", "sm80", 1);
+  setenv("TILEATTN_CUDA_KERNELS", "sm80", 1);
   EXPECT_STREQ(cuda::forward_kernel_name(dp.problem), "sm80");
-  if (old) setenv("TILEATTN_FORWARD_KERNEL", saved.c_str(), 1);
-  else unsetenv("TILEATTN_FORWARD_KERNEL");
+  if (old) setenv("TILEATTN_CUDA_KERNELS", saved.c_str(), 1);
+  else unsetenv("TILEATTN_CUDA_KERNELS");
 }
 
 }  // namespace

@@ -38,6 +38,8 @@ CPU_TESTS=0
 SANITIZE='Sweep/ForwardAccuracy.*/len17_bf16:Sweep/ForwardAccuracy.*/d20_f16:Sweep/ForwardAccuracy.*/varlen_causal_bf16:Sweep/ForwardAccuracy.*/split_varlen_f16:Sweep/ForwardAccuracy.*/padded_split_bf16:Sweep/ForwardAccuracy.*/window_33_17_f16:ForwardApi.*'
 SANITIZE+=':Sweep/Fp32Forward.*/odd_dims:Sweep/Fp32Forward.*/varlen_with_empty:Sweep/Fp32Forward.*/dqk256_dv32'
 SANITIZE+=':Sweep/Fp32Forward.*/headdim_40:Sweep/SoftmaxMatmul*.*/f32_odd_sizes:Sweep/SoftmaxMatmul.*/bf16_padded'
+SANITIZE+=':Sweep/Backward.*/bf16_varlen_with_empty_causal:Sweep/Backward.*/f16_len127_gqa_d80'
+SANITIZE+=':Sweep/Backward.*/bf16_sq_gt_sk_causal_masked_rows_d96:Sweep/Backward.*/f16_softcap'
 BENCH=all
 PYTEST=all
 JOBS=$(nproc)
@@ -241,12 +243,12 @@ fi
 if [[ $PROFILE -eq 1 && -x "$BUILD/bench_attention" ]]; then
   NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null || true)
   if [[ -n "$NCU" ]]; then
-    run "$LOG/ncu_hd128.txt" "$NCU" --set full -k regex:fwd_kernel_sm80 -c 1 "$BUILD/bench_attention" --pass forward \
+    run "$LOG/ncu_hd128.txt" "$NCU" --set full -k regex:fwd_kernel_sm90 -c 1 "$BUILD/bench_attention" --pass forward \
       1,16,16384,16384,128,0
     note "profile: rc=$? (logs/ncu_hd128.txt)"
   fi
   CUOBJDUMP=$(command -v cuobjdump || ls /usr/local/cuda/bin/cuobjdump 2>/dev/null || true)
-  OBJ=$(find "$BUILD" -name 'fwd_sm80_nv_bfloat16_hd128.cu.o' | head -1)
+  OBJ=$(find "$BUILD" -name 'fwd_sm90_nv_bfloat16_hd128.cu.o' | head -1)
   [[ -n "$CUOBJDUMP" && -n "$OBJ" ]] && run "$LOG/sass_fwd_bf16_hd128.txt" "$CUOBJDUMP" -sass "$OBJ"
 fi
 

@@ -24,6 +24,24 @@ __device__ __forceinline__ float scaled_score(float x, const BwdParams& p) {
   return p.softcap > 0.0f ? p.softcap * tanhf(x * p.scale_over_cap) : x * p.scale;
 }
 
+// P of one raw score x (q.k) of a query whose statistics are l (L * log2(e); fp32: the row max)
+// and row_sum (fp32 only); `cap` receives the capped score that grad_of_prob needs.
+template <class T, bool kCapped>
+__device__ __forceinline__ float prob_of_score(float x, float l, float row_sum, const BwdParams& p, float& cap) {
+  // The capped score, formed exactly as scaled_score does (fp32 statistics match it).
+  cap = kCapped ? p.softcap * tanhf(x * p.scale_over_cap) : 0.0f;
+  if constexpr (std::is_same_v<T, float>) return expf((kCapped ? cap : x * p.scale) - l) / row_sum;
+  else if constexpr (kCapped) return exp2_fast(cap * kLog2e - l);
+  else return exp2_fast(fmaf(x, p.scale_log2, -l));
+}
+
+// dS = P * (dP - D), times d capped / d score under soft-capping.
+template <bool kCapped>
+__device__ __forceinline__ float grad_of_prob(float pe, float dp, float d, float cap, const BwdParams& p) {
+  const float ds = pe * (dp - d);
+  return kCapped ? ds * softcap_grad(cap, p.softcap) : ds;
+}
+
 // s and dp are one warp's accumulator tiles; its first element sits at (row0, col0) of the
 // block's tile, whose first query and key are q0 and k0 of the sequence. kRowsAreKeys says which
 // side of the tile is the key side (the dK/dV kernel computes S^T). lse2/dsum are per query of
@@ -59,24 +77,17 @@ __device__ __forceinline__ void scores_to_grads_tile(const float (&s)[MT][NT][4]
         for (int e = 0; e < 2; ++e) {
           const float l = kRowsAreKeys ? col_lse[e] : lse2[r];
           const float d = kRowsAreKeys ? col_d[e] : dsum[r];
-          const float x = s[i][j][2 * h + e];
-          // The capped score, formed exactly as scaled_score does (fp32 statistics match it).
-          const float cap = kCapped ? p.softcap * tanhf(x * p.scale_over_cap) : 0.0f;
-          float pe;
-          if constexpr (std::is_same_v<T, float>) {
-            pe = expf((kCapped ? cap : x * p.scale) - l) / (kRowsAreKeys ? col_sum[e] : row_sum[r]);
-          } else if constexpr (kCapped) {
-            pe = exp2_fast(cap * kLog2e - l);
-          } else {
-            pe = exp2_fast(fmaf(x, p.scale_log2, -l));
-          }
+          // Row sums exist for fp32 only (row_sum is null otherwise).
+          float sum = 1.0f;
+          if constexpr (std::is_same_v<T, float>) sum = kRowsAreKeys ? col_sum[e] : row_sum[r];
+          float cap;
+          float pe = prob_of_score<T, kCapped>(s[i][j][2 * h + e], l, sum, p, cap);
           if constexpr (kMasked) {
             const int qi = kRowsAreKeys ? c + e : r, kj = kRowsAreKeys ? r : c + e;
             if (!mask.visible(q0 + qi, k0 + kj)) pe = 0.0f;
           }
           pv[e] = pe;
-          ds[e] = pe * (dp[i][j][2 * h + e] - d);
-          if constexpr (kCapped) ds[e] *= softcap_grad(cap, p.softcap);
+          ds[e] = grad_of_prob<kCapped>(pe, dp[i][j][2 * h + e], d, cap, p);
         }
         if constexpr (kStoreP) store2(sP + r * ld + c, pv[0], pv[1]);
         store2(sdS + r * ld + c, ds[0], ds[1]);
@@ -104,6 +115,54 @@ __device__ __forceinline__ void scores_to_grads(const float (&s)[MT][NT][4], con
       TA_BWD_GRADS(false, false);
   }
 #undef TA_BWD_GRADS
+}
+
+// ---- the same per element, for wgmma tiles whose P and dS stay in registers (sm90) -------------
+
+// Where a warpgroup's accumulator tile sits and the query statistics it needs. Rows are keys
+// (dK/dV): col_lse2/col_dsum hold the tile's queries' L * log2(e) and D, one per column.
+// Rows are queries (dQ): row_lse2/row_dsum hold those of this thread's rows g and g + 8.
+struct Fragment {
+  const float* col_lse2;
+  const float* col_dsum;
+  float row_lse2[2], row_dsum[2];
+  int col0;  // sequence position (query or key) of column 0
+  int row;   // sequence position (key or query) of this thread's row g
+  Mask mask;
+};
+
+// s, dp: m64nN accumulators (per warp the mma.sync C layout). Writes P and dS rounded to T as
+// A fragments of the next product (k-step ks covers columns 16 ks .. 16 ks + 15); fp32 never
+// comes here.
+template <class T, bool kRowsAreKeys, bool kCapped, bool kMasked, int NT>
+__device__ __forceinline__ void grads_to_fragments(const float (&s)[1][NT][4], const float (&dp)[1][NT][4],
+                                                   const Fragment& f, const BwdParams& p, uint32_t (&pa)[NT / 2][4],
+                                                   uint32_t (&da)[NT / 2][4]) {
+  static_assert(!std::is_same_v<T, float>, "16-bit inputs only");
+  const int t = threadIdx.x % 4;
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float pv[2], ds[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int c = j * 8 + 2 * t + e;
+        const float l = kRowsAreKeys ? f.col_lse2[c] : f.row_lse2[half];
+        const float d = kRowsAreKeys ? f.col_dsum[c] : f.row_dsum[half];
+        float cap;
+        float pe = prob_of_score<T, kCapped>(s[0][j][2 * half + e], l, 1.0f, p, cap);
+        if constexpr (kMasked) {
+          const int qi = kRowsAreKeys ? f.col0 + c : f.row + 8 * half;
+          const int kj = kRowsAreKeys ? f.row + 8 * half : f.col0 + c;
+          if (!f.mask.visible(qi, kj)) pe = 0.0f;
+        }
+        pv[e] = pe;
+        ds[e] = grad_of_prob<kCapped>(pe, dp[0][j][2 * half + e], d, cap, p);
+      }
+      pa[j / 2][2 * (j % 2) + half] = pack2<T>(pv[0], pv[1]);
+      da[j / 2][2 * (j % 2) + half] = pack2<T>(ds[0], ds[1]);
+    }
 }
 
 }  // namespace tileattn::cuda::bwd

@@ -25,17 +25,6 @@ void prepare_kernel() {
 
 inline int m_blocks(const FwdParams& p, int block_m) { return (p.seqlen_q + block_m - 1) / block_m; }
 
-// Q, K or V as (dim, rows, heads, batch); varlen buffers are one sequence of total rows.
-inline sm90::TileMapShape map_shape(const AttentionProblem& problem, const TensorView& t, int64_t dim, int64_t seqlen,
-                                    int64_t total, int64_t heads, int box_rows) {
-  sm90::TileMapShape s;
-  const bool varlen = problem.is_varlen();
-  s.dim = dim, s.rows = varlen ? total : seqlen, s.heads = heads, s.batch = varlen ? 1 : problem.batch;
-  s.row_stride = t.seq_stride, s.head_stride = t.head_stride, s.batch_stride = varlen ? 0 : t.batch_stride;
-  s.box_rows = box_rows;
-  return s;
-}
-
 }  // namespace fwd_sm90_detail
 
 template <class T, int kHeadDim>
@@ -52,13 +41,13 @@ int FwdSm90<T, kHeadDim>::num_splits(const FwdParams& p) {
 template <class T, int kHeadDim>
 bool FwdSm90<T, kHeadDim>::make_maps(const AttentionProblem& pr, FwdSm90Params& params) {
   using Traits = FwdSm90Traits<T, kHeadDim>;
-  using fwd_sm90_detail::map_shape;
+  using sm90::attention_map_shape;
   return sm90::make_tile_map(&params.q, pr.dtype, pr.q.data,
-                             map_shape(pr, pr.q, pr.headdim_qk, pr.seqlen_q, pr.total_q, pr.heads_q, Traits::kBlockM)) &&
+                             attention_map_shape(pr, pr.q, pr.headdim_qk, pr.seqlen_q, pr.total_q, pr.heads_q, Traits::kBlockM)) &&
          sm90::make_tile_map(&params.k, pr.dtype, pr.k.data,
-                             map_shape(pr, pr.k, pr.headdim_qk, pr.seqlen_k, pr.total_k, pr.heads_kv, Traits::kBlockN)) &&
+                             attention_map_shape(pr, pr.k, pr.headdim_qk, pr.seqlen_k, pr.total_k, pr.heads_kv, Traits::kBlockN)) &&
          sm90::make_tile_map(&params.v, pr.dtype, pr.v.data,
-                             map_shape(pr, pr.v, pr.headdim_v, pr.seqlen_k, pr.total_k, pr.heads_kv, Traits::kBlockN));
+                             attention_map_shape(pr, pr.v, pr.headdim_v, pr.seqlen_k, pr.total_k, pr.heads_kv, Traits::kBlockN));
 }
 
 template <class T, int kHeadDim>

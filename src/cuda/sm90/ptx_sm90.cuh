@@ -61,6 +61,14 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, u
       : "memory");
 }
 
+// A contiguous run of `bytes` (a multiple of 16, both addresses 16-byte aligned), global -> shared.
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                   smem_address(dst)),
+               "l"(src), "r"(bytes), "r"(smem_address(bar))
+               : "memory");
+}
+
 // ---- wgmma ordering ---------------------------------------------------------------------------
 
 // Before the first wgmma that reads registers (accumulators, A fragments) written by ordinary

@@ -1,7 +1,8 @@
 #pragma once
 // Tensor maps (the copy engine's description of a global tensor) for the tiles the sm90 kernels
-// load: (dim, rows, heads, batch) with the last dimension contiguous, boxes of 64 elements x
-// box_rows rows, written to shared memory with the 128-byte swizzle the wgmma descriptors read.
+// load: (dim, rows, heads, batch) with the last dimension contiguous, boxes of one 128-byte row
+// (64 16-bit or 32 fp32 elements) x box_rows rows, written to shared memory with the 128-byte
+// swizzle the wgmma descriptors read.
 #include <cuda.h>
 
 #include <cstdint>
@@ -19,5 +20,15 @@ struct TileMapShape {
 // False when the copy engine cannot describe the tensor (base not 16-byte aligned, a stride not
 // a multiple of 16 bytes, sizes out of range): the caller then uses a kernel without TMA.
 bool make_tile_map(CUtensorMap* map, DType dtype, const void* base, const TileMapShape& shape);
+
+// Shape of one attention tensor (Q, K, V, O, dO: rows of `seqlen`, or of `total` for varlen,
+// which become one sequence) in boxes of box_rows rows.
+TileMapShape attention_map_shape(const AttentionProblem& problem, const TensorView& t, int64_t dim, int64_t seqlen,
+                                 int64_t total, int64_t heads, int box_rows);
+
+// True on a compute capability 9.0 device unless TILEATTN_CUDA_KERNELS=sm80 asks for the
+// portable kernels (for tests and comparisons). The build must hold sm_90a code as well; the
+// dispatchers know that from their instantiation macros.
+bool hopper_kernels_enabled();
 
 }  // namespace tileattn::cuda::sm90
