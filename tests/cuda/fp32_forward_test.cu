@@ -85,6 +85,11 @@ std::vector<Case> cases() {
     c.push_back({"varlen_with_empty", s});
   }
   {
+    auto s = base(150, 700, 64);  // several key tiles and a tail, shared K/V heads
+    s.heads_q = 4;
+    c.push_back({"gqa_d64_long_keys", s});
+  }
+  {
     auto s = base(90, 90, 64);
     s.layout = Layout::bhsd;
     s.window_left = 0;

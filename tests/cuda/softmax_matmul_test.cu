@@ -84,6 +84,11 @@ const std::vector<Case>& shapes() {
       {"d2_is_1", shape(2, 16, 1, 24)},
       {"peaky_rows", shape(1, 130, 700, 300, false, 12.0f)},
       {"padded", shape(2, 90, 260, 136, true)},
+      // Rows of 16-byte multiples in every dtype, so that Hopper runs its TMA kernel, with tails
+      // in all three sizes.
+      {"tma_tails", shape(2, 300, 1000, 200)},
+      {"tma_narrow", shape(1, 129, 200, 48)},
+      {"tma_peaky", shape(1, 130, 1024, 136, false, 12.0f)},
   };
   return list;
 }

@@ -9,6 +9,8 @@
 #include "cuda/common/check.cuh"
 #include "cuda/cuda_backend.hpp"
 #include "cuda/softmax_matmul/softmax_matmul_kernel.cuh"
+#include "cuda/sm90/smm_kernel_sm90.cuh"
+#include "cuda/sm90/tma_map.hpp"
 #include "tileattn/error.hpp"
 
 namespace tileattn::cuda {
@@ -51,9 +53,54 @@ void launch_width(const SoftmaxMatmulProblem& pr) {
   else return launch<T, 256, kExact>(pr);
 }
 
+// The Hopper kernel (TMA + wgmma); false when it cannot run this problem here (not Hopper, the
+// portable kernels forced, no sm_90a code in the build, or inputs TMA cannot describe).
+template <class T, int N>
+bool launch_sm90(const SoftmaxMatmulProblem& pr) {
+  using Tile = smm::Sm90Tile<T, N>;
+  const auto kernel = smm::softmax_matmul_kernel_sm90<T, N>;
+  if (!sm90::has_sm90a_code(reinterpret_cast<const void*>(kernel))) return false;
+  smm::Sm90Params p{};
+  sm90::TileMapShape xs, vs;
+  xs.dim = pr.d2, xs.rows = pr.d1, xs.heads = 1, xs.batch = pr.batch;
+  xs.row_stride = pr.x_row_stride, xs.batch_stride = pr.x_batch_stride, xs.box_rows = Tile::kBlockM;
+  vs.dim = pr.d3, vs.rows = pr.d2, vs.heads = 1, vs.batch = pr.batch;
+  vs.row_stride = pr.v_row_stride, vs.batch_stride = pr.v_batch_stride, vs.box_rows = Tile::kBlockK;
+  if (!sm90::make_tile_map(&p.x, pr.dtype, pr.x, xs) || !sm90::make_tile_map(&p.v, pr.dtype, pr.v, vs)) return false;
+  p.out = pr.out;
+  p.out_batch_stride = pr.out_batch_stride, p.out_row_stride = pr.out_row_stride;
+  p.d1 = int(pr.d1), p.d2 = int(pr.d2), p.d3 = int(pr.d3);
+  p.d3_blocks = int((pr.d3 + N - 1) / N);
+  const int64_t bands = (pr.d1 + Tile::kBlockM - 1) / Tile::kBlockM;
+  if (bands * p.d3_blocks > INT32_MAX || pr.batch > 65535)
+    throw Error(ErrorKind::unsupported, "softmax_matmul on CUDA: batch=" + std::to_string(pr.batch) +
+                                            " must be <= 65535 and d1 x d3 tiles fit a grid");
+  TA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes));
+  const dim3 grid(unsigned(bands * p.d3_blocks), unsigned(pr.batch));
+  kernel<<<grid, Tile::kThreads, Tile::kSmemBytes, static_cast<cudaStream_t>(pr.stream)>>>(p);
+  TA_CUDA_CHECK_LAUNCH("softmax_matmul_kernel_sm90");
+  return true;
+}
+
+template <class T>
+bool launch_sm90_width(const SoftmaxMatmulProblem& pr) {
+  if (pr.batch == 0 || pr.d1 == 0 || pr.d2 == 0 || pr.d3 == 0 || !sm90::hopper_kernels_enabled()) return false;
+  if (pr.d3 <= 64) return launch_sm90<T, 64>(pr);
+  if (pr.d3 <= 128) return launch_sm90<T, 128>(pr);
+  return launch_sm90<T, 256>(pr);
+}
+
 }  // namespace
 
 void softmax_matmul(const SoftmaxMatmulProblem& pr) {
+  // fp32 exact mode keeps its fp64 products on the portable kernel everywhere.
+  const bool exact = pr.dtype == DType::f32 && pr.fp32_mode == Fp32Mode::exact;
+  if (!exact) {
+    const bool done = pr.dtype == DType::f32 ? launch_sm90_width<float>(pr)
+                      : pr.dtype == DType::f16 ? launch_sm90_width<__half>(pr)
+                                               : launch_sm90_width<__nv_bfloat16>(pr);
+    if (done) return;
+  }
   switch (pr.dtype) {
     case DType::f32:
       if (pr.fp32_mode == Fp32Mode::exact) return launch_width<float, true>(pr);
