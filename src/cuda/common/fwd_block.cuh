@@ -4,11 +4,15 @@
 // finished rows are written (O and LSE, or the split-KV partials).
 #include <cuda_runtime.h>
 
+#include <cstdint>
+#include <string>
+
 #include "common/mask.hpp"
 #include "common/online_softmax.hpp"
 #include "cuda/common/ptx.cuh"
 #include "cuda/sm80/fwd_params.hpp"
 #include "cuda/sm80/softmax_fwd_sm80.cuh"
+#include "tileattn/error.hpp"
 
 namespace tileattn::cuda {
 
@@ -112,5 +116,20 @@ __device__ __forceinline__ void store_fwd_output(const FwdParams& p, const FwdBl
       }
     }
 }
+
+// ---- host side, shared by the forward launchers ------------------------------------------------
+
+inline int64_t fwd_query_tiles(const FwdParams& p, int block_m) { return (p.seqlen_q + block_m - 1) / block_m; }
+
+// The grid (query tiles x splits, heads_q, batch), or an error past the hardware's limits.
+inline dim3 fwd_grid(const FwdParams& p, int64_t query_tiles) {
+  const int64_t grid_x = query_tiles * p.num_splits;
+  if (grid_x > 0x7fffffff || p.heads_q > 65535 || p.batch > 65535)
+    throw Error(ErrorKind::unsupported, "CUDA forward: grid too large (query tiles " + std::to_string(grid_x) +
+                                            ", heads_q " + std::to_string(p.heads_q) + ", batch " +
+                                            std::to_string(p.batch) + "; heads and batch must be <= 65535)");
+  return dim3(unsigned(grid_x), unsigned(p.heads_q), unsigned(p.batch));
+}
+
 
 }  // namespace tileattn::cuda

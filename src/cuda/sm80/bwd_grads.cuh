@@ -165,4 +165,19 @@ __device__ __forceinline__ void grads_to_fragments(const float (&s)[1][NT][4], c
     }
 }
 
+// The variant for this tile: soft-capping per problem, masking per tile.
+template <class T, bool kRowsAreKeys, int NT>
+__device__ __forceinline__ void grads_to_fragments(bool masked, const float (&s)[1][NT][4],
+                                                   const float (&dp)[1][NT][4], const Fragment& f,
+                                                   const BwdParams& p, uint32_t (&pa)[NT / 2][4],
+                                                   uint32_t (&da)[NT / 2][4]) {
+  if (p.softcap > 0.0f) {
+    if (masked) grads_to_fragments<T, kRowsAreKeys, true, true>(s, dp, f, p, pa, da);
+    else grads_to_fragments<T, kRowsAreKeys, true, false>(s, dp, f, p, pa, da);
+  } else {
+    if (masked) grads_to_fragments<T, kRowsAreKeys, false, true>(s, dp, f, p, pa, da);
+    else grads_to_fragments<T, kRowsAreKeys, false, false>(s, dp, f, p, pa, da);
+  }
+}
+
 }  // namespace tileattn::cuda::bwd

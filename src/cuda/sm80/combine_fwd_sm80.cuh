@@ -5,6 +5,9 @@
 #include <cuda_runtime.h>
 #include <math.h>
 
+#include <cstdint>
+
+#include "cuda/common/check.cuh"
 #include "cuda/common/ptx.cuh"
 #include "cuda/sm80/fwd_params.hpp"
 
@@ -54,6 +57,16 @@ __global__ void __launch_bounds__(32 * kCombineWarps) fwd_combine_kernel(const _
                                      : (int64_t(batch) * p.heads_q + head) * p.seqlen_q + row;
     p.lse[l] = lse;
   }
+}
+
+// The combine after a split run (nothing to do without splits).
+template <class T>
+void launch_fwd_combine(const FwdParams& p, cudaStream_t stream) {
+  if (p.num_splits <= 1) return;
+  const int64_t rows = int64_t(p.batch) * p.heads_q * p.seqlen_q;
+  const int64_t blocks = (rows + kCombineWarps - 1) / kCombineWarps;
+  fwd_combine_kernel<T><<<unsigned(blocks), 32 * kCombineWarps, 0, stream>>>(p);
+  TA_CUDA_CHECK_LAUNCH("fwd_combine_kernel");
 }
 
 }  // namespace tileattn::cuda

@@ -21,8 +21,6 @@ void prepare_kernel() {
                                      FwdTraits<T, kHeadDim>::kSmemBytes));
 }
 
-inline int m_blocks(const FwdParams& p, int block_m) { return (p.seqlen_q + block_m - 1) / block_m; }
-
 }  // namespace fwd_sm80_detail
 
 template <class T, int kHeadDim>
@@ -34,7 +32,7 @@ int FwdSm80<T, kHeadDim>::num_splits(const FwdParams& p) {
   TA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   TA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fwd_kernel_sm80<T, kHeadDim>, Traits::kThreads,
                                                               Traits::kSmemBytes));
-  const int64_t tiles = int64_t(p.batch) * p.heads_q * fwd_sm80_detail::m_blocks(p, Traits::kBlockM);
+  const int64_t tiles = int64_t(p.batch) * p.heads_q * fwd_query_tiles(p, Traits::kBlockM);
   const int key_blocks = (p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
   return fwd_num_splits(tiles, key_blocks, sms, per_sm);
 }
@@ -42,22 +40,13 @@ int FwdSm80<T, kHeadDim>::num_splits(const FwdParams& p) {
 template <class T, int kHeadDim>
 void FwdSm80<T, kHeadDim>::run(const FwdParams& p, cudaStream_t stream) {
   using Traits = FwdTraits<T, kHeadDim>;
-  const int64_t grid_x = int64_t(fwd_sm80_detail::m_blocks(p, Traits::kBlockM)) * p.num_splits;
-  if (grid_x == 0 || p.heads_q == 0 || p.batch == 0) return;
-  if (grid_x > 0x7fffffff || p.heads_q > 65535 || p.batch > 65535)
-    throw Error(ErrorKind::unsupported, "CUDA forward: grid too large (query tiles " + std::to_string(grid_x) +
-                                            ", heads_q " + std::to_string(p.heads_q) + ", batch " +
-                                            std::to_string(p.batch) + "; heads and batch must be <= 65535)");
+  const int64_t tiles = fwd_query_tiles(p, Traits::kBlockM);
+  if (tiles == 0 || p.heads_q == 0 || p.batch == 0) return;
+  const dim3 grid = fwd_grid(p, tiles);
   fwd_sm80_detail::prepare_kernel<T, kHeadDim>();
-  fwd_kernel_sm80<T, kHeadDim><<<dim3(unsigned(grid_x), p.heads_q, p.batch), Traits::kThreads, Traits::kSmemBytes,
-                                 stream>>>(p);
+  fwd_kernel_sm80<T, kHeadDim><<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p);
   TA_CUDA_CHECK_LAUNCH("fwd_kernel_sm80");
-  if (p.num_splits > 1) {
-    const int64_t rows = int64_t(p.batch) * p.heads_q * p.seqlen_q;
-    const int64_t blocks = (rows + kCombineWarps - 1) / kCombineWarps;
-    fwd_combine_kernel<T><<<unsigned(blocks), 32 * kCombineWarps, 0, stream>>>(p);
-    TA_CUDA_CHECK_LAUNCH("fwd_combine_kernel");
-  }
+  launch_fwd_combine<T>(p, stream);
 }
 
 }  // namespace tileattn::cuda

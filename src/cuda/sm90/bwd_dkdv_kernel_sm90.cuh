@@ -54,7 +54,7 @@ __global__ void __launch_bounds__(DkdvSm90Traits<T, kHeadDim>::kThreads, 1)
   const bwd::BwdParams& p = params.bwd;
 
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = smem_raw + ((1024 - smem_address(smem_raw) % 1024) % 1024);
+  unsigned char* smem = sm90::swizzle_aligned(smem_raw);
   unsigned char* sK = smem;
   unsigned char* sV = sK + KVTile::kBytes;
   auto stage_q = [&](int s) { return smem + Traits::kStagesOffset + s * Traits::kStageBytes; };
@@ -154,13 +154,7 @@ __global__ void __launch_bounds__(DkdvSm90Traits<T, kHeadDim>::kThreads, 1)
       const float* dsum = stage_dsum(s);
       uint32_t pa[BM / 16][4], da[BM / 16][4];
       const bwd::Fragment grads{lse2, dsum, {0.0f, 0.0f}, {0.0f, 0.0f}, q0, k0 + key_row, mask};
-      if (p.softcap > 0.0f) {
-        if (masked) bwd::grads_to_fragments<T, true, true, true>(st, dpt, grads, p, pa, da);
-        else bwd::grads_to_fragments<T, true, true, false>(st, dpt, grads, p, pa, da);
-      } else {
-        if (masked) bwd::grads_to_fragments<T, true, false, true>(st, dpt, grads, p, pa, da);
-        else bwd::grads_to_fragments<T, true, false, false>(st, dpt, grads, p, pa, da);
-      }
+      bwd::grads_to_fragments<T, true>(masked, st, dpt, grads, p, pa, da);
 
       sm90::fence_registers(dv[0]);
       sm90::fence_registers(dk[0]);

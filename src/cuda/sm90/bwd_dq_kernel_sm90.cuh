@@ -50,7 +50,7 @@ __global__ void __launch_bounds__(DqSm90Traits<T, kHeadDim>::kThreads, 1)
   const bwd::BwdParams& p = params.bwd;
 
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = smem_raw + ((1024 - smem_address(smem_raw) % 1024) % 1024);
+  unsigned char* smem = sm90::swizzle_aligned(smem_raw);
   unsigned char* sQ = smem;
   unsigned char* sdO = sQ + QTile::kBytes;
   auto stage_k = [&](int s) { return smem + Traits::kStagesOffset + s * 2 * KVTile::kBytes; };
@@ -148,13 +148,7 @@ __global__ void __launch_bounds__(DqSm90Traits<T, kHeadDim>::kThreads, 1)
       uint32_t pa[BN / 16][4], da[BN / 16][4];
       grads.col0 = key0;
       const bool masked = !(key0 >= full_begin && key0 + BN <= full_end);
-      if (p.softcap > 0.0f) {
-        if (masked) bwd::grads_to_fragments<T, false, true, true>(st, dpt, grads, p, pa, da);
-        else bwd::grads_to_fragments<T, false, true, false>(st, dpt, grads, p, pa, da);
-      } else {
-        if (masked) bwd::grads_to_fragments<T, false, false, true>(st, dpt, grads, p, pa, da);
-        else bwd::grads_to_fragments<T, false, false, false>(st, dpt, grads, p, pa, da);
-      }
+      bwd::grads_to_fragments<T, false>(masked, st, dpt, grads, p, pa, da);
 
       sm90::fence_registers(dq[0]);
       sm90::wgmma_fence();

@@ -19,6 +19,7 @@
 #include "cuda/common/fwd_block.cuh"
 #include "cuda/sm80/softmax_fwd_sm80.cuh"
 #include "cuda/sm90/fwd_params_sm90.hpp"
+#include "cuda/sm90/panel_tile_sm90.cuh"
 #include "cuda/sm90/ptx_sm90.cuh"
 #include "cuda/sm90/wgmma_ops.cuh"
 
@@ -31,11 +32,10 @@ struct FwdSm90Traits {
   static constexpr int kBlockM = 64 * kConsumers;
   static constexpr int kBlockN = 128;
   static constexpr int kStages = 2;
-  static constexpr int kPanels = (kHeadDim + 63) / 64;  // 128-byte panels of 64 columns
-  static constexpr int kQPanelBytes = kBlockM * 128;
-  static constexpr int kKVPanelBytes = kBlockN * 128;
-  static constexpr int kQBytes = kPanels * kQPanelBytes;
-  static constexpr int kKVBytes = kPanels * kKVPanelBytes;
+  using QTile = sm90::PanelTile<kBlockM, kHeadDim>;
+  using KVTile = sm90::PanelTile<kBlockN, kHeadDim>;
+  static constexpr int kQBytes = QTile::kBytes;
+  static constexpr int kKVBytes = KVTile::kBytes;
   static constexpr int kBarrierOffset = kQBytes + 2 * kStages * kKVBytes;
   // + barriers, + slack to align the start to the 1024-byte swizzle period.
   static constexpr int kSmemBytes = kBarrierOffset + 128 + 1024;
@@ -50,11 +50,13 @@ __global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim>::kThreads, 1)
     fwd_kernel_sm90(const __grid_constant__ FwdSm90Params params) {
 #if defined(TILEATTN_SM90_ENABLED)
   using Traits = FwdSm90Traits<T, kHeadDim>;
+  using QTile = typename Traits::QTile;
+  using KVTile = typename Traits::KVTile;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kStages = Traits::kStages;
   const FwdParams& p = params.fwd;
 
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = smem_raw + ((1024 - smem_address(smem_raw) % 1024) % 1024);
+  unsigned char* smem = sm90::swizzle_aligned(smem_raw);
   unsigned char* sQ = smem;
   unsigned char* sK = sQ + Traits::kQBytes;
   unsigned char* sV = sK + kStages * Traits::kKVBytes;
@@ -89,10 +91,7 @@ __global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim>::kThreads, 1)
     const int kv_head = blk.head / (p.heads_q / p.heads_kv);
     const int batch = varlen ? 0 : blk.batch;
     sm90::barrier_arrive_expect_bytes(q_full, Traits::kQBytes);
-#pragma unroll
-    for (int c = 0; c < Traits::kPanels; ++c)
-      sm90::tma_load_4d(sQ + c * Traits::kQPanelBytes, &params.q, q_full, 64 * c, int(blk.q_row0) + blk.m0, blk.head,
-                        batch);
+    QTile::template load<kBlockM>(sQ, &params.q, q_full, int(blk.q_row0) + blk.m0, blk.head, batch);
     int i = 0;
     for (int n = tiles.end - 1; n >= tiles.begin; --n, ++i) {
       const int s = i % kStages;
@@ -100,16 +99,10 @@ __global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim>::kThreads, 1)
       const int row = int(blk.k_row0) + n * kBlockN;
       sm90::barrier_wait(k_empty + s, phase ^ 1);
       sm90::barrier_arrive_expect_bytes(k_full + s, Traits::kKVBytes);
-#pragma unroll
-      for (int c = 0; c < Traits::kPanels; ++c)
-        sm90::tma_load_4d(sK + s * Traits::kKVBytes + c * Traits::kKVPanelBytes, &params.k, k_full + s, 64 * c, row,
-                          kv_head, batch);
+      KVTile::template load<kBlockN>(sK + s * Traits::kKVBytes, &params.k, k_full + s, row, kv_head, batch);
       sm90::barrier_wait(v_empty + s, phase ^ 1);
       sm90::barrier_arrive_expect_bytes(v_full + s, Traits::kKVBytes);
-#pragma unroll
-      for (int c = 0; c < Traits::kPanels; ++c)
-        sm90::tma_load_4d(sV + s * Traits::kKVBytes + c * Traits::kKVPanelBytes, &params.v, v_full + s, 64 * c, row,
-                          kv_head, batch);
+      KVTile::template load<kBlockN>(sV + s * Traits::kKVBytes, &params.v, v_full + s, row, kv_head, batch);
     }
     return;
   }
@@ -135,19 +128,14 @@ __global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim>::kThreads, 1)
       const int s = i % kStages;
       const uint32_t phase = (i / kStages) & 1;
 
-      // S = Q K^T; a k-step of 16 columns is 32 bytes along a 128-byte row of one panel.
+      // S = Q K^T
       float acc_s[1][kBlockN / 8][4];
       const uint32_t k_base = smem_address(sK + s * Traits::kKVBytes);
       sm90::barrier_wait(k_full + s, phase);
       sm90::wgmma_fence();
 #pragma unroll
-      for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-        const uint32_t offset = (ks % 4) * 32;
-        sm90::Wgmma<T, kBlockN>::ss(acc_s[0],
-                                    sm90::k_major_descriptor(q_base + (ks / 4) * Traits::kQPanelBytes + offset),
-                                    sm90::k_major_descriptor(k_base + (ks / 4) * Traits::kKVPanelBytes + offset),
-                                    ks > 0);
-      }
+      for (int ks = 0; ks < kHeadDim / 16; ++ks)
+        sm90::Wgmma<T, kBlockN>::ss(acc_s[0], QTile::k_major(q_base, ks), KVTile::k_major(k_base, ks), ks > 0);
       sm90::wgmma_commit();
       sm90::wgmma_wait<0>();
       sm90::fence_registers(acc_s[0]);
@@ -169,15 +157,14 @@ __global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim>::kThreads, 1)
         pa[ks][3] = pack2<T>(acc_s[0][2 * ks + 1][2], acc_s[0][2 * ks + 1][3]);
       }
 
-      // O += P V; a k-step of 16 keys is 16 rows (2048 bytes) of every V panel.
+      // O += P V
       const uint32_t v_base = smem_address(sV + s * Traits::kKVBytes);
       sm90::barrier_wait(v_full + s, phase);
       sm90::fence_registers(acc_o[0]);
       sm90::wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < kBlockN / 16; ++ks)
-        sm90::Wgmma<T, kHeadDim>::template rs<1>(
-            acc_o[0], pa[ks], sm90::mn_major_descriptor(v_base + ks * 16 * 128, Traits::kKVPanelBytes), 1);
+        sm90::Wgmma<T, kHeadDim>::template rs<1>(acc_o[0], pa[ks], KVTile::n_major(v_base, ks), 1);
       sm90::wgmma_commit();
       sm90::wgmma_wait<0>();
       sm90::fence_registers(acc_o[0]);

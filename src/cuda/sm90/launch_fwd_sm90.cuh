@@ -23,8 +23,6 @@ void prepare_kernel() {
                                      FwdSm90Traits<T, kHeadDim>::kSmemBytes));
 }
 
-inline int m_blocks(const FwdParams& p, int block_m) { return (p.seqlen_q + block_m - 1) / block_m; }
-
 }  // namespace fwd_sm90_detail
 
 template <class T, int kHeadDim>
@@ -33,7 +31,7 @@ int FwdSm90<T, kHeadDim>::num_splits(const FwdParams& p) {
   int device = 0, sms = 0;
   TA_CUDA_CHECK(cudaGetDevice(&device));
   TA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int64_t tiles = int64_t(p.batch) * p.heads_q * fwd_sm90_detail::m_blocks(p, Traits::kBlockM);
+  const int64_t tiles = int64_t(p.batch) * p.heads_q * fwd_query_tiles(p, Traits::kBlockM);
   const int key_blocks = (p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
   return fwd_num_splits(tiles, key_blocks, sms, 1);  // one block per SM (launch bounds)
 }
@@ -54,22 +52,13 @@ template <class T, int kHeadDim>
 void FwdSm90<T, kHeadDim>::run(const FwdSm90Params& params, cudaStream_t stream) {
   using Traits = FwdSm90Traits<T, kHeadDim>;
   const FwdParams& p = params.fwd;
-  const int64_t grid_x = int64_t(fwd_sm90_detail::m_blocks(p, Traits::kBlockM)) * p.num_splits;
-  if (grid_x == 0 || p.heads_q == 0 || p.batch == 0) return;
-  if (grid_x > 0x7fffffff || p.heads_q > 65535 || p.batch > 65535)
-    throw Error(ErrorKind::unsupported, "CUDA forward: grid too large (query tiles " + std::to_string(grid_x) +
-                                            ", heads_q " + std::to_string(p.heads_q) + ", batch " +
-                                            std::to_string(p.batch) + "; heads and batch must be <= 65535)");
+  const int64_t tiles = fwd_query_tiles(p, Traits::kBlockM);
+  if (tiles == 0 || p.heads_q == 0 || p.batch == 0) return;
+  const dim3 grid = fwd_grid(p, tiles);
   fwd_sm90_detail::prepare_kernel<T, kHeadDim>();
-  fwd_kernel_sm90<T, kHeadDim><<<dim3(unsigned(grid_x), p.heads_q, p.batch), Traits::kThreads, Traits::kSmemBytes,
-                                 stream>>>(params);
+  fwd_kernel_sm90<T, kHeadDim><<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
   TA_CUDA_CHECK_LAUNCH("fwd_kernel_sm90");
-  if (p.num_splits > 1) {
-    const int64_t rows = int64_t(p.batch) * p.heads_q * p.seqlen_q;
-    const int64_t blocks = (rows + kCombineWarps - 1) / kCombineWarps;
-    fwd_combine_kernel<T><<<unsigned(blocks), 32 * kCombineWarps, 0, stream>>>(p);
-    TA_CUDA_CHECK_LAUNCH("fwd_combine_kernel");
-  }
+  launch_fwd_combine<T>(p, stream);
 }
 
 }  // namespace tileattn::cuda
