@@ -48,16 +48,16 @@ std::optional<BwdKernelSm90> pick_backward_sm90(const AttentionProblem& p, int b
   if (bucket == D)                                                                                     \
     return f16 ? BwdKernelSm90{&BwdSm90<__half, D>::make_maps, &BwdSm90<__half, D>::run}               \
                : BwdKernelSm90{&BwdSm90<__nv_bfloat16, D>::make_maps, &BwdSm90<__nv_bfloat16, D>::run};
-#if TILEATTN_CUDA_SM90_HEADDIM_32
+#if TILEATTN_CUDA_SM90_BWD_HEADDIM_32
   TA_BWD90_BUCKET(32)
 #endif
-#if TILEATTN_CUDA_SM90_HEADDIM_64
+#if TILEATTN_CUDA_SM90_BWD_HEADDIM_64
   TA_BWD90_BUCKET(64)
 #endif
-#if TILEATTN_CUDA_SM90_HEADDIM_96
+#if TILEATTN_CUDA_SM90_BWD_HEADDIM_96
   TA_BWD90_BUCKET(96)
 #endif
-#if TILEATTN_CUDA_SM90_HEADDIM_128
+#if TILEATTN_CUDA_SM90_BWD_HEADDIM_128
   TA_BWD90_BUCKET(128)
 #endif
 #undef TA_BWD90_BUCKET

@@ -30,7 +30,9 @@ struct FwdSm90Traits {
   static constexpr int kConsumers = 2;
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kBlockM = 64 * kConsumers;
-  static constexpr int kBlockN = 128;
+  // Keys per step: the O accumulator grows with the head dim, so S shrinks (64 + 128 registers
+  // at D = 256).
+  static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
   static constexpr int kStages = 2;
   using QTile = sm90::PanelTile<kBlockM, kHeadDim>;
   using KVTile = sm90::PanelTile<kBlockN, kHeadDim>;
@@ -42,7 +44,7 @@ struct FwdSm90Traits {
   // 24 x 128 + 240 x 256 registers fit the 64K register file.
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
-  static_assert(kHeadDim % 16 == 0 && kHeadDim <= 128, "sm90 forward: head dims 16..128 in steps of 16");
+  static_assert(kHeadDim % 16 == 0 && kHeadDim <= 256, "sm90 forward: head dims 16..256 in steps of 16");
 };
 
 template <class T, int kHeadDim>

@@ -1,5 +1,5 @@
 #pragma once
-// The sm90 forward, one instantiation per (dtype, head-dim bucket <= 128); generated translation
+// The sm90 forward, one instantiation per (dtype, head-dim bucket); generated translation
 // units as for the sm80 forward (see src/cuda/CMakeLists.txt).
 #include <cuda_runtime.h>
 
