@@ -20,6 +20,7 @@
 #   --pytest WHAT         all, none, or a pytest -k expression for tests/python (default all)
 #   --jobs N              build parallelism (default: all cores)
 #   --build-dir DIR       (default build-device; the package builds in DIR/pip)
+#   --python-bench        also `python -m tileattn.bench.attention --preset h100` (needs --pytest)
 #   --profile             also Nsight Compute (full set) on one forward kernel
 #   --dry-run             print each step's command and log file instead of running it
 #
@@ -45,6 +46,7 @@ PYTEST=all
 JOBS=$(nproc)
 BUILD=build-device
 PROFILE=0
+PYBENCH=0
 DRY=0
 
 while [[ $# -gt 0 ]]; do
@@ -60,6 +62,7 @@ while [[ $# -gt 0 ]]; do
     --jobs) JOBS="$2"; shift ;;
     --build-dir) BUILD="$2"; shift ;;
     --profile) PROFILE=1 ;;
+    --python-bench) PYBENCH=1 ;;
     --dry-run) DRY=1 ;;
     -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
     *) echo "check.sh: unknown option $1" >&2; exit 2 ;;
@@ -237,6 +240,15 @@ if [[ "$PYTEST" != none ]]; then
   rc=$?
   note "python tests: rc=$rc $(( $(now) - t0 ))s: $(tail -1 "$LOG/pytest.log" 2>/dev/null)"
   grep -E '^(FAILED|ERROR) ' "$LOG/pytest.log" 2>/dev/null | head -20 | tee -a "$SUMMARY"
+fi
+
+# ---- the Python layer's benchmark preset (tileattn beside every PyTorch peer) ----------------
+if [[ $PYBENCH -eq 1 && "$PYTEST" != none ]]; then
+  t0=$(now)
+  PYTHONPATH="$(realpath -m "$PYTARGET")${PYTHONPATH:+:$PYTHONPATH}" \
+    run "$LOG/python_preset.log" python3 -m tileattn.bench.attention --preset h100 --passes 20 \
+    --csv "$(realpath -m "$LOG")/python_preset.csv"
+  note "python preset: rc=$? $(( $(now) - t0 ))s (logs/python_preset.log, .csv)"
 fi
 
 # ---- profile ------------------------------------------------------------------------------
