@@ -58,8 +58,9 @@ struct Sm90Tile {
   static constexpr int kBarrierOffset = kStages * (kXBytes + kVBytes) + kTStages * kTBytes;
   static constexpr int kSmemBytes = kBarrierOffset + 256 + 1024;
   // The fp32 producer transposes and needs more than the one TMA thread.
-  static constexpr int kProducerRegisters = kF32 ? 40 : 24;
-  static constexpr int kConsumerRegisters = kF32 ? 232 : 240;
+  static constexpr int kProducerRegisters = kF32 ? 56 : 24;
+  static constexpr int kConsumerRegisters = kF32 ? 224 : 240;
+  static constexpr int kUnits = N >= 128 ? 2 : 1;  // transpose units in flight per producer thread
   static_assert(N == 64 || N == 128 || N == 256, "softmax_matmul sm90: column slices of 64, 128 or 256");
 };
 
@@ -89,6 +90,8 @@ __global__ void __launch_bounds__(Sm90Tile<T, N>::kThreads, 1)
   uint64_t* t_full = v_empty + kStages;  // fp32: transposed V published / released
   uint64_t* t_empty = t_full + 2;
 
+  // The column slices of a band are neighbours in the grid: they run together, and the second
+  // read of an X tile comes from L2.
   const int band = int(blockIdx.x) / p.d3_blocks, slice = int(blockIdx.x) % p.d3_blocks, batch = int(blockIdx.y);
   const int r0 = band * Tile::kBlockM, c0 = slice * N;
   const int n_tiles = (p.d2 + kBlockK - 1) / kBlockK;
@@ -98,7 +101,8 @@ __global__ void __launch_bounds__(Sm90Tile<T, N>::kThreads, 1)
       sm90::barrier_init(x_full + s, 1);
       sm90::barrier_init(x_empty + s, 4 * Tile::kConsumers);  // one arrival per consumer warp
       sm90::barrier_init(v_full + s, 1);
-      sm90::barrier_init(v_empty + s, 4 * Tile::kConsumers);
+      // Released by every reader warp: the consumers (16-bit) or the transposing producer warps.
+      sm90::barrier_init(v_empty + s, kF32 ? 4 : 4 * Tile::kConsumers);
     }
     for (int s = 0; s < 2; ++s) {
       sm90::barrier_init(t_full + s, 4);  // one arrival per producer warp
@@ -111,231 +115,269 @@ __global__ void __launch_bounds__(Sm90Tile<T, N>::kThreads, 1)
   const int warpgroup = int(threadIdx.x) / 128;
   const int warp = (int(threadIdx.x) / 32) % 4, lane = int(threadIdx.x) % 32;
 
-  // Tile i of X and V into stage i % kStages once the consumers (X, 16-bit V) have let it go.
+  // Tile i of X and V into stage i % kStages once its readers are done with it.
   auto issue = [&](int i) {
     const int s = i % kStages;
     const uint32_t phase = (i / kStages) & 1;
-    sm90::barrier_wait(x_empty + s, phase ^ 1);
-    sm90::barrier_arrive_expect_bytes(x_full + s, Tile::kXBytes);
-    sm90::tma_load_4d(sX + s * Tile::kXBytes, &p.x, x_full + s, i * kBlockK, r0, 0, batch);
-    if constexpr (!kF32) sm90::barrier_wait(v_empty + s, phase ^ 1);
+    sm90::barrier_wait(v_empty + s, phase ^ 1);
     sm90::barrier_arrive_expect_bytes(v_full + s, Tile::kVBytes);
 #pragma unroll
     for (int c = 0; c < Tile::kVPanels; ++c)
       sm90::tma_load_4d(sV + s * Tile::kVBytes + c * Tile::kVPanelBytes, &p.v, v_full + s,
                         c0 + c * (128 / int(sizeof(T))), i * kBlockK, 0, batch);
+    sm90::barrier_wait(x_empty + s, phase ^ 1);
+    sm90::barrier_arrive_expect_bytes(x_full + s, Tile::kXBytes);
+    sm90::tma_load_4d(sX + s * Tile::kXBytes, &p.x, x_full + s, i * kBlockK, r0, 0, batch);
   };
 
   if (warpgroup == 0) {
     sm90::registers_decrease<Tile::kProducerRegisters>();
     if constexpr (!kF32) {
-      if (threadIdx.x != 0) return;
-      for (int i = 0; i < n_tiles; ++i) issue(i);
-      return;
+      if (threadIdx.x == 0)
+        for (int i = 0; i < n_tiles; ++i) issue(i);
     } else {
       const int tid = int(threadIdx.x);
       if (tid == 0)
         for (int i = 0; i < kStages - 1 && i < n_tiles; ++i) issue(i);
       for (int i = 0; i < n_tiles; ++i) {
         const int s = i % kStages, ts = i % 2;
-        sm90::barrier_wait(t_empty + ts, ((i / 2) & 1) ^ 1);
-        // Stage (i - 1) % kStages was read by every producer thread before the last barrier.
+        // Issued before waiting for the consumers: the loads get the most time in flight.
         if (tid == 0 && i + kStages - 1 < n_tiles) issue(i + kStages - 1);
+        sm90::barrier_wait(t_empty + ts, ((i / 2) & 1) ^ 1);
         sm90::barrier_wait(v_full + s, (i / kStages) & 1);
         const unsigned char* src = sV + s * Tile::kVBytes;
         unsigned char* dst = sT + ts * Tile::kTBytes;
         // Unit (pg, nc): keys 8 i + pg (i < 4) of columns 4 nc .. 4 nc + 3 become the 16-byte
         // chunk pg of transposed rows 4 nc .. 4 nc + 3. Lanes of a quarter-warp differ in pg.
-        // Not unrolled: the producer's registers hold one unit.
+        // kUnits units in flight per thread; the loop itself stays rolled for the producer's
+        // small register budget.
 #pragma unroll 1
-        for (int it = 0; it < 2 * N / 128; ++it) {
-          const int u = tid + 128 * it, pg = u % 8, nc = u / 8;
-          const int panel = nc / 8, chunk = nc % 8;
-          float4 in[4];
+        for (int it = 0; it < 2 * N / 128; it += Tile::kUnits) {
+          float4 in[Tile::kUnits][4];
 #pragma unroll
-          for (int k = 0; k < 4; ++k) {
-            const int key = 8 * k + pg;  // key % 8 == pg
-            in[k] = *reinterpret_cast<const float4*>(src + panel * Tile::kVPanelBytes + key * 128 +
-                                                     ((chunk ^ pg) * 16));
+          for (int uu = 0; uu < Tile::kUnits; ++uu) {
+            const int u = tid + 128 * (it + uu), pg = u % 8, nc = u / 8;
+            const int panel = nc / 8, chunk = nc % 8;
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+              const int key = 8 * k + pg;  // key % 8 == pg
+              in[uu][k] = *reinterpret_cast<const float4*>(src + panel * Tile::kVPanelBytes + key * 128 +
+                                                           ((chunk ^ pg) * 16));
+            }
           }
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const int n = 4 * nc + j;
-            const float4 o = j == 0   ? make_float4(in[0].x, in[1].x, in[2].x, in[3].x)
-                             : j == 1 ? make_float4(in[0].y, in[1].y, in[2].y, in[3].y)
-                             : j == 2 ? make_float4(in[0].z, in[1].z, in[2].z, in[3].z)
-                                      : make_float4(in[0].w, in[1].w, in[2].w, in[3].w);
-            *reinterpret_cast<float4*>(dst + n * 128 + ((pg ^ (n % 8)) * 16)) = o;
+          for (int uu = 0; uu < Tile::kUnits; ++uu) {
+            const int u = tid + 128 * (it + uu), pg = u % 8, nc = u / 8;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              const int n = 4 * nc + j;
+              const float4 o = j == 0   ? make_float4(in[uu][0].x, in[uu][1].x, in[uu][2].x, in[uu][3].x)
+                               : j == 1 ? make_float4(in[uu][0].y, in[uu][1].y, in[uu][2].y, in[uu][3].y)
+                               : j == 2 ? make_float4(in[uu][0].z, in[uu][1].z, in[uu][2].z, in[uu][3].z)
+                                        : make_float4(in[uu][0].w, in[uu][1].w, in[uu][2].w, in[uu][3].w);
+              *reinterpret_cast<float4*>(dst + n * 128 + ((pg ^ (n % 8)) * 16)) = o;
+            }
           }
         }
         sm90::fence_shared_to_async();
         __syncwarp();
-        if (lane == 0) sm90::barrier_arrive(t_full + ts);
-        sm90::named_barrier_sync(1, 128);
+        if (lane == 0) {
+          sm90::barrier_arrive(t_full + ts);
+          sm90::barrier_arrive(v_empty + s);
+        }
       }
-      return;
     }
-  }
+  } else {
+    sm90::registers_increase<Tile::kConsumerRegisters>();
+    const int consumer = warpgroup - 1;
+    const int g = lane / 4, t = lane % 4;
+    const int xrow = 64 * consumer + 16 * warp + g;  // block row of (g, e < 2); +8 for e >= 2
 
-  sm90::registers_increase<Tile::kConsumerRegisters>();
-  const int consumer = warpgroup - 1;
-  const int g = lane / 4, t = lane % 4;
-  const int xrow = 64 * consumer + 16 * warp + g;  // block row of (g, e < 2); +8 for e >= 2
-
-  float acc[N / 8][4];
+    float acc[N / 8][4];
 #pragma unroll
-  for (int j = 0; j < N / 8; ++j)
+    for (int j = 0; j < N / 8; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
-  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
-  uint32_t pa[2][kKSteps][4];
+      for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
+    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
+    uint32_t pa[2][kKSteps][4];
+    constexpr float kSlack = 8.0f;
 
-  // Softmax of tile i into pa[B]; factor and moved say how the accumulators must shrink.
-  auto softmax_tile = [&](auto buf, int i, float (&factor)[2], bool& moved) {
-    constexpr int B = decltype(buf)::value;
-    const int s = i % kStages;
-    sm90::barrier_wait(x_full + s, (i / kStages) & 1);
-    const unsigned char* xs = sX + s * Tile::kXBytes;
-    float x[2][kVals];  // rows g, g + 8
-    if constexpr (kF32) {
-      // x[hf][j] is key 8t + j.
+    // Softmax of tile i into pa[B]; factor and moved say how the accumulators must shrink.
+    auto softmax_tile = [&](auto buf, int i, float (&factor)[2], bool& moved) {
+      constexpr int B = decltype(buf)::value;
+      const int s = i % kStages;
+      sm90::barrier_wait(x_full + s, (i / kStages) & 1);
+      const unsigned char* xs = sX + s * Tile::kXBytes;
+      float x[2][kVals];  // rows g, g + 8
+      if constexpr (kF32) {
+        // x[hf][j] is key 8t + j.
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int r = xrow + 8 * hf;
+#pragma unroll
+          for (int q = 0; q < 2; ++q) {
+            const float4 u = *reinterpret_cast<const float4*>(xs + r * 128 + (((2 * t + q) ^ (r % 8)) * 16));
+            x[hf][4 * q] = u.x, x[hf][4 * q + 1] = u.y, x[hf][4 * q + 2] = u.z, x[hf][4 * q + 3] = u.w;
+          }
+        }
+      } else {
+        // ldmatrix: matrix m of 4 is rows +8 (m % 2), columns +8 (m / 2) of a 16 x 16 k-step, the
+        // A-fragment layout. x[hf][4 ks + q] is key 16 ks + 2t + (q % 2) + 8 (q / 2).
+        const int lr = 64 * consumer + 16 * warp + (lane % 8) + 8 * ((lane / 8) % 2);
+#pragma unroll
+        for (int ks = 0; ks < kKSteps; ++ks) {
+          const int chunk = 2 * ks + lane / 16;
+          uint32_t a[4];
+          ldmatrix_x4(a, smem_address(xs + lr * 128 + ((chunk ^ (lr % 8)) * 16)));
+#pragma unroll
+          for (int m = 0; m < 4; ++m) {
+            const float2 f = unpack_pair<T>(a[m]);
+            x[m % 2][4 * ks + 2 * (m / 2)] = f.x, x[m % 2][4 * ks + 2 * (m / 2) + 1] = f.y;
+          }
+        }
+      }
+      __syncwarp();
+      if (lane == 0) sm90::barrier_arrive(x_empty + s);
+
+      const int n0 = i * kBlockK;
+      if (n0 + kBlockK > p.d2) {
+#pragma unroll
+        for (int j = 0; j < kVals; ++j) {
+          const int key = kF32 ? 8 * t + j : 16 * (j / 4) + 2 * t + (j % 2) + 8 * ((j / 2) % 2);
+          if (n0 + key >= p.d2) x[0][j] = x[1][j] = -INFINITY;
+        }
+      }
+      moved = false;
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
-        const int r = xrow + 8 * hf;
+        float mx = -INFINITY;
 #pragma unroll
-        for (int q = 0; q < 2; ++q) {
-          const float4 u = *reinterpret_cast<const float4*>(xs + r * 128 + (((2 * t + q) ^ (r % 8)) * 16));
-          x[hf][4 * q] = u.x, x[hf][4 * q + 1] = u.y, x[hf][4 * q + 2] = u.z, x[hf][4 * q + 3] = u.w;
+        for (int j = 0; j < kVals; ++j) mx = fmaxf(mx, x[hf][j]);
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        mx = fmaxf(row_max[hf], mx * kLog2e);  // row_max is in the log2 domain
+        // The reference max moves only when the row grows by 2^kSlack, so that the accumulators
+        // (which wgmma may still be writing) rarely need rescaling; p stays <= 2^kSlack.
+        if (row_max[hf] != -INFINITY && mx <= row_max[hf] + kSlack) mx = row_max[hf];
+        factor[hf] = rescale_factor(row_max[hf], mx);
+        moved |= mx != row_max[hf];
+        row_max[hf] = mx;
+        const float base = safe_row_max(mx);
+        float sum = 0.0f;
+#pragma unroll
+        for (int j = 0; j < kVals; ++j) {
+          x[hf][j] = exp2_fast(fmaf(x[hf][j], kLog2e, -base));
+          sum += x[hf][j];
         }
+        row_sum[hf] = row_sum[hf] * factor[hf] + sum;
       }
-    } else {
-      // ldmatrix: matrix m of 4 is rows +8 (m % 2), columns +8 (m / 2) of a 16 x 16 k-step, the
-      // A-fragment layout. x[hf][4 ks + q] is key 16 ks + 2t + (q % 2) + 8 (q / 2).
-      const int lr = 64 * consumer + 16 * warp + (lane % 8) + 8 * ((lane / 8) % 2);
 #pragma unroll
       for (int ks = 0; ks < kKSteps; ++ks) {
-        const int chunk = 2 * ks + lane / 16;
-        uint32_t a[4];
-        ldmatrix_x4(a, smem_address(xs + lr * 128 + ((chunk ^ (lr % 8)) * 16)));
-#pragma unroll
-        for (int m = 0; m < 4; ++m) {
-          const float2 f = unpack_pair<T>(a[m]);
-          x[m % 2][4 * ks + 2 * (m / 2)] = f.x, x[m % 2][4 * ks + 2 * (m / 2) + 1] = f.y;
+        if constexpr (kF32) {
+          // Positions t and t + 4 of k-step ks: keys 8t + 2ks and 8t + 2ks + 1.
+          pa[B][ks][0] = fp32::to_tf32(x[0][2 * ks]), pa[B][ks][1] = fp32::to_tf32(x[1][2 * ks]);
+          pa[B][ks][2] = fp32::to_tf32(x[0][2 * ks + 1]), pa[B][ks][3] = fp32::to_tf32(x[1][2 * ks + 1]);
+        } else {
+          pa[B][ks][0] = pack2<T>(x[0][4 * ks], x[0][4 * ks + 1]);
+          pa[B][ks][1] = pack2<T>(x[1][4 * ks], x[1][4 * ks + 1]);
+          pa[B][ks][2] = pack2<T>(x[0][4 * ks + 2], x[0][4 * ks + 3]);
+          pa[B][ks][3] = pack2<T>(x[1][4 * ks + 2], x[1][4 * ks + 3]);
         }
       }
-    }
-    __syncwarp();
-    if (lane == 0) sm90::barrier_arrive(x_empty + s);
+    };
 
-    const int n0 = i * kBlockK;
-    if (n0 + kBlockK > p.d2) {
-#pragma unroll
-      for (int j = 0; j < kVals; ++j) {
-        const int key = kF32 ? 8 * t + j : 16 * (j / 4) + 2 * t + (j % 2) + 8 * ((j / 2) % 2);
-        if (n0 + key >= p.d2) x[0][j] = x[1][j] = -INFINITY;
-      }
-    }
-    moved = false;
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < kVals; ++j) mx = fmaxf(mx, x[hf][j]);
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      mx = fmaxf(row_max[hf], mx * kLog2e);  // row_max is in the log2 domain
-      factor[hf] = rescale_factor(row_max[hf], mx);
-      moved |= mx != row_max[hf];
-      row_max[hf] = mx;
-      const float base = safe_row_max(mx);
-      float sum = 0.0f;
-#pragma unroll
-      for (int j = 0; j < kVals; ++j) {
-        x[hf][j] = exp2_fast(fmaf(x[hf][j], kLog2e, -base));
-        sum += x[hf][j];
-      }
-      row_sum[hf] = row_sum[hf] * factor[hf] + sum;
-    }
-#pragma unroll
-    for (int ks = 0; ks < kKSteps; ++ks) {
+    auto issue_products = [&](auto buf, int i) {  // out += P(i) V(i) from pa[B]
+      constexpr int B = decltype(buf)::value;
+      // fp32 reads transposed buffer i % 2, 16-bit types V stage i % kStages.
+      const int s = kF32 ? i % 2 : i % kStages;
+      if constexpr (kF32) sm90::barrier_wait(t_full + s, (i / 2) & 1);
+      else sm90::barrier_wait(v_full + s, (i / kStages) & 1);
+      sm90::wgmma_fence();
       if constexpr (kF32) {
-        // Positions t and t + 4 of k-step ks: keys 8t + 2ks and 8t + 2ks + 1.
-        pa[B][ks][0] = fp32::to_tf32(x[0][2 * ks]), pa[B][ks][1] = fp32::to_tf32(x[1][2 * ks]);
-        pa[B][ks][2] = fp32::to_tf32(x[0][2 * ks + 1]), pa[B][ks][3] = fp32::to_tf32(x[1][2 * ks + 1]);
+        const uint32_t base = smem_address(sT + s * Tile::kTBytes);
+#pragma unroll
+        for (int ks = 0; ks < kKSteps; ++ks)
+          sm90::Wgmma<float, N>::rs(acc, pa[B][ks], sm90::k_major_descriptor(base + ks * 32), 1);
       } else {
-        pa[B][ks][0] = pack2<T>(x[0][4 * ks], x[0][4 * ks + 1]);
-        pa[B][ks][1] = pack2<T>(x[1][4 * ks], x[1][4 * ks + 1]);
-        pa[B][ks][2] = pack2<T>(x[0][4 * ks + 2], x[0][4 * ks + 3]);
-        pa[B][ks][3] = pack2<T>(x[1][4 * ks + 2], x[1][4 * ks + 3]);
+        const uint32_t base = smem_address(sV + s * Tile::kVBytes);
+#pragma unroll
+        for (int ks = 0; ks < kKSteps; ++ks)
+          sm90::Wgmma<T, N>::template rs<1>(acc, pa[B][ks],
+                                            sm90::mn_major_descriptor(base + ks * 16 * 128, Tile::kVPanelBytes), 1);
       }
-    }
-  };
-
-  // out += P(i) V(i) from pa[B], overlapped with the softmax of tile i + 1 into pa[B ^ 1].
-  auto step = [&](auto buf, int i) {
-    constexpr int B = decltype(buf)::value;
-    const int s = i % kStages;
-    if constexpr (kF32) sm90::barrier_wait(t_full + i % 2, (i / 2) & 1);
-    else sm90::barrier_wait(v_full + s, (i / kStages) & 1);
-    sm90::wgmma_fence();
-    if constexpr (kF32) {
-      const uint32_t base = smem_address(sT + (i % 2) * Tile::kTBytes);
+      sm90::wgmma_commit();
+    };
+    // After the products of tile i have completed: their A registers may be reused, V released.
+    auto retire = [&](auto buf, int i) {
+      constexpr int B = decltype(buf)::value;
 #pragma unroll
       for (int ks = 0; ks < kKSteps; ++ks)
-        sm90::Wgmma<float, N>::rs(acc, pa[B][ks], sm90::k_major_descriptor(base + ks * 32), 1);
-    } else {
-      const uint32_t base = smem_address(sV + s * Tile::kVBytes);
 #pragma unroll
-      for (int ks = 0; ks < kKSteps; ++ks)
-        sm90::Wgmma<T, N>::template rs<1>(acc, pa[B][ks],
-                                          sm90::mn_major_descriptor(base + ks * 16 * 128, Tile::kVPanelBytes), 1);
-    }
-    sm90::wgmma_commit();
-    float factor[2] = {1.0f, 1.0f};
-    bool moved = false;
-    if (i + 1 < n_tiles) softmax_tile(std::integral_constant<int, B ^ 1>{}, i + 1, factor, moved);
-    sm90::wgmma_wait<0>();
-    sm90::fence_registers(acc);
-    // The A registers are read until the wait: keep them live (and unshared) up to here.
-#pragma unroll
-    for (int ks = 0; ks < kKSteps; ++ks)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pa[B][ks][e])::"memory");
-    __syncwarp();
-    if (lane == 0) sm90::barrier_arrive(kF32 ? t_empty + i % 2 : v_empty + s);
-    if (__any_sync(0xffffffffu, moved)) {
+        for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pa[B][ks][e])::"memory");
+      __syncwarp();
+      if (lane == 0) {
+        if constexpr (kF32) sm90::barrier_arrive(t_empty + i % 2);
+        else sm90::barrier_arrive(v_empty + i % kStages);
+      }
+    };
+    auto rescale = [&](const float (&factor)[2]) {
 #pragma unroll
       for (int j = 0; j < N / 8; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[j][e] *= factor[e / 2];
-    }
-  };
+    };
 
-  if (n_tiles > 0) {
-    float factor[2];
-    bool moved;
-    softmax_tile(std::integral_constant<int, 0>{}, 0, factor, moved);
-    for (int i = 0; i < n_tiles; i += 2) {
-      step(std::integral_constant<int, 0>{}, i);
-      if (i + 1 < n_tiles) step(std::integral_constant<int, 1>{}, i + 1);
-    }
-  }
+    // One step: the products of tile i (pa[B]) are issued while those of tile i - 1 are still
+    // in flight, so the tensor cores never wait for this warpgroup's softmax, which fills pa[B ^ 1]
+    // with tile i + 1 once tile i - 1 has retired. The accumulators are rescaled (after a full
+    // wait) only when a row max moved by 2^kSlack: rarely after the first tiles. Measured on the
+    // H100 (16 x 2048 x 8192 x 512): fp32 1.573 ms against 1.632 with a full wait every step.
+    auto step = [&](auto buf, int i) {
+      constexpr int B = decltype(buf)::value;
+      using Other = std::integral_constant<int, B ^ 1>;
+      issue_products(buf, i);
+      sm90::wgmma_wait<1>();
+      if (i > 0) retire(Other{}, i - 1);
+      float factor[2] = {1.0f, 1.0f};
+      bool moved = false;
+      if (i + 1 < n_tiles) softmax_tile(Other{}, i + 1, factor, moved);
+      if (__any_sync(0xffffffffu, moved)) {
+        sm90::wgmma_wait<0>();
+        sm90::fence_registers(acc);
+        rescale(factor);
+      }
+    };
 
-  T* out = static_cast<T*>(p.out) + batch * p.out_batch_stride;
+    if (n_tiles > 0) {
+      float factor[2];
+      bool moved;
+      softmax_tile(std::integral_constant<int, 0>{}, 0, factor, moved);
+      for (int i = 0; i < n_tiles; i += 2) {
+        step(std::integral_constant<int, 0>{}, i);
+        if (i + 1 < n_tiles) step(std::integral_constant<int, 1>{}, i + 1);
+      }
+      sm90::wgmma_wait<0>();
+      sm90::fence_registers(acc);
+      if ((n_tiles - 1) % 2 == 0) retire(std::integral_constant<int, 0>{}, n_tiles - 1);
+      else retire(std::integral_constant<int, 1>{}, n_tiles - 1);
+    }
+
+    T* out = static_cast<T*>(p.out) + batch * p.out_batch_stride;
 #pragma unroll
-  for (int hf = 0; hf < 2; ++hf) {
-    float sum = row_sum[hf];
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    const float inv = inverse_row_sum(sum);
-    const int r = r0 + xrow + 8 * hf;
-    if (r >= p.d1) continue;
-    T* orow = out + int64_t(r) * p.out_row_stride;
+    for (int hf = 0; hf < 2; ++hf) {
+      float sum = row_sum[hf];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const float inv = inverse_row_sum(sum);
+      const int r = r0 + xrow + 8 * hf;
+      if (r >= p.d1) continue;
+      T* orow = out + int64_t(r) * p.out_row_stride;
 #pragma unroll
-    for (int j = 0; j < N / 8; ++j) {
-      const int c = c0 + 8 * j + 2 * t;
-      if (c < p.d3) orow[c] = from_float<T>(acc[j][2 * hf] * inv);
-      if (c + 1 < p.d3) orow[c + 1] = from_float<T>(acc[j][2 * hf + 1] * inv);
+      for (int j = 0; j < N / 8; ++j) {
+        const int c = c0 + 8 * j + 2 * t;
+        if (c < p.d3) orow[c] = from_float<T>(acc[j][2 * hf] * inv);
+        if (c + 1 < p.d3) orow[c + 1] = from_float<T>(acc[j][2 * hf + 1] * inv);
+      }
     }
   }
 #endif
