@@ -50,6 +50,12 @@ void copy_to_host(int* dst, const int* src, long long count, void* stream) {
   TA_CUDA_CHECK(cudaStreamSynchronize(s));
 }
 
+bool stream_is_capturing(void* stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  TA_CUDA_CHECK(cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &status));
+  return status != cudaStreamCaptureStatusNone;
+}
+
 namespace {
 
 struct FwdKernel {
@@ -148,6 +154,7 @@ FwdParams make_params(const AttentionProblem& p) {
   f.v_batch_stride = p.v.batch_stride, f.v_row_stride = p.v.seq_stride, f.v_head_stride = p.v.head_stride;
   f.o_batch_stride = p.o.batch_stride, f.o_row_stride = p.o.seq_stride, f.o_head_stride = p.o.head_stride;
   f.cu_seqlens_q = p.cu_seqlens_q, f.cu_seqlens_k = p.cu_seqlens_k, f.total_q = p.total_q;
+  f.total_k = p.total_k;
   f.batch = int(p.batch), f.heads_q = int(p.heads_q), f.heads_kv = int(p.heads_kv);
   f.seqlen_q = int(p.seqlen_q), f.seqlen_k = int(p.seqlen_k);
   f.headdim_qk = int(p.headdim_qk), f.headdim_v = int(p.headdim_v);

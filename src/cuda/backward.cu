@@ -181,6 +181,7 @@ void backward(const AttentionProblem& p) {
   params.seqlen_q = int(p.seqlen_q);
   params.seqlen_k = int(p.seqlen_k);
   params.total_q = p.total_q;
+  params.total_k = p.total_k;
   params.heads_q = int(p.heads_q);
   params.heads_kv = int(p.heads_kv);
   params.group = int(p.heads_q / p.heads_kv);

@@ -14,6 +14,8 @@ bool device_available();
 bool is_device_pointer(const void* p);
 // Copies `count` int32 values from device memory to host (for validating cu_seqlens).
 void copy_to_host(int* dst, const int* src, long long count, void* stream);
+// True while `stream` (a cudaStream_t; nullptr = legacy default) is being captured into a graph.
+bool stream_is_capturing(void* stream);
 
 void forward(const AttentionProblem& problem);
 void backward(const AttentionProblem& problem);

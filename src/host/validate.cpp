@@ -195,12 +195,16 @@ void check_workspace(const void* workspace, size_t bytes, size_t needed, Backend
 }
 
 // cu_seqlens: batch + 1 int32 offsets into a buffer of `total` rows, each sequence no longer than
-// `max_len`. Device offsets are copied to the host once here so no kernel ever trusts them unchecked.
+// `max_len`. Device offsets are copied to the host and checked here -- except while `stream` is
+// being captured into a CUDA graph, where the copy would synchronise (and the values may change
+// before each replay): then the kernels' clamping (src/common/varlen.hpp) is what keeps every
+// access inside the buffers, and offsets that break these rules give unspecified values.
 void check_cu_seqlens(const int32_t* cu, const char* name, int64_t batch, int64_t total, const char* total_name,
                       int64_t max_len, const char* max_name, Backend backend, void* stream) {
   std::vector<int32_t> host(size_t(batch) + 1);
   if (backend == Backend::cuda) {
 #ifdef TILEATTN_WITH_CUDA
+    if (tileattn::cuda::stream_is_capturing(stream)) return;
     tileattn::cuda::copy_to_host(host.data(), cu, static_cast<long long>(batch) + 1, stream);
 #endif
   } else {

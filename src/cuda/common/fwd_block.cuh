@@ -9,6 +9,7 @@
 
 #include "common/mask.hpp"
 #include "common/online_softmax.hpp"
+#include "common/varlen.hpp"
 #include "cuda/common/ptx.cuh"
 #include "cuda/sm80/fwd_params.hpp"
 #include "cuda/sm80/softmax_fwd_sm80.cuh"
@@ -37,10 +38,10 @@ __device__ __forceinline__ FwdBlock fwd_block_of_this_cta(const FwdParams& p, in
   blk.seqlen_q = p.seqlen_q, blk.seqlen_k = p.seqlen_k;
   blk.q_row0 = 0, blk.k_row0 = 0;
   if (p.cu_seqlens_q) {
-    blk.q_row0 = p.cu_seqlens_q[blk.batch];
-    blk.k_row0 = p.cu_seqlens_k[blk.batch];
-    blk.seqlen_q = p.cu_seqlens_q[blk.batch + 1] - int(blk.q_row0);
-    blk.seqlen_k = p.cu_seqlens_k[blk.batch + 1] - int(blk.k_row0);
+    const SeqRange q = varlen_range(p.cu_seqlens_q, blk.batch, p.total_q, p.seqlen_q);
+    const SeqRange k = varlen_range(p.cu_seqlens_k, blk.batch, p.total_k, p.seqlen_k);
+    blk.q_row0 = q.begin, blk.seqlen_q = q.len;
+    blk.k_row0 = k.begin, blk.seqlen_k = k.len;
   }
   return blk;
 }

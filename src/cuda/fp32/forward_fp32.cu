@@ -111,6 +111,7 @@ void forward_fp32(const AttentionProblem& pr) {
   p.cu_seqlens_q = varlen ? pr.cu_seqlens_q : nullptr;
   p.cu_seqlens_k = varlen ? pr.cu_seqlens_k : nullptr;
   p.total_q = pr.total_q;
+  p.total_k = pr.total_k;
   p.seqlen_q = int(pr.seqlen_q);
   p.seqlen_k = int(pr.seqlen_k);
   p.heads_q = int(pr.heads_q);

@@ -10,6 +10,7 @@
 
 #include "common/mask.hpp"
 #include "common/online_softmax.hpp"
+#include "common/varlen.hpp"
 #include "cuda/common/ptx.cuh"
 #include "cuda/fp32/async_copy.cuh"
 #include "cuda/fp32/mma_fp32.cuh"
@@ -28,8 +29,8 @@ struct FwdParams {
   int64_t o_batch_stride, o_seq_stride, o_head_stride;
   const int32_t* cu_seqlens_q;  // null for fixed-length batches
   const int32_t* cu_seqlens_k;
-  int64_t total_q;
-  int seqlen_q, seqlen_k;  // fixed lengths (varlen: unused, read from cu_seqlens)
+  int64_t total_q, total_k;
+  int seqlen_q, seqlen_k;  // fixed lengths (varlen: the maxima)
   int heads_q, group;      // group = heads_q / heads_kv
   int dqk, dv;
   int window_left, window_right;  // clamped to what the lengths can reach; -1 = unbounded
@@ -83,9 +84,11 @@ __global__ void __launch_bounds__(FwdTile<kD, kExact>::kThreads) forward_fp32_ke
   int sq = p.seqlen_q, sk = p.seqlen_k;
   int64_t q_off, k_off, v_off, o_off, lse_off;
   if (p.cu_seqlens_q != nullptr) {
-    const int q_start = p.cu_seqlens_q[b], k_start = p.cu_seqlens_k[b];
-    sq = p.cu_seqlens_q[b + 1] - q_start;
-    sk = p.cu_seqlens_k[b + 1] - k_start;
+    const SeqRange qr = varlen_range(p.cu_seqlens_q, b, p.total_q, p.seqlen_q);
+    const SeqRange kr = varlen_range(p.cu_seqlens_k, b, p.total_k, p.seqlen_k);
+    const int q_start = qr.begin, k_start = kr.begin;
+    sq = qr.len;
+    sk = kr.len;
     q_off = q_start * p.q_seq_stride;
     k_off = k_start * p.k_seq_stride;
     v_off = k_start * p.v_seq_stride;

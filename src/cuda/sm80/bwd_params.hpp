@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "common/mask.hpp"
+#include "common/varlen.hpp"
 #include "tileattn/problem.hpp"
 
 namespace tileattn::cuda::bwd {
@@ -19,7 +20,7 @@ struct BwdParams {
   const int32_t* cu_seqlens_q;  // both null unless varlen
   const int32_t* cu_seqlens_k;
   int batch, seqlen_q, seqlen_k;  // varlen: the max over sequences
-  int64_t total_q;
+  int64_t total_q, total_k;
   int heads_q, heads_kv, group;  // group = heads_q / heads_kv
   int headdim_qk, headdim_v;
   int window_left, window_right;  // -1 = unbounded; causal is folded in (right = 0)
@@ -48,27 +49,34 @@ struct BwdParams {
 
 struct SeqInfo {
   int64_t row_q;  // row of the sequence's first query in varlen's (heads_q, total_q) L
+  int64_t row_k;  // row of its first key in the packed K and V (varlen; 0 otherwise)
   int sq, sk;
 };
 
 #if defined(__CUDACC__)
 // Element offset of sequence b's first row in tensor t (q-side rows when qside).
 __device__ __forceinline__ int64_t seq_base(const BwdParams& p, const Strided& t, int b, bool qside) {
-  if (p.cu_seqlens_q != nullptr) return int64_t(qside ? p.cu_seqlens_q[b] : p.cu_seqlens_k[b]) * t.seq;
+  if (p.cu_seqlens_q != nullptr)
+    return int64_t(qside ? varlen_range(p.cu_seqlens_q, b, p.total_q, p.seqlen_q).begin
+                         : varlen_range(p.cu_seqlens_k, b, p.total_k, p.seqlen_k).begin) *
+           t.seq;
   return int64_t(b) * t.batch;
 }
 
 __device__ __forceinline__ SeqInfo seq_info(const BwdParams& p, int b) {
   SeqInfo s;
   if (p.cu_seqlens_q != nullptr) {
-    const int q0 = p.cu_seqlens_q[b], k0 = p.cu_seqlens_k[b];
-    s.sq = p.cu_seqlens_q[b + 1] - q0;
-    s.sk = p.cu_seqlens_k[b + 1] - k0;
-    s.row_q = q0;
+    const SeqRange q = varlen_range(p.cu_seqlens_q, b, p.total_q, p.seqlen_q);
+    const SeqRange k = varlen_range(p.cu_seqlens_k, b, p.total_k, p.seqlen_k);
+    s.sq = q.len;
+    s.sk = k.len;
+    s.row_q = q.begin;
+    s.row_k = k.begin;
   } else {
     s.sq = p.seqlen_q;
     s.sk = p.seqlen_k;
     s.row_q = 0;
+    s.row_k = 0;
   }
   return s;
 }

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "common/varlen.hpp"
 #include "cuda/common/check.cuh"
 #include "cuda/common/ptx.cuh"
 #include "cuda/sm80/fwd_params.hpp"
@@ -26,8 +27,9 @@ __global__ void __launch_bounds__(32 * kCombineWarps) fwd_combine_kernel(const _
   const int batch = int(r / (int64_t(p.seqlen_q) * p.heads_q));
   int64_t q_row0 = 0;
   if (p.cu_seqlens_q) {
-    q_row0 = p.cu_seqlens_q[batch];
-    if (row >= p.cu_seqlens_q[batch + 1] - q_row0) return;
+    const SeqRange q = varlen_range(p.cu_seqlens_q, batch, p.total_q, p.seqlen_q);
+    q_row0 = q.begin;
+    if (row >= q.len) return;
   }
 
   float lse_max = -INFINITY;

@@ -21,7 +21,7 @@ struct FwdParams {
   // Varlen offsets (both set or both null); seqlen_q/k are then the maxima.
   const int32_t* cu_seqlens_q = nullptr;
   const int32_t* cu_seqlens_k = nullptr;
-  int64_t total_q = 0;
+  int64_t total_q = 0, total_k = 0;
 
   int batch = 0, heads_q = 0, heads_kv = 0;
   int seqlen_q = 0, seqlen_k = 0;

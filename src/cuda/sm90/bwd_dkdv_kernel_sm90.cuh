@@ -92,8 +92,8 @@ __global__ void __launch_bounds__(DkdvSm90Traits<T, kHeadDim>::kThreads, 1)
     sm90::registers_decrease<Traits::kProducerRegisters>();
     if (threadIdx.x != 0 || n_iter == 0) return;
     const int batch = varlen ? 0 : b;
-    const int k_row = (varlen ? p.cu_seqlens_k[b] : 0) + k0;
-    const int q_base = varlen ? p.cu_seqlens_q[b] : 0;
+    const int k_row = int(seq.row_k) + k0;
+    const int q_base = int(seq.row_q);
     sm90::barrier_arrive_expect_bytes(kv_full, 2 * KVTile::kBytes);
     KVTile::template load<kBwdBoxRows>(sK, &params.k, kv_full, k_row, hk, batch);
     KVTile::template load<kBwdBoxRows>(sV, &params.v, kv_full, k_row, hk, batch);

@@ -86,8 +86,8 @@ __global__ void __launch_bounds__(DqSm90Traits<T, kHeadDim>::kThreads, 1)
     if (threadIdx.x != 0 || keys.count == 0) return;
     const int batch = varlen ? 0 : b;
     const int hk = h / p.group;
-    const int q_row = (varlen ? p.cu_seqlens_q[b] : 0) + q0;
-    const int k_base = varlen ? p.cu_seqlens_k[b] : 0;
+    const int q_row = int(seq.row_q) + q0;
+    const int k_base = int(seq.row_k);
     sm90::barrier_arrive_expect_bytes(q_full, 2 * QTile::kBytes);
     QTile::template load<kBwdBoxRows>(sQ, &params.q, q_full, q_row, h, batch);
     QTile::template load<kBwdBoxRows>(sdO, &params.dout, q_full, q_row, h, batch);

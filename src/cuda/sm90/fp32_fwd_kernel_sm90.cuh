@@ -19,6 +19,7 @@
 
 #include "common/mask.hpp"
 #include "common/online_softmax.hpp"
+#include "common/varlen.hpp"
 #include "cuda/common/ptx.cuh"
 #include "cuda/fp32/forward_fp32_kernel.cuh"
 #include "cuda/fp32/mma_fp32.cuh"
@@ -79,9 +80,11 @@ __global__ void __launch_bounds__(FwdSm90Tile<kD>::kThreads, 1)
   int sq = p.seqlen_q, sk = p.seqlen_k, q_row0 = 0, k_row0 = 0, map_batch = b;
   int64_t o_off, lse_off;
   if (p.cu_seqlens_q != nullptr) {
-    q_row0 = p.cu_seqlens_q[b], k_row0 = p.cu_seqlens_k[b], map_batch = 0;
-    sq = p.cu_seqlens_q[b + 1] - q_row0;
-    sk = p.cu_seqlens_k[b + 1] - k_row0;
+    const SeqRange qr = varlen_range(p.cu_seqlens_q, b, p.total_q, p.seqlen_q);
+    const SeqRange kr = varlen_range(p.cu_seqlens_k, b, p.total_k, p.seqlen_k);
+    q_row0 = qr.begin, k_row0 = kr.begin, map_batch = 0;
+    sq = qr.len;
+    sk = kr.len;
     o_off = q_row0 * p.o_seq_stride;
     lse_off = int64_t(h) * p.total_q + q_row0;
   } else {
