@@ -273,10 +273,14 @@ class Attention {
     p.num_threads = num_threads;
   }
 
-  size_t forward_workspace_size() const { return tileattn::forward_workspace_size(problem_); }
-  size_t backward_workspace_size() const {
+  // The stream matters to the size queries too: validation reads device cu_seqlens on it (and
+  // must not while it is being captured into a CUDA graph).
+  size_t forward_workspace_size(uintptr_t stream) const {
+    return tileattn::forward_workspace_size(with_execution(OptArray{}, stream));
+  }
+  size_t backward_workspace_size(uintptr_t stream) const {
     require_grads();
-    return tileattn::backward_workspace_size(problem_);
+    return tileattn::backward_workspace_size(with_execution(OptArray{}, stream));
   }
 
   void forward(OptArray workspace, uintptr_t stream) {
@@ -389,8 +393,8 @@ NB_MODULE(_ext, m) {
            nb::arg("softmax_scale").none() = nb::none(), nb::arg("causal") = false, nb::arg("window_left") = -1,
            nb::arg("window_right") = -1, nb::arg("softcap") = 0.0f, nb::arg("deterministic") = false,
            nb::arg("fp32_fast") = false, nb::arg("num_threads") = 0)
-      .def("forward_workspace_size", &Attention::forward_workspace_size)
-      .def("backward_workspace_size", &Attention::backward_workspace_size)
+      .def("forward_workspace_size", &Attention::forward_workspace_size, nb::arg("stream") = 0)
+      .def("backward_workspace_size", &Attention::backward_workspace_size, nb::arg("stream") = 0)
       .def("forward", &Attention::forward, nb::arg("workspace").none() = nb::none(), nb::arg("stream") = 0)
       .def("backward", &Attention::backward, nb::arg("workspace").none() = nb::none(), nb::arg("stream") = 0)
       .def_prop_ro("backend", &Attention::backend);

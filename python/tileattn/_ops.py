@@ -124,7 +124,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Te
     call = _attention(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                       causal, window_left, window_right, softcap, deterministic)
     with _device_context(q.device):
-        workspace = _workspace(call.forward_workspace_size(), q.device)
+        workspace = _workspace(call.forward_workspace_size(_stream(q.device)), q.device)
         call.forward(workspace, _stream(q.device))
     return out, lse
 
@@ -158,7 +158,7 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
     call = _attention(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                       causal, window_left, window_right, softcap, deterministic, grads=(dout, dq, dk, dv))
     with _device_context(q.device):
-        workspace = _workspace(call.backward_workspace_size(), q.device)
+        workspace = _workspace(call.backward_workspace_size(_stream(q.device)), q.device)
         call.backward(workspace, _stream(q.device))
     return dq, dk, dv
 
