@@ -15,6 +15,15 @@
 // the same one: thread (g, t) reads keys 8t..8t+7 of its rows (two 16-byte loads), and
 // position p = 4 pg + i (i < 4) of a transposed row holds key 8 i + pg. For that order both the
 // transpose's loads and its stores are free of bank conflicts.
+//
+// fp32 exact mode (kExact) splits both operands into two TF32 parts rounded to nearest,
+// x = hi + lo with hi = rn_tf32(x), lo = rn_tf32(x - hi) (about 2^-22 relative left over, and
+// unbiased: the tensor core would truncate fp32 bits, which biases every product the same way),
+// and forms P V as P_lo V_hi + P_hi V_lo + P_hi V_hi. The producer writes V_hi and V_lo as two
+// transposed tiles. The tensor core's own sums drop bits toward zero, so each tile's products
+// go into a fresh accumulator that is added to the output with ordinary fp32 adds: only the 32
+// keys of a tile ever meet the tensor core's adder. The exponential is exp2f, as in the portable
+// exact kernel.
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -39,29 +48,39 @@ struct Sm90Params {
   int d3_blocks;  // column slices per row band
 };
 
-template <class T, int N>
+template <class T, int N, bool kExact = false>
 struct Sm90Tile {
   static constexpr bool kF32 = std::is_same_v<T, float>;
+  static constexpr bool kSplit = kF32 && kExact;
   static constexpr int kConsumers = 2;
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kBlockM = 64 * kConsumers;
   static constexpr int kBlockK = 128 / int(sizeof(T));  // keys per stage: one 128-byte row of X
   static constexpr int kKSteps = kBlockK / (kF32 ? 8 : 16);
   static constexpr int kVals = kBlockK / 4;  // X values per thread per row and stage
-  static constexpr int kStages = kF32 ? 3 : 4;
-  static constexpr int kTStages = kF32 ? 2 : 0;  // transposed V buffers
+  // Exact mode's products take about twice as long per tile as fast mode's: one more stage
+  // and one more transposed buffer keep the producer from pulling the two consumers into step
+  // (H100, 16 x 2048 x 8192 x 512: 3.27 ms against 3.38 with fast mode's 3 and 2).
+  static constexpr int kStages = kF32 && !kSplit ? 3 : 4;
+  static constexpr int kTStages = kF32 ? (kSplit ? 3 : 2) : 0;  // transposed V buffers
   static constexpr int kXBytes = kBlockM * 128;
   static constexpr int kVPanelBytes = kBlockK * 128;  // kBlockK rows x 128 bytes of columns
   static constexpr int kVPanels = N * int(sizeof(T)) / 128;
   static constexpr int kVBytes = kVPanels * kVPanelBytes;
   static constexpr int kTBytes = N * 128;  // N rows x kBlockK fp32 keys
-  static constexpr int kBarrierOffset = kStages * (kXBytes + kVBytes) + kTStages * kTBytes;
+  static constexpr int kTParts = kSplit ? 2 : 1;  // V_hi (and V_lo) per transposed buffer
+  static constexpr int kBarrierOffset = kStages * (kXBytes + kVBytes) + kTStages * kTParts * kTBytes;
   static constexpr int kSmemBytes = kBarrierOffset + 256 + 1024;
+  static_assert(kSmemBytes <= 227 * 1024, "softmax_matmul sm90: stages exceed shared memory");
   // The fp32 producer transposes and needs more than the one TMA thread.
   static constexpr int kProducerRegisters = kF32 ? 56 : 24;
   static constexpr int kConsumerRegisters = kF32 ? 224 : 240;
-  static constexpr int kUnits = N >= 128 ? 2 : 1;  // transpose units in flight per producer thread
+  // Transpose units in flight per producer thread; the split's extra values take their room.
+  static constexpr int kUnits = N >= 128 && !kSplit ? 2 : 1;
   static_assert(N == 64 || N == 128 || N == 256, "softmax_matmul sm90: column slices of 64, 128 or 256");
+  // Two accumulators and two P parts per thread, and two transposed V parts per buffer.
+  static_assert(!kSplit || N <= 128, "softmax_matmul sm90: exact mode takes column slices of at most 128");
+  static_assert(!kExact || kF32, "softmax_matmul sm90: exact mode is an fp32 mode");
 };
 
 template <class T>
@@ -70,12 +89,16 @@ __device__ __forceinline__ float2 unpack_pair(uint32_t u) {
   else return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u));
 }
 
-template <class T, int N>
-__global__ void __launch_bounds__(Sm90Tile<T, N>::kThreads, 1)
+// x rounded to the nearest TF32 value, as a float (low 13 mantissa bits zero).
+__device__ __forceinline__ float tf32_rn(float x) { return __uint_as_float(fp32::to_tf32(x)); }
+
+template <class T, int N, bool kExact = false>
+__global__ void __launch_bounds__(Sm90Tile<T, N, kExact>::kThreads, 1)
     softmax_matmul_kernel_sm90(const __grid_constant__ Sm90Params p) {
 #if defined(TILEATTN_SM90_ENABLED)
-  using Tile = Sm90Tile<T, N>;
-  constexpr bool kF32 = Tile::kF32;
+  using Tile = Sm90Tile<T, N, kExact>;
+  constexpr int kTSt = Tile::kTStages > 0 ? Tile::kTStages : 2;  // 16-bit types: unused barriers
+  constexpr bool kF32 = Tile::kF32, kSplit = Tile::kSplit;
   constexpr int kStages = Tile::kStages, kBlockK = Tile::kBlockK, kKSteps = Tile::kKSteps, kVals = Tile::kVals;
 
   extern __shared__ unsigned char smem_raw[];
@@ -88,7 +111,7 @@ __global__ void __launch_bounds__(Sm90Tile<T, N>::kThreads, 1)
   uint64_t* v_full = x_empty + kStages;
   uint64_t* v_empty = v_full + kStages;  // 16-bit: the consumers release V
   uint64_t* t_full = v_empty + kStages;  // fp32: transposed V published / released
-  uint64_t* t_empty = t_full + 2;
+  uint64_t* t_empty = t_full + kTSt;
 
   // The column slices of a band are neighbours in the grid: they run together, and the second
   // read of an X tile comes from L2.
@@ -104,7 +127,7 @@ __global__ void __launch_bounds__(Sm90Tile<T, N>::kThreads, 1)
       // Released by every reader warp: the consumers (16-bit) or the transposing producer warps.
       sm90::barrier_init(v_empty + s, kF32 ? 4 : 4 * Tile::kConsumers);
     }
-    for (int s = 0; s < 2; ++s) {
+    for (int s = 0; s < kTSt; ++s) {
       sm90::barrier_init(t_full + s, 4);  // one arrival per producer warp
       sm90::barrier_init(t_empty + s, 4 * Tile::kConsumers);
     }
@@ -140,13 +163,13 @@ __global__ void __launch_bounds__(Sm90Tile<T, N>::kThreads, 1)
       if (tid == 0)
         for (int i = 0; i < kStages - 1 && i < n_tiles; ++i) issue(i);
       for (int i = 0; i < n_tiles; ++i) {
-        const int s = i % kStages, ts = i % 2;
+        const int s = i % kStages, ts = i % kTSt;
         // Issued before waiting for the consumers: the loads get the most time in flight.
         if (tid == 0 && i + kStages - 1 < n_tiles) issue(i + kStages - 1);
-        sm90::barrier_wait(t_empty + ts, ((i / 2) & 1) ^ 1);
+        sm90::barrier_wait(t_empty + ts, ((i / kTSt) & 1) ^ 1);
         sm90::barrier_wait(v_full + s, (i / kStages) & 1);
         const unsigned char* src = sV + s * Tile::kVBytes;
-        unsigned char* dst = sT + ts * Tile::kTBytes;
+        unsigned char* dst = sT + ts * Tile::kTParts * Tile::kTBytes;
         // Unit (pg, nc): keys 8 i + pg (i < 4) of columns 4 nc .. 4 nc + 3 become the 16-byte
         // chunk pg of transposed rows 4 nc .. 4 nc + 3. Lanes of a quarter-warp differ in pg.
         // kUnits units in flight per thread; the loop itself stays rolled for the producer's
@@ -175,7 +198,15 @@ __global__ void __launch_bounds__(Sm90Tile<T, N>::kThreads, 1)
                                : j == 1 ? make_float4(in[uu][0].y, in[uu][1].y, in[uu][2].y, in[uu][3].y)
                                : j == 2 ? make_float4(in[uu][0].z, in[uu][1].z, in[uu][2].z, in[uu][3].z)
                                         : make_float4(in[uu][0].w, in[uu][1].w, in[uu][2].w, in[uu][3].w);
-              *reinterpret_cast<float4*>(dst + n * 128 + ((pg ^ (n % 8)) * 16)) = o;
+              unsigned char* at = dst + n * 128 + ((pg ^ (n % 8)) * 16);
+              if constexpr (kSplit) {
+                const float4 hi = make_float4(tf32_rn(o.x), tf32_rn(o.y), tf32_rn(o.z), tf32_rn(o.w));
+                *reinterpret_cast<float4*>(at) = hi;
+                *reinterpret_cast<float4*>(at + Tile::kTBytes) =
+                    make_float4(tf32_rn(o.x - hi.x), tf32_rn(o.y - hi.y), tf32_rn(o.z - hi.z), tf32_rn(o.w - hi.w));
+              } else {
+                *reinterpret_cast<float4*>(at) = o;
+              }
             }
           }
         }
@@ -200,6 +231,9 @@ __global__ void __launch_bounds__(Sm90Tile<T, N>::kThreads, 1)
       for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
     uint32_t pa[2][kKSteps][4];
+    // Exact mode: P's low TF32 parts, and the accumulator of one tile's products.
+    uint32_t pl[kSplit ? 2 : 1][kKSteps][4];
+    float tacc[N / 8][4];
     constexpr float kSlack = 8.0f;
 
     // Softmax of tile i into pa[B]; factor and moved say how the accumulators must shrink.
@@ -266,7 +300,8 @@ __global__ void __launch_bounds__(Sm90Tile<T, N>::kThreads, 1)
         float sum = 0.0f;
 #pragma unroll
         for (int j = 0; j < kVals; ++j) {
-          x[hf][j] = exp2_fast(fmaf(x[hf][j], kLog2e, -base));
+          const float arg = fmaf(x[hf][j], kLog2e, -base);
+          x[hf][j] = kSplit ? exp2f(arg) : exp2_fast(arg);
           sum += x[hf][j];
         }
         row_sum[hf] = row_sum[hf] * factor[hf] + sum;
@@ -277,6 +312,12 @@ __global__ void __launch_bounds__(Sm90Tile<T, N>::kThreads, 1)
           // Positions t and t + 4 of k-step ks: keys 8t + 2ks and 8t + 2ks + 1.
           pa[B][ks][0] = fp32::to_tf32(x[0][2 * ks]), pa[B][ks][1] = fp32::to_tf32(x[1][2 * ks]);
           pa[B][ks][2] = fp32::to_tf32(x[0][2 * ks + 1]), pa[B][ks][3] = fp32::to_tf32(x[1][2 * ks + 1]);
+          if constexpr (kSplit) {
+            pl[B][ks][0] = fp32::to_tf32(x[0][2 * ks] - __uint_as_float(pa[B][ks][0]));
+            pl[B][ks][1] = fp32::to_tf32(x[1][2 * ks] - __uint_as_float(pa[B][ks][1]));
+            pl[B][ks][2] = fp32::to_tf32(x[0][2 * ks + 1] - __uint_as_float(pa[B][ks][2]));
+            pl[B][ks][3] = fp32::to_tf32(x[1][2 * ks + 1] - __uint_as_float(pa[B][ks][3]));
+          }
         } else {
           pa[B][ks][0] = pack2<T>(x[0][4 * ks], x[0][4 * ks + 1]);
           pa[B][ks][1] = pack2<T>(x[1][4 * ks], x[1][4 * ks + 1]);
@@ -288,12 +329,24 @@ __global__ void __launch_bounds__(Sm90Tile<T, N>::kThreads, 1)
 
     auto issue_products = [&](auto buf, int i) {  // out += P(i) V(i) from pa[B]
       constexpr int B = decltype(buf)::value;
-      // fp32 reads transposed buffer i % 2, 16-bit types V stage i % kStages.
-      const int s = kF32 ? i % 2 : i % kStages;
-      if constexpr (kF32) sm90::barrier_wait(t_full + s, (i / 2) & 1);
+      // fp32 reads transposed buffer i % kTSt, 16-bit types V stage i % kStages.
+      const int s = kF32 ? i % kTSt : i % kStages;
+      if constexpr (kF32) sm90::barrier_wait(t_full + s, (i / kTSt) & 1);
       else sm90::barrier_wait(v_full + s, (i / kStages) & 1);
       sm90::wgmma_fence();
-      if constexpr (kF32) {
+      if constexpr (kSplit) {
+        // Small parts first: the fresh accumulator's sums then lose the least to truncation.
+        const uint32_t hi = smem_address(sT + s * 2 * Tile::kTBytes), lo = hi + Tile::kTBytes;
+#pragma unroll
+        for (int ks = 0; ks < kKSteps; ++ks)
+          sm90::Wgmma<float, N>::rs(tacc, pl[B][ks], sm90::k_major_descriptor(hi + ks * 32), ks > 0);
+#pragma unroll
+        for (int ks = 0; ks < kKSteps; ++ks)
+          sm90::Wgmma<float, N>::rs(tacc, pa[B][ks], sm90::k_major_descriptor(lo + ks * 32), 1);
+#pragma unroll
+        for (int ks = 0; ks < kKSteps; ++ks)
+          sm90::Wgmma<float, N>::rs(tacc, pa[B][ks], sm90::k_major_descriptor(hi + ks * 32), 1);
+      } else if constexpr (kF32) {
         const uint32_t base = smem_address(sT + s * Tile::kTBytes);
 #pragma unroll
         for (int ks = 0; ks < kKSteps; ++ks)
@@ -313,10 +366,13 @@ __global__ void __launch_bounds__(Sm90Tile<T, N>::kThreads, 1)
 #pragma unroll
       for (int ks = 0; ks < kKSteps; ++ks)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pa[B][ks][e])::"memory");
+        for (int e = 0; e < 4; ++e) {
+          asm volatile("" : "+r"(pa[B][ks][e])::"memory");
+          if constexpr (kSplit) asm volatile("" : "+r"(pl[B][ks][e])::"memory");
+        }
       __syncwarp();
       if (lane == 0) {
-        if constexpr (kF32) sm90::barrier_arrive(t_empty + i % 2);
+        if constexpr (kF32) sm90::barrier_arrive(t_empty + i % kTSt);
         else sm90::barrier_arrive(v_empty + i % kStages);
       }
     };
@@ -335,6 +391,24 @@ __global__ void __launch_bounds__(Sm90Tile<T, N>::kThreads, 1)
     auto step = [&](auto buf, int i) {
       constexpr int B = decltype(buf)::value;
       using Other = std::integral_constant<int, B ^ 1>;
+      if constexpr (kSplit) {
+        // Exact mode: tile i's products (into tacc) run during tile i + 1's softmax, then join
+        // the output with round-to-nearest adds before the next tile can reuse tacc. (Summing
+        // two tiles in tacc measured no faster, and its error grew with every truncating add.)
+        issue_products(buf, i);
+        float factor[2] = {1.0f, 1.0f};
+        bool moved = false;
+        if (i + 1 < n_tiles) softmax_tile(Other{}, i + 1, factor, moved);
+        sm90::wgmma_wait<0>();
+        sm90::fence_registers(tacc);
+#pragma unroll
+        for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[j][e] += tacc[j][e];
+        if (__any_sync(0xffffffffu, moved)) rescale(factor);
+        retire(buf, i);
+        return;
+      }
       issue_products(buf, i);
       sm90::wgmma_wait<1>();
       if (i > 0) retire(Other{}, i - 1);
@@ -356,10 +430,12 @@ __global__ void __launch_bounds__(Sm90Tile<T, N>::kThreads, 1)
         step(std::integral_constant<int, 0>{}, i);
         if (i + 1 < n_tiles) step(std::integral_constant<int, 1>{}, i + 1);
       }
-      sm90::wgmma_wait<0>();
-      sm90::fence_registers(acc);
-      if ((n_tiles - 1) % 2 == 0) retire(std::integral_constant<int, 0>{}, n_tiles - 1);
-      else retire(std::integral_constant<int, 1>{}, n_tiles - 1);
+      if constexpr (!kSplit) {  // exact mode retires every tile inside its step
+        sm90::wgmma_wait<0>();
+        sm90::fence_registers(acc);
+        if ((n_tiles - 1) % 2 == 0) retire(std::integral_constant<int, 0>{}, n_tiles - 1);
+        else retire(std::integral_constant<int, 1>{}, n_tiles - 1);
+      }
     }
 
     T* out = static_cast<T*>(p.out) + batch * p.out_batch_stride;

@@ -55,10 +55,10 @@ void launch_width(const SoftmaxMatmulProblem& pr) {
 
 // The Hopper kernel (TMA + wgmma); false when it cannot run this problem here (not Hopper, the
 // portable kernels forced, no sm_90a code in the build, or inputs TMA cannot describe).
-template <class T, int N>
+template <class T, int N, bool kExact = false>
 bool launch_sm90(const SoftmaxMatmulProblem& pr) {
-  using Tile = smm::Sm90Tile<T, N>;
-  const auto kernel = smm::softmax_matmul_kernel_sm90<T, N>;
+  using Tile = smm::Sm90Tile<T, N, kExact>;
+  const auto kernel = smm::softmax_matmul_kernel_sm90<T, N, kExact>;
   if (!sm90::has_sm90a_code(reinterpret_cast<const void*>(kernel))) return false;
   smm::Sm90Params p{};
   sm90::TileMapShape xs, vs;
@@ -82,25 +82,26 @@ bool launch_sm90(const SoftmaxMatmulProblem& pr) {
   return true;
 }
 
-template <class T>
+// fp32 exact mode (split TF32, two accumulators per thread) takes at most 128 columns.
+template <class T, bool kExact = false>
 bool launch_sm90_width(const SoftmaxMatmulProblem& pr) {
   if (pr.batch == 0 || pr.d1 == 0 || pr.d2 == 0 || pr.d3 == 0 || !sm90::hopper_kernels_enabled()) return false;
-  if (pr.d3 <= 64) return launch_sm90<T, 64>(pr);
-  if (pr.d3 <= 128) return launch_sm90<T, 128>(pr);
-  return launch_sm90<T, 256>(pr);
+  if (pr.d3 <= 64) return launch_sm90<T, 64, kExact>(pr);
+  if (pr.d3 <= 128 || kExact) return launch_sm90<T, 128, kExact>(pr);
+  if constexpr (!kExact) return launch_sm90<T, 256>(pr);
+  return false;
 }
 
 }  // namespace
 
 void softmax_matmul(const SoftmaxMatmulProblem& pr) {
-  // fp32 exact mode keeps its fp64 products on the portable kernel everywhere.
+  // fp32 exact mode runs split-TF32 products on Hopper, and its fp64 products elsewhere.
   const bool exact = pr.dtype == DType::f32 && pr.fp32_mode == Fp32Mode::exact;
-  if (!exact) {
-    const bool done = pr.dtype == DType::f32 ? launch_sm90_width<float>(pr)
-                      : pr.dtype == DType::f16 ? launch_sm90_width<__half>(pr)
-                                               : launch_sm90_width<__nv_bfloat16>(pr);
-    if (done) return;
-  }
+  const bool done = exact                      ? launch_sm90_width<float, true>(pr)
+                    : pr.dtype == DType::f32 ? launch_sm90_width<float>(pr)
+                    : pr.dtype == DType::f16 ? launch_sm90_width<__half>(pr)
+                                             : launch_sm90_width<__nv_bfloat16>(pr);
+  if (done) return;
   switch (pr.dtype) {
     case DType::f32:
       if (pr.fp32_mode == Fp32Mode::exact) return launch_width<float, true>(pr);
