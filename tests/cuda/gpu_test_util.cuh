@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstdint>
 #include <sstream>
 #include <stdexcept>
@@ -297,6 +298,23 @@ inline std::string property_text(double x) {
   return buf;
 }
 
+// With TILEATTN_MARGIN_LOG set, every comparison also appends one line
+//   err/bound  err  naive_err  bound  what  suite.test
+// to that file: test processes run in parallel, and one short append per line keeps them whole
+// (the gtest XML reports of parallel processes can collide).
+inline void record_margin(const std::string& what, double err, double naive, double bound) {
+  const char* path = std::getenv("TILEATTN_MARGIN_LOG");
+  if (path == nullptr || *path == 0) return;
+  const testing::TestInfo* info = testing::UnitTest::GetInstance()->current_test_info();
+  char line[512];
+  std::snprintf(line, sizeof line, "%.4f\t%.6g\t%.6g\t%.6g\t%s\t%s.%s\n", bound > 0 ? err / bound : 0.0, err, naive,
+                bound, what.c_str(), info ? info->test_suite_name() : "?", info ? info->name() : "?");
+  if (FILE* f = std::fopen(path, "a")) {
+    std::fputs(line, f);
+    std::fclose(f);
+  }
+}
+
 // Passes when max|got - ref| <= 2 * max|naive - ref| + floor, and got has no NaN/inf where ref is finite.
 inline testing::AssertionResult within_2x(const std::string& what, const std::vector<double>& got,
                                           const std::vector<double>& naive, const std::vector<double>& ref,
@@ -308,6 +326,7 @@ inline testing::AssertionResult within_2x(const std::string& what, const std::ve
   testing::Test::RecordProperty(what + "_err", property_text(e.max_abs));
   testing::Test::RecordProperty(what + "_naive_err", property_text(n.max_abs));
   testing::Test::RecordProperty(what + "_bound", property_text(bound));
+  record_margin(what, e.max_abs, n.max_abs, bound);
   std::ostringstream os;
   os << what << ": kernel {" << e << "} naive {" << n << "} bound=" << bound;
   if (e.nonfinite == 0 && e.max_abs <= bound) return testing::AssertionSuccess() << os.str();

@@ -150,7 +150,8 @@ glob_to_regex() { printf '%s' "$1" | sed -e 's/[.]/\\./g' -e 's/[*]/.*/g' -e 's/
 if [[ "$TESTS" != none ]]; then
   t0=$(now)
   mkdir -p "$LOG/gtest"
-  GTEST_OUTPUT="xml:$(realpath "$LOG")/gtest/" run "$LOG/ctest_gpu.log" ctest --test-dir "$BUILD" -L gpu \
+  GTEST_OUTPUT="xml:$(realpath "$LOG")/gtest/" TILEATTN_MARGIN_LOG="$(realpath "$LOG")/gtest/margins.tsv" \
+    run "$LOG/ctest_gpu.log" ctest --test-dir "$BUILD" -L gpu \
     -R "$(glob_to_regex "$TESTS")" -j 8 --output-on-failure --output-junit "$(realpath "$LOG")/ctest_gpu.xml"
   rc=$?
   note "gpu tests: rc=$rc $(( $(now) - t0 ))s: $(grep -E 'tests passed|tests failed' "$LOG/ctest_gpu.log" 2>/dev/null | tail -1)"
