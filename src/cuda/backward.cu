@@ -120,6 +120,17 @@ bool vector_io_ok(const AttentionProblem& p) {
   return true;
 }
 
+// 4-byte stores of element pairs into dQ, dK and dV (16-bit types only).
+bool pair_stores_ok(const AttentionProblem& p) {
+  if (p.dtype == DType::f32) return false;
+  for (const TensorView* t : {&p.dq, &p.dk, &p.dv}) {
+    if (reinterpret_cast<uintptr_t>(t->data) % 4 != 0) return false;
+    if (t->seq_stride % 2 != 0 || t->head_stride % 2 != 0) return false;
+    if (!p.is_varlen() && t->batch_stride % 2 != 0) return false;
+  }
+  return true;
+}
+
 // Window sides were clamped to the sequence lengths by validation, so they fit an int.
 int window_side(int64_t w) { return w < 0 ? -1 : int(w); }
 
@@ -194,6 +205,7 @@ void backward(const AttentionProblem& p) {
   params.softcap = p.softcap;
   params.scale_over_cap = p.softcap > 0.0f ? params.scale / p.softcap : 0.0f;
   params.vec_io = vector_io_ok(p);
+  params.pair_grads = pair_stores_ok(p);
   params.seqlen_q_rounded = int(layout.rows / (p.batch * p.heads_q));
   params.dq_accum_dim = layout.dim;
   params.lse2 = ws.take<float>(layout.lse2);

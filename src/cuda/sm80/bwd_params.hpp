@@ -33,6 +33,8 @@ struct BwdParams {
   // 16-byte copies are legal for every tensor (head dims and strides multiples of 8 elements,
   // 16-byte aligned bases); otherwise tiles are gathered element by element.
   bool vec_io;
+  // dQ, dK and dV keep element pairs 4-byte aligned (bases and strides), so pairs store as one word.
+  bool pair_grads;
   int dkdv_stages;  // query-tile buffers of the dK/dV kernel: 2 where shared memory allows, else 1
   int dq_stages;    // key-tile buffers of the dQ pass, likewise
 

@@ -38,8 +38,10 @@ __device__ __forceinline__ void load_row_floats(float* s, const float* g) {
 }
 
 // A warp's accumulator tile times `scale` to global (row 0, column 0 at g), keeping rows < rows
-// and columns < cols.
-template <class T, int MT, int NT>
+// and columns < cols. kPairs: the two adjacent columns a thread holds go out as one 4-byte store
+// (g and stride must keep element pairs 4-byte aligned): half the store instructions, which
+// matters for blocks whose main loop is short.
+template <class T, int MT, int NT, bool kPairs = false>
 __device__ __forceinline__ void store_frag(const float (&acc)[MT][NT][4], float scale, T* g, int64_t stride, int rows,
                                            int cols) {
   const int lane = threadIdx.x & 31;
@@ -48,10 +50,30 @@ __device__ __forceinline__ void store_frag(const float (&acc)[MT][NT][4], float 
 #pragma unroll
     for (int j = 0; j < NT; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = i * 16 + (lane >> 2) + (e >> 1) * 8, c = j * 8 + (lane & 3) * 2 + (e & 1);
-        if (r < rows && c < cols) g[r * stride + c] = from_float<T>(acc[i][j][e] * scale);
+      for (int e = 0; e < 4; e += 2) {
+        const int r = i * 16 + (lane >> 2) + (e >> 1) * 8, c = j * 8 + (lane & 3) * 2;
+        if (r >= rows) continue;
+        const float x0 = acc[i][j][e] * scale, x1 = acc[i][j][e + 1] * scale;
+        if constexpr (kPairs) {
+          static_assert(sizeof(T) == 2, "pairs of 16-bit elements");
+          if (c + 1 < cols) {
+            *reinterpret_cast<uint32_t*>(g + r * stride + c) = pack2<T>(x0, x1);
+            continue;
+          }
+        }
+        if (c < cols) g[r * stride + c] = from_float<T>(x0);
+        if (c + 1 < cols) g[r * stride + c + 1] = from_float<T>(x1);
       }
+}
+
+// store_frag with pairs where the output allows them (BwdParams::pair_grads).
+template <class T, int MT, int NT>
+__device__ __forceinline__ void store_grad_frag(bool pairs, const float (&acc)[MT][NT][4], float scale, T* g,
+                                                int64_t stride, int rows, int cols) {
+  if constexpr (sizeof(T) == 2) {
+    if (pairs) return store_frag<T, MT, NT, true>(acc, scale, g, stride, rows, cols);
+  }
+  store_frag<T, MT, NT, false>(acc, scale, g, stride, rows, cols);
 }
 
 }  // namespace tileattn::cuda::bwd

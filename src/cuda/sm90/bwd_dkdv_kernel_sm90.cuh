@@ -179,8 +179,8 @@ __global__ void __launch_bounds__(DkdvSm90Traits<T, kHeadDim>::kThreads, 1)
            int64_t(k0 + row0) * p.dk.seq;
   T* gdV = static_cast<T*>(p.dv.ptr) + bwd::seq_base(p, p.dv, b, false) + int64_t(hk) * p.dv.head +
            int64_t(k0 + row0) * p.dv.seq;
-  bwd::store_frag<T>(dk, p.scale, gdK, p.dk.seq, k1 - k0 - row0, p.headdim_qk);
-  bwd::store_frag<T>(dv, 1.0f, gdV, p.dv.seq, k1 - k0 - row0, p.headdim_v);
+  bwd::store_grad_frag<T>(p.pair_grads, dk, p.scale, gdK, p.dk.seq, k1 - k0 - row0, p.headdim_qk);
+  bwd::store_grad_frag<T>(p.pair_grads, dv, 1.0f, gdV, p.dv.seq, k1 - k0 - row0, p.headdim_v);
 #endif
 }
 

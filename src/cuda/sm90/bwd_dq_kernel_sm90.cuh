@@ -61,7 +61,8 @@ __global__ void __launch_bounds__(DqSm90Traits<T, kHeadDim>::kThreads, 1)
 
   const int h = blockIdx.y, b = blockIdx.z;
   const bwd::SeqInfo seq = bwd::seq_info(p, b);
-  const int q0 = blockIdx.x * BM;
+  // Heavy query tiles (late rows under a causal mask) are launched first.
+  const int q0 = (int(gridDim.x) - 1 - int(blockIdx.x)) * BM;
   if (q0 >= seq.sq) return;
   const int q1 = min(q0 + BM, seq.sq);
   const Mask mask = bwd::seq_mask(p, seq);
@@ -165,7 +166,7 @@ __global__ void __launch_bounds__(DqSm90Traits<T, kHeadDim>::kThreads, 1)
 
   T* gdQ = static_cast<T*>(p.dq.ptr) + bwd::seq_base(p, p.dq, b, true) + int64_t(h) * p.dq.head +
            int64_t(q0 + row0) * p.dq.seq;
-  bwd::store_frag<T>(dq, p.scale, gdQ, p.dq.seq, q1 - q0 - row0, p.headdim_qk);
+  bwd::store_grad_frag<T>(p.pair_grads, dq, p.scale, gdQ, p.dq.seq, q1 - q0 - row0, p.headdim_qk);
 #endif
 }
 
