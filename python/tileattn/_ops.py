@@ -24,7 +24,7 @@ from torch import Tensor
 
 from . import _ext
 
-__all__ = ["attention_forward", "attention_backward", "softmax_matmul"]
+__all__ = ["attention_forward", "attention_backward", "softmax_matmul", "attention"]
 
 _SUPPORTED_DEVICES = ("cpu", "cuda")
 
@@ -110,11 +110,10 @@ def _attention(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
         num_threads=_num_threads(q.device))
 
 
-@torch.library.custom_op("tileattn::attention_forward", mutates_args=())
-def attention_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
-                      cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
-                      softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int,
-                      softcap: float, deterministic: bool) -> tuple[Tensor, Tensor]:
+def _forward_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
+                  cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
+                  softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int,
+                  softcap: float, deterministic: bool) -> tuple[Tensor, Tensor]:
     """Forward: returns (out, lse). ``deterministic`` is only carried to the backward."""
     _check_device(q, "q")
     varlen = cu_seqlens_q is not None
@@ -129,6 +128,9 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Te
     return out, lse
 
 
+attention_forward = torch.library.custom_op("tileattn::attention_forward", mutates_args=())(_forward_impl)
+
+
 @attention_forward.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
       window_right, softcap, deterministic):
@@ -140,11 +142,10 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_s
     return out, lse
 
 
-@torch.library.custom_op("tileattn::attention_backward", mutates_args=())
-def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                       cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int,
-                       max_seqlen_k: int, softmax_scale: Optional[float], causal: bool, window_left: int,
-                       window_right: int, softcap: float, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                   cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int,
+                   max_seqlen_k: int, softmax_scale: Optional[float], causal: bool, window_left: int,
+                   window_right: int, softcap: float, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
     """Backward: returns (dq, dk, dv) from the forward's inputs, its out and lse, and dout."""
     _check_device(q, "q")
     _check_device(dout, "dout")
@@ -161,6 +162,9 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
         workspace = _workspace(call.backward_workspace_size(_stream(q.device)), q.device)
         call.backward(workspace, _stream(q.device))
     return dq, dk, dv
+
+
+attention_backward = torch.library.custom_op("tileattn::attention_backward", mutates_args=())(_backward_impl)
 
 
 @attention_backward.register_fake
@@ -191,6 +195,48 @@ def _forward_backward(ctx, grad_out, grad_lse):
 
 
 attention_forward.register_autograd(_forward_backward, setup_context=_forward_setup_context)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """The operators' eager path: the same implementations and gradient without torch.library's
+    dispatch, which costs tens of microseconds a call -- as much as a short sequence's kernel."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, *options):
+        out, lse = _forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, *options)
+        _forward_setup_context(ctx, (q, k, v, cu_seqlens_q, cu_seqlens_k, *options), (out, lse))
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        dq, dk, dv = _backward_impl(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.options)
+        return (dq, dk, dv) + (None,) * (2 + len(ctx.options))
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
+              max_seqlen_q: int, max_seqlen_k: int, softmax_scale: Optional[float], causal: bool, window_left: int,
+              window_right: int, softcap: float, deterministic: bool) -> tuple[Tensor, Tensor]:
+    """(out, lse), differentiable in q, k, v: what the public functions call. Under torch.compile
+    it is the ``tileattn::attention_forward`` operator (traced, no graph break), in eager mode the
+    same computation without the operator dispatch."""
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+            window_right, softcap, deterministic)
+    if torch.compiler.is_compiling() or not _plain_on_one_device(q, k, v, cu_seqlens_q, cu_seqlens_k):
+        # Meta and fake tensors, tensor subclasses and mixed devices keep the operator's handling
+        # (shape inference, its error messages).
+        return torch.ops.tileattn.attention_forward(*args)
+    return _EagerAttention.apply(*args)
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _plain_on_one_device(*tensors) -> bool:
+    first = tensors[0]
+    if first.device.type not in _SUPPORTED_DEVICES:
+        return False
+    return all(t is None or (type(t) in _PLAIN and t.device == first.device) for t in tensors)
 
 
 def _check_softmax_matmul_inputs(x: Tensor, v: Tensor) -> None:

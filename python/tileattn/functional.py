@@ -1,7 +1,8 @@
 """Public functions with flash-attn's and PyTorch SDPA's call signatures.
 
-Every function goes through the operators of ``tileattn._ops`` (autograd, torch.compile and CUDA
-graphs included). Options tileattn does not implement raise NotImplementedError naming the
+Every function goes through ``tileattn._ops`` (its torch.library operators under torch.compile,
+the same computation without the operator dispatch in eager mode; autograd and CUDA graphs
+either way). Options tileattn does not implement raise NotImplementedError naming the
 argument; nothing is silently ignored.
 """
 
@@ -12,7 +13,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from . import _ops  # noqa: F401  (registers torch.ops.tileattn.*)
+from . import _ops
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "scaled_dot_product_attention", "softmax_matmul"]
 
@@ -53,8 +54,8 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
     """
     _reject_unsupported(dropout_p, alibi_slopes)
     left, right = _window(window_size)
-    out, lse = torch.ops.tileattn.attention_forward(q, k, v, None, None, 0, 0, softmax_scale, bool(causal), left,
-                                                    right, float(softcap), bool(deterministic))
+    out, lse = _ops.attention(q, k, v, None, None, 0, 0, softmax_scale, bool(causal), left, right, float(softcap),
+                              bool(deterministic))
     return _finish(out, lse, return_attn_probs)
 
 
@@ -73,9 +74,8 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     """
     _reject_unsupported(dropout_p, alibi_slopes)
     left, right = _window(window_size)
-    out, lse = torch.ops.tileattn.attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                                    softmax_scale, bool(causal), left, right, float(softcap),
-                                                    bool(deterministic))
+    out, lse = _ops.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                              bool(causal), left, right, float(softcap), bool(deterministic))
     return _finish(out, lse, return_attn_probs)
 
 
@@ -120,8 +120,8 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
         raise ValueError(f"query has {heads_q} heads but key/value have {heads_kv}; pass enable_gqa=True for "
                          "grouped-query attention")
     causal, right = top_left_causal(query.shape[2], key.shape[2]) if is_causal else (False, -1)
-    out, _ = torch.ops.tileattn.attention_forward(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                                                  None, None, 0, 0, scale, causal, -1, right, 0.0, False)
+    out, _ = _ops.attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), None, None, 0, 0,
+                            scale, causal, -1, right, 0.0, False)
     out = out.transpose(1, 2)
     return out.squeeze(1) if rank == 3 else out
 
