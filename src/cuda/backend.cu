@@ -11,6 +11,7 @@
 
 #include "common/online_softmax.hpp"
 #include "cuda/common/check.cuh"
+#include "cuda/common/row_alignment.hpp"
 #include "cuda/common/workspace.cuh"
 #include "cuda/cuda_backend.hpp"
 #include "cuda/fp32/forward_fp32.hpp"
@@ -141,8 +142,7 @@ std::optional<FwdKernelSm90> pick_forward_sm90(const AttentionProblem& p) {
 }
 
 bool vectorizable(const TensorView& t, int64_t headdim, bool varlen) {
-  return reinterpret_cast<uintptr_t>(t.data) % 16 == 0 && headdim % 8 == 0 && t.seq_stride % 8 == 0 &&
-         t.head_stride % 8 == 0 && (varlen || t.batch_stride % 8 == 0);
+  return headdim % 8 == 0 && rows_aligned(t, 2, 16, varlen);
 }
 
 FwdParams make_params(const AttentionProblem& p) {
@@ -165,8 +165,7 @@ FwdParams make_params(const AttentionProblem& p) {
   f.vec_q = vectorizable(p.q, p.headdim_qk, varlen);
   f.vec_k = vectorizable(p.k, p.headdim_qk, varlen);
   f.vec_v = vectorizable(p.v, p.headdim_v, varlen);
-  f.pair_o = reinterpret_cast<uintptr_t>(p.o.data) % 4 == 0 && p.o.seq_stride % 2 == 0 && p.o.head_stride % 2 == 0 &&
-             (varlen || p.o.batch_stride % 2 == 0);
+  f.pair_o = rows_aligned(p.o, 2, 4, varlen);
   return f;
 }
 

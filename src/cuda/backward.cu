@@ -17,6 +17,7 @@
 
 #include "common/online_softmax.hpp"
 #include "cuda/common/check.cuh"
+#include "cuda/common/row_alignment.hpp"
 #include "cuda/common/workspace.cuh"
 #include "cuda/cuda_backend.hpp"
 #include "cuda/sm80/bwd_launch.hpp"
@@ -110,24 +111,18 @@ bwd::Strided strided(const TensorView& t) { return {t.data, t.batch_stride, t.se
 
 // 16-byte copies need every row start 16-byte aligned: bases, strides and head dims in whole chunks.
 bool vector_io_ok(const AttentionProblem& p) {
-  const int64_t chunk = p.dtype == DType::f32 ? 4 : 8;
+  const int64_t element = p.dtype == DType::f32 ? 4 : 2, chunk = 16 / element;
   if (p.headdim_qk % chunk != 0 || p.headdim_v % chunk != 0) return false;
-  for (const TensorView* t : {&p.q, &p.k, &p.v, &p.o, &p.dout}) {
-    if (reinterpret_cast<uintptr_t>(t->data) % 16 != 0) return false;
-    if (t->seq_stride % chunk != 0 || t->head_stride % chunk != 0) return false;
-    if (!p.is_varlen() && t->batch_stride % chunk != 0) return false;
-  }
+  for (const TensorView* t : {&p.q, &p.k, &p.v, &p.o, &p.dout})
+    if (!rows_aligned(*t, element, 16, p.is_varlen())) return false;
   return true;
 }
 
 // 4-byte stores of element pairs into dQ, dK and dV (16-bit types only).
 bool pair_stores_ok(const AttentionProblem& p) {
   if (p.dtype == DType::f32) return false;
-  for (const TensorView* t : {&p.dq, &p.dk, &p.dv}) {
-    if (reinterpret_cast<uintptr_t>(t->data) % 4 != 0) return false;
-    if (t->seq_stride % 2 != 0 || t->head_stride % 2 != 0) return false;
-    if (!p.is_varlen() && t->batch_stride % 2 != 0) return false;
-  }
+  for (const TensorView* t : {&p.dq, &p.dk, &p.dv})
+    if (!rows_aligned(*t, 2, 4, p.is_varlen())) return false;
   return true;
 }
 

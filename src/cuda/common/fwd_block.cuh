@@ -70,7 +70,8 @@ __device__ __forceinline__ KeyTiles key_tiles(const FwdParams& p, const FwdBlock
   return t;
 }
 
-
+// The epilogue of a thread's finished rows (row0: its row of m-tile 0, g): O divided by the row
+// sum and L, or with split-KV the split's fp32 partials; rows past the sequence are not written.
 template <class T, int kMTiles, int kOTiles>
 __device__ __forceinline__ void store_fwd_output(const FwdParams& p, const FwdBlock& blk, int row0,
                                                  float (&o)[kMTiles][kOTiles][4], RowStats<kMTiles>& stats) {

@@ -8,6 +8,7 @@
 
 #include "common/online_softmax.hpp"
 #include "cuda/common/check.cuh"
+#include "cuda/common/row_alignment.hpp"
 #include "cuda/fp32/forward_fp32_kernel.cuh"
 #include "cuda/sm90/fp32_fwd_kernel_sm90.cuh"
 #include "cuda/sm90/tma_map.hpp"
@@ -15,12 +16,6 @@
 
 namespace tileattn::cuda {
 namespace {
-
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
-bool rows_aligned16(const TensorView& t, bool varlen) {
-  return aligned16(t.data) && t.seq_stride % 4 == 0 && t.head_stride % 4 == 0 && (varlen || t.batch_stride % 4 == 0);
-}
 
 // A window side at or beyond what the lengths can reach masks nothing; clamping keeps the
 // int arithmetic of Mask far from overflow.
@@ -124,8 +119,8 @@ void forward_fp32(const AttentionProblem& pr) {
   p.scale = *pr.softmax_scale;
   p.scale_log2 = p.scale * kLog2e;
   p.softcap = pr.softcap;
-  p.vec16 = pr.headdim_qk % 4 == 0 && pr.headdim_v % 4 == 0 && rows_aligned16(pr.q, varlen) &&
-            rows_aligned16(pr.k, varlen) && rows_aligned16(pr.v, varlen);
+  p.vec16 = pr.headdim_qk % 4 == 0 && pr.headdim_v % 4 == 0 && rows_aligned(pr.q, 4, 16, varlen) &&
+            rows_aligned(pr.k, 4, 16, varlen) && rows_aligned(pr.v, 4, 16, varlen);
 
   const int d = int(std::max(pr.headdim_qk, pr.headdim_v));
   const auto stream = static_cast<cudaStream_t>(pr.stream);
