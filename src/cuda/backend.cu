@@ -17,8 +17,8 @@
 #include "cuda/fp32/forward_fp32.hpp"
 #include "cuda/sm80/fwd_params.hpp"
 #include "cuda/sm80/launch_fwd_sm80.hpp"
+#include "cuda/sm90/hopper_available.hpp"
 #include "cuda/sm90/launch_fwd_sm90.hpp"
-#include "cuda/sm90/tma_map.hpp"
 #include "tileattn/error.hpp"
 
 namespace tileattn::cuda {

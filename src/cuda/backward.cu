@@ -21,8 +21,8 @@
 #include "cuda/common/workspace.cuh"
 #include "cuda/cuda_backend.hpp"
 #include "cuda/sm80/bwd_launch.hpp"
+#include "cuda/sm90/hopper_available.hpp"
 #include "cuda/sm90/launch_bwd_sm90.hpp"
-#include "cuda/sm90/tma_map.hpp"
 #include "tileattn/error.hpp"
 
 namespace tileattn::cuda {

@@ -7,8 +7,8 @@
 forward/backward: bf16, SDPA's flash backend timed on both layouts of the same shape, contiguous
 (batch, heads, seqlen, dim) and a (batch, seqlen, heads, dim) buffer seen through transpose(1, 2)
 (flash-attn's own layout, the one tileattn's harness uses); the faster is printed. Causal with
-Nq != Nk is skipped: SDPA aligns its causal mask top-left, tileattn (like flash-attn) bottom-right. The
-backward runs the forward once and times only autograd.grad of dQ, dK, dV.
+Nq != Nk is skipped: SDPA aligns its causal mask top-left, tileattn (like flash-attn)
+bottom-right. The backward runs the forward once and times only autograd.grad of dQ, dK, dV.
 fp32: torch.softmax(x, -1) @ v in fp32 with TF32 off and on, fp16, bf16 (batch 16,
 2048 x 8192 x 512), and SDPA fp32 (TF32 off; PyTorch picks the backend) on bench_fp32's
 attention shapes. extra_mib is the peak memory a call allocates beyond its inputs and output.

@@ -11,6 +11,7 @@
 #include "cuda/common/row_alignment.hpp"
 #include "cuda/fp32/forward_fp32_kernel.cuh"
 #include "cuda/sm90/fp32_fwd_kernel_sm90.cuh"
+#include "cuda/sm90/hopper_available.hpp"
 #include "cuda/sm90/tma_map.hpp"
 #include "tileattn/error.hpp"
 

@@ -3,9 +3,6 @@
 #include <cuda_runtime.h>
 #include <cudaTypedefs.h>
 
-#include <cstdlib>
-#include <cstring>
-
 #include "cuda/common/check.cuh"
 
 namespace tileattn::cuda::sm90 {
@@ -62,16 +59,6 @@ TileMapShape attention_map_shape(const AttentionProblem& problem, const TensorVi
   s.row_stride = t.seq_stride, s.head_stride = t.head_stride, s.batch_stride = varlen ? 0 : t.batch_stride;
   s.box_rows = box_rows;
   return s;
-}
-
-bool hopper_kernels_enabled() {
-  const char* forced = std::getenv("TILEATTN_CUDA_KERNELS");
-  if (forced != nullptr && std::strcmp(forced, "sm80") == 0) return false;
-  int device = 0, major = 0, minor = 0;
-  TA_CUDA_CHECK(cudaGetDevice(&device));
-  TA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  TA_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  return major == 9 && minor == 0;
 }
 
 }  // namespace tileattn::cuda::sm90

@@ -26,9 +26,4 @@ bool make_tile_map(CUtensorMap* map, DType dtype, const void* base, const TileMa
 TileMapShape attention_map_shape(const AttentionProblem& problem, const TensorView& t, int64_t dim, int64_t seqlen,
                                  int64_t total, int64_t heads, int box_rows);
 
-// True on a compute capability 9.0 device unless TILEATTN_CUDA_KERNELS=sm80 asks for the
-// portable kernels (for tests and comparisons). The build must hold sm_90a code as well; the
-// dispatchers know that from their instantiation macros.
-bool hopper_kernels_enabled();
-
 }  // namespace tileattn::cuda::sm90

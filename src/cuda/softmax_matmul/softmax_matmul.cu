@@ -10,6 +10,7 @@
 #include "cuda/cuda_backend.hpp"
 #include "cuda/softmax_matmul/softmax_matmul_kernel.cuh"
 #include "cuda/sm90/smm_kernel_sm90.cuh"
+#include "cuda/sm90/hopper_available.hpp"
 #include "cuda/sm90/tma_map.hpp"
 #include "tileattn/error.hpp"
 
