@@ -189,7 +189,7 @@ void time_attention(int64_t b, int64_t h, int64_t n, int64_t d, bool causal) {
   }
 }
 
-void time_softmax_matmul(int64_t b, int64_t d1, int64_t d2, int64_t d3, tileattn::DType t) {
+void time_softmax_matmul(int64_t b, int64_t d1, int64_t d2, int64_t d3, tileattn::DType t, const char* only = nullptr) {
   const size_t eb = elem_bytes(t);
   void* x = device_normal(size_t(b * d1 * d2), t, 5);
   void* v = device_normal(size_t(b * d2 * d3), t, 6);
@@ -199,6 +199,7 @@ void time_softmax_matmul(int64_t b, int64_t d1, int64_t d2, int64_t d3, tileattn
                          ? std::vector<tileattn::Fp32Mode>{tileattn::Fp32Mode::exact, tileattn::Fp32Mode::fast}
                          : std::vector<tileattn::Fp32Mode>{tileattn::Fp32Mode::exact};
   for (auto mode : modes) {
+    if (only && std::string(only) != mode_name(mode)) continue;
     auto p = softmax_matmul(b, d1, d2, d3, t, x, v, out);
     p.fp32_mode = mode;
     size_t free0, free1, total;
@@ -217,7 +218,13 @@ void time_softmax_matmul(int64_t b, int64_t d1, int64_t d2, int64_t d3, tileattn
 
 }  // namespace
 
-int main() {
+// With the argument smm_f32 [exact|fast]: only the fp32 softmax_matmul timings (for a profiler).
+int main(int argc, char** argv) {
+  if (argc > 1 && std::string(argv[1]) == "smm_f32") {
+    std::printf("impl,case,ms,tflops,extra_mib\n");
+    time_softmax_matmul(16, 2048, 8192, 512, tileattn::DType::f32, argc > 2 ? argv[2] : nullptr);
+    return 0;
+  }
   std::printf("accuracy,case,max_abs,rel_l2\n");
   accuracy_attention(1, 2, 1024, 64, false);
   accuracy_attention(1, 2, 1024, 128, true);

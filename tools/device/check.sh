@@ -22,6 +22,8 @@
 #   --build-dir DIR       (default build-device; the package builds in DIR/pip)
 #   --python-bench        also `python -m tileattn.bench.attention --preset h100` (needs --pytest)
 #   --profile             also Nsight Compute (full set) on one forward kernel
+#   --profile-smm         also Nsight Compute (full set, SASS stall samples) on the fp32 softmax_matmul
+#                         kernels (exact and fast) at 16 x 2048 x 8192 x 512
 #   --dry-run             print each step's command and log file instead of running it
 #
 # $OUT gets summary.txt and logs.tar.gz (the device tool returns at most 8 files).
@@ -47,6 +49,7 @@ PYTEST=all
 JOBS=$(nproc)
 BUILD=build-device
 PROFILE=0
+PROFILE_SMM=0
 PYBENCH=0
 DRY=0
 
@@ -63,9 +66,10 @@ while [[ $# -gt 0 ]]; do
     --jobs) JOBS="$2"; shift ;;
     --build-dir) BUILD="$2"; shift ;;
     --profile) PROFILE=1 ;;
+    --profile-smm) PROFILE_SMM=1 ;;
     --python-bench) PYBENCH=1 ;;
     --dry-run) DRY=1 ;;
-    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
     *) echo "check.sh: unknown option $1" >&2; exit 2 ;;
   esac
   shift
@@ -114,7 +118,10 @@ rc=$?
 t1=$(now)
 note "configure: rc=$rc $((t1 - t0))s (archs $ARCH, head dims $HEADDIMS)"
 if [[ $rc -ne 0 ]]; then tail -30 "$LOG/configure.log"; exit 1; fi
-run "$LOG/build.log" cmake --build "$BUILD" -j "$JOBS"
+# Without tests only the library is needed (the harnesses link it).
+TARGETS=()
+[[ "$TESTS" == none && $CPU_TESTS -eq 0 ]] && TARGETS=(--target tileattn)
+run "$LOG/build.log" cmake --build "$BUILD" -j "$JOBS" "${TARGETS[@]}"
 rc=$?
 t2=$(now)
 note "build: rc=$rc $((t2 - t1))s with -j$JOBS"
@@ -131,7 +138,7 @@ build_harness() {
 if bench_on forward || bench_on backward || [[ $PROFILE -eq 1 ]]; then
   build_harness bench_attention & BG+=($!)
 fi
-if bench_on fp32; then
+if bench_on fp32 || [[ $PROFILE_SMM -eq 1 ]]; then
   build_harness bench_fp32 & BG+=($!)
 fi
 # Installed into a target folder: leaves the machine's site-packages alone (and needs no
@@ -264,6 +271,22 @@ if [[ $PROFILE -eq 1 && -x "$BUILD/bench_attention" ]]; then
   CUOBJDUMP=$(command -v cuobjdump || ls /usr/local/cuda/bin/cuobjdump 2>/dev/null || true)
   OBJ=$(find "$BUILD" -name 'fwd_sm90_nv_bfloat16_hd128.cu.o' | head -1)
   [[ -n "$CUOBJDUMP" && -n "$OBJ" ]] && run "$LOG/sass_fwd_bf16_hd128.txt" "$CUOBJDUMP" -sass "$OBJ"
+fi
+
+if [[ $PROFILE_SMM -eq 1 && -x "$BUILD/bench_fp32" ]]; then
+  NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null || true)
+  if [[ -n "$NCU" ]]; then
+    for mode in fast exact; do
+      run "$LOG/ncu_smm_$mode.txt" "$NCU" --set full --import-source no --clock-control none \
+        -k regex:softmax_matmul_kernel_sm90 -c 1 -o "$LOG/ncu_smm_$mode" "$BUILD/bench_fp32" smm_f32 "$mode"
+      note "profile smm $mode: rc=$? (logs/ncu_smm_$mode.*)"
+      "$NCU" --import "$LOG/ncu_smm_$mode.ncu-rep" --page details > "$LOG/ncu_smm_${mode}_details.txt" 2>&1
+      "$NCU" --import "$LOG/ncu_smm_$mode.ncu-rep" --page source --csv --print-source sass \
+        > "$LOG/ncu_smm_${mode}_sass.csv" 2>&1
+      grep -E "Duration|Throughput|Pipe|Issue Slots|Bank|L2 Hit|Registers|Eligible|Warp Cycles" \
+        "$LOG/ncu_smm_${mode}_details.txt" | head -40 | tee -a "$SUMMARY"
+    done
+  fi
 fi
 
 # ---- summary tables, last -----------------------------------------------------------------
