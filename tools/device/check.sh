@@ -158,7 +158,7 @@ if [[ "$TESTS" != none ]]; then
   t0=$(now)
   mkdir -p "$LOG/gtest"
   GTEST_OUTPUT="xml:$(realpath "$LOG")/gtest/" TILEATTN_MARGIN_LOG="$(realpath "$LOG")/gtest/margins.tsv" \
-    run "$LOG/ctest_gpu.log" ctest --test-dir "$BUILD" -L gpu \
+    run "$LOG/ctest_gpu.log" ctest --test-dir "$BUILD" -L gpu --timeout 300 \
     -R "$(glob_to_regex "$TESTS")" -j 8 --output-on-failure --output-junit "$(realpath "$LOG")/ctest_gpu.xml"
   rc=$?
   note "gpu tests: rc=$rc $(( $(now) - t0 ))s: $(grep -E 'tests passed|tests failed' "$LOG/ctest_gpu.log" 2>/dev/null | tail -1)"
