@@ -283,6 +283,7 @@ if [[ $PROFILE_SMM -eq 1 && -x "$BUILD/bench_fp32" ]]; then
       "$NCU" --import "$LOG/ncu_smm_$mode.ncu-rep" --page details > "$LOG/ncu_smm_${mode}_details.txt" 2>&1
       "$NCU" --import "$LOG/ncu_smm_$mode.ncu-rep" --page source --csv --print-source sass \
         > "$LOG/ncu_smm_${mode}_sass.csv" 2>&1
+      "$NCU" --import "$LOG/ncu_smm_$mode.ncu-rep" --page raw --csv > "$LOG/ncu_smm_${mode}_raw.csv" 2>&1
       grep -E "Duration|Throughput|Pipe|Issue Slots|Bank|L2 Hit|Registers|Eligible|Warp Cycles" \
         "$LOG/ncu_smm_${mode}_details.txt" | head -40 | tee -a "$SUMMARY"
     done
