@@ -96,6 +96,20 @@ __device__ __forceinline__ float2 unpack_pair(uint32_t u) {
   else return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u));
 }
 
+// v[0] op v[1] op ... as a balanced tree: log2(n) dependent steps instead of n - 1.
+template <int kN, class Op>
+__device__ __forceinline__ float tree_reduce(const float (&v)[kN], Op op) {
+  static_assert((kN & (kN - 1)) == 0, "tree_reduce: a power of two of values");
+  if constexpr (kN == 1) {
+    return v[0];
+  } else {
+    float half[kN / 2];
+#pragma unroll
+    for (int j = 0; j < kN / 2; ++j) half[j] = op(v[j], v[j + kN / 2]);
+    return tree_reduce(half, op);
+  }
+}
+
 // x rounded to TF32 (ties away from zero) as fp32 bits, low 13 bits zero: what cvt.rna.tf32.f32
 // computes, in two integer operations instead of its four (it also guards inf and NaN, which
 // here may come out as inf or zero: every caller either forms the remainder x - hi, which then
@@ -303,12 +317,7 @@ __global__ void __launch_bounds__(Sm90Tile<T, N, kExact>::kThreads, 1)
       }
       float tile_max[2];
 #pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        float mx = -INFINITY;
-#pragma unroll
-        for (int j = 0; j < kVals; ++j) mx = fmaxf(mx, x[hf][j]);
-        tile_max[hf] = mx;
-      }
+      for (int hf = 0; hf < 2; ++hf) tile_max[hf] = tree_reduce(x[hf], [](float a, float b) { return fmaxf(a, b); });
       // The stage is released after the maxima have read every loaded value, behind a proxy fence:
       // the next TMA copy into it (async proxy) must not overtake these generic loads. Released
       // right after the loads were issued, fp32 tests with two X stages saw wrong outputs in 1 to 3
@@ -317,28 +326,37 @@ __global__ void __launch_bounds__(Sm90Tile<T, N, kExact>::kThreads, 1)
       __syncwarp();
       if (lane == 0) sm90::barrier_arrive(x_empty + s);
 
+      // The reference max moves only when a row grows past it by 2^kSlack, so that the
+      // accumulators (which wgmma may still be writing) rarely need rescaling; p stays <=
+      // 2^kSlack. Whether any row of the warp does is one vote on each thread's own maxima; only
+      // then are the maxima reduced across the quad (the first tile always, later ones rarely).
+      bool over = false;
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) over |= tile_max[hf] * kLog2e > row_max[hf] + kSlack;
       moved = false;
+      factor[0] = factor[1] = 1.0f;
+      if (__any_sync(0xffffffffu, over)) {
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          float mx = tile_max[hf];
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+          mx = fmaxf(row_max[hf], mx * kLog2e);  // row_max is in the log2 domain
+          if (row_max[hf] != -INFINITY && mx <= row_max[hf] + kSlack) mx = row_max[hf];
+          factor[hf] = rescale_factor(row_max[hf], mx);
+          moved |= mx != row_max[hf];
+          row_max[hf] = mx;
+        }
+      }
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
-        float mx = tile_max[hf];
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        mx = fmaxf(row_max[hf], mx * kLog2e);  // row_max is in the log2 domain
-        // The reference max moves only when the row grows by 2^kSlack, so that the accumulators
-        // (which wgmma may still be writing) rarely need rescaling; p stays <= 2^kSlack.
-        if (row_max[hf] != -INFINITY && mx <= row_max[hf] + kSlack) mx = row_max[hf];
-        factor[hf] = rescale_factor(row_max[hf], mx);
-        moved |= mx != row_max[hf];
-        row_max[hf] = mx;
-        const float base = safe_row_max(mx);
-        float sum = 0.0f;
+        const float base = safe_row_max(row_max[hf]);
 #pragma unroll
         for (int j = 0; j < kVals; ++j) {
           const float arg = fmaf(x[hf][j], kLog2e, -base);
           x[hf][j] = kSplit ? exp2f(arg) : exp2_fast(arg);
-          sum += x[hf][j];
         }
-        row_sum[hf] = row_sum[hf] * factor[hf] + sum;
+        row_sum[hf] = row_sum[hf] * factor[hf] + tree_reduce(x[hf], [](float a, float b) { return a + b; });
       }
 #pragma unroll
       for (int ks = 0; ks < kKSteps; ++ks) {
