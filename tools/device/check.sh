@@ -84,6 +84,8 @@ SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
 note() { echo "$*" | tee -a "$SUMMARY"; }
 now() { date +%s; }
+# cuda_tool NAME: the path of a CUDA tool (on PATH or in /usr/local/cuda/bin), or nothing.
+cuda_tool() { command -v "$1" || ls "/usr/local/cuda/bin/$1" 2>/dev/null || true; }
 # run LOGFILE CMD...: stdout and stderr to LOGFILE; with --dry-run only says what it would do.
 run() {
   local log=$1
@@ -177,7 +179,7 @@ fi
 
 # ---- compute-sanitizer --------------------------------------------------------------------
 if [[ "$SANITIZE" != none ]]; then
-  SAN=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || true)
+  SAN=$(cuda_tool compute-sanitizer)
   [[ $DRY -eq 1 ]] && SAN=${SAN:-compute-sanitizer}
   if [[ -z "$SAN" ]]; then
     note "sanitizer: compute-sanitizer not found"
@@ -262,19 +264,19 @@ fi
 
 # ---- profile ------------------------------------------------------------------------------
 if [[ $PROFILE -eq 1 && -x "$BUILD/bench_attention" ]]; then
-  NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null || true)
+  NCU=$(cuda_tool ncu)
   if [[ -n "$NCU" ]]; then
     run "$LOG/ncu_hd128.txt" "$NCU" --set full -k regex:fwd_kernel_sm90 -c 1 "$BUILD/bench_attention" --pass forward \
       1,16,16384,16384,128,0
     note "profile: rc=$? (logs/ncu_hd128.txt)"
   fi
-  CUOBJDUMP=$(command -v cuobjdump || ls /usr/local/cuda/bin/cuobjdump 2>/dev/null || true)
+  CUOBJDUMP=$(cuda_tool cuobjdump)
   OBJ=$(find "$BUILD" -name 'fwd_sm90_nv_bfloat16_hd128.cu.o' | head -1)
   [[ -n "$CUOBJDUMP" && -n "$OBJ" ]] && run "$LOG/sass_fwd_bf16_hd128.txt" "$CUOBJDUMP" -sass "$OBJ"
 fi
 
 if [[ $PROFILE_SMM -eq 1 && -x "$BUILD/bench_fp32" ]]; then
-  NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null || true)
+  NCU=$(cuda_tool ncu)
   if [[ -n "$NCU" ]]; then
     for mode in fast exact; do
       run "$LOG/ncu_smm_$mode.txt" "$NCU" --set full --import-source no --clock-control none \
