@@ -96,6 +96,15 @@ std::vector<Case> cases() {
     s.window_right = 0;
     c.push_back({"bhsd_diagonal_window", s});
   }
+  {
+    auto s = base(1, 1, 128);  // head dim 128 takes 64-key tiles and one raw V stage on Hopper
+    s.seqlens_q = {70, 0, 200, 33};
+    s.seqlens_k = {90, 30, 260, 0};
+    s.window_left = 40;
+    s.window_right = 8;
+    s.softcap = 2.0f;
+    c.push_back({"varlen_window_softcap_d128", s});
+  }
   for (int64_t d : {32, 40, 96, 128, 160, 192, 256}) {
     auto s = base(140, 190, d);
     s.layout = Layout::padded;

@@ -175,10 +175,11 @@ void accuracy_softmax_matmul(int64_t b, int64_t d1, int64_t d2, int64_t d3, tile
   cudaFree(x), cudaFree(v), cudaFree(out);
 }
 
-void time_attention(int64_t b, int64_t h, int64_t n, int64_t d, bool causal) {
+void time_attention(int64_t b, int64_t h, int64_t n, int64_t d, bool causal, const char* only = nullptr) {
   const AttentionBuffers dev(b, h, n, d, 1);
   void *q = dev.q, *k = dev.k, *v = dev.v, *o = dev.o, *lse = dev.lse;
   for (auto mode : {tileattn::Fp32Mode::exact, tileattn::Fp32Mode::fast}) {
+    if (only && std::string(only) != mode_name(mode)) continue;
     auto p = attention(b, h, n, d, causal, q, k, v, o, static_cast<float*>(lse));
     p.fp32_mode = mode;
     const double ms = bench::median_ms(kTiming, [&] { tileattn::forward(p); });
@@ -218,11 +219,19 @@ void time_softmax_matmul(int64_t b, int64_t d1, int64_t d2, int64_t d3, tileattn
 
 }  // namespace
 
-// With the argument smm_f32 [exact|fast]: only the fp32 softmax_matmul timings (for a profiler).
+// With the argument smm_f32 [exact|fast]: only the fp32 softmax_matmul timings; attn_f32
+// [exact|fast [128]]: only the classic fp32 attention shape, non-causal, or the head-dim-128 one
+// (both for a profiler).
 int main(int argc, char** argv) {
   if (argc > 1 && std::string(argv[1]) == "smm_f32") {
     std::printf("impl,case,ms,tflops,extra_mib\n");
     time_softmax_matmul(16, 2048, 8192, 512, tileattn::DType::f32, argc > 2 ? argv[2] : nullptr);
+    return 0;
+  }
+  if (argc > 1 && std::string(argv[1]) == "attn_f32") {
+    std::printf("impl,case,ms,tflops,extra_mib\n");
+    if (argc > 3 && std::string(argv[3]) == "128") time_attention(2, 8, 8192, 128, false, argv[2]);
+    else time_attention(8, 1, 16384, 64, false, argc > 2 ? argv[2] : nullptr);
     return 0;
   }
   std::printf("accuracy,case,max_abs,rel_l2\n");

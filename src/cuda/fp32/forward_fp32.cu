@@ -54,7 +54,7 @@ sm90::TileMapShape map_shape(const AttentionProblem& pr, const TensorView& t, in
 }
 
 // The Hopper kernel for fast mode (TF32 wgmma); false when it cannot run this problem here (not
-// Hopper, the portable kernels forced, no sm_90a code in the build, head dims over 64, or inputs
+// Hopper, the portable kernels forced, no sm_90a code in the build, head dims over 128, or inputs
 // TMA cannot describe).
 template <int kD>
 bool launch_sm90(const AttentionProblem& pr, const fp32::FwdParams& params, cudaStream_t stream) {
@@ -79,9 +79,10 @@ bool launch_sm90(const AttentionProblem& pr, const fp32::FwdParams& params, cuda
 }
 
 bool launch_sm90_bucket(int d, const AttentionProblem& pr, const fp32::FwdParams& params, cudaStream_t stream) {
-  if (d > 64 || !sm90::hopper_kernels_enabled()) return false;
+  if (d > 128 || !sm90::hopper_kernels_enabled()) return false;
   if (d <= 32) return launch_sm90<32>(pr, params, stream);
-  return launch_sm90<64>(pr, params, stream);
+  if (d <= 64) return launch_sm90<64>(pr, params, stream);
+  return launch_sm90<128>(pr, params, stream);
 }
 
 }  // namespace

@@ -2,9 +2,10 @@
 // fp32 attention forward, fast mode (TF32), on Hopper: one block per (128 query rows, head,
 // sequence), three warpgroups, the shape of the 16-bit sm90 forward.
 //
-//   warpgroup 0      producer: one thread loads Q once and K(j), V(j) with TMA through two
-//                    stages; all four warps rewrite each V tile K-major (the only B layout TF32
-//                    wgmma reads) into one of two transposed buffers.
+//   warpgroup 0      producer: one thread loads Q once and K(j), V(j) with TMA (K through two
+//                    stages, V through two or, at head dim 128, one); all four warps rewrite each
+//                    V tile K-major (the only B layout TF32 wgmma reads) into one of two
+//                    transposed buffers.
 //   warpgroups 1, 2  consumers, 64 query rows each: S = Q K^T (wgmma, both from shared memory),
 //                    the online softmax, O += P V (wgmma, P from registers).
 //
@@ -39,18 +40,26 @@ struct FwdSm90Tile {
   static constexpr int kConsumers = 2;
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kBlockM = 64 * kConsumers;
-  static constexpr int kBlockN = 128;
+  // Head dim 128 takes 64-key tiles and one raw V stage: Q alone is 64 KB there, and two K
+  // stages, one V stage and two transposed buffers fill the rest of shared memory.
+  static constexpr int kBlockN = kD <= 64 ? 128 : 64;
+  static constexpr int kVStages = kD <= 64 ? 2 : 1;
   static constexpr int kPanels = kD / 32;  // 128-byte panels of 32 fp32 columns
   static constexpr int kQBytes = kPanels * kBlockM * 128;
   static constexpr int kKVPanelBytes = kBlockN * 128;
   static constexpr int kKVBytes = kPanels * kKVPanelBytes;
   static constexpr int kTPanelBytes = kD * 128;  // transposed V: kD rows x 32 keys per panel
   static constexpr int kTBytes = (kBlockN / 32) * kTPanelBytes;
-  static constexpr int kBarrierOffset = kQBytes + 2 * (2 * kKVBytes + kTBytes);
+  static constexpr int kBarrierOffset = kQBytes + (2 + kVStages) * kKVBytes + 2 * kTBytes;
   static constexpr int kSmemBytes = kBarrierOffset + 128 + 1024;
-  static constexpr int kProducerRegisters = 40;
-  static constexpr int kConsumerRegisters = 232;
-  static_assert(kD == 32 || kD == 64, "fp32 sm90 forward: head dims up to 64");
+  // Head dim 128's transpose (four column panels) spills at 40. setmaxnreg moves registers only
+  // inside the launch allocation, 168 a thread at 384 threads.
+  static constexpr int kProducerRegisters = kD <= 64 ? 40 : 56;
+  static constexpr int kConsumerRegisters = kD <= 64 ? 232 : 224;
+  static_assert(kProducerRegisters + kConsumers * kConsumerRegisters <= (kConsumers + 1) * 168,
+                "fp32 sm90 forward: register split exceeds the launch allocation");
+  static_assert(kD == 32 || kD == 64 || kD == 128, "fp32 sm90 forward: head dims 32, 64 or 128");
+  static_assert(kSmemBytes <= 227 * 1024, "fp32 sm90 forward: stages exceed shared memory");
 };
 
 template <int kD>
@@ -66,11 +75,11 @@ __global__ void __launch_bounds__(FwdSm90Tile<kD>::kThreads, 1)
   unsigned char* sQ = smem;
   unsigned char* sK = sQ + Tile::kQBytes;
   unsigned char* sV = sK + 2 * Tile::kKVBytes;
-  unsigned char* sT = sV + 2 * Tile::kKVBytes;
+  unsigned char* sT = sV + Tile::kVStages * Tile::kKVBytes;
   uint64_t* q_full = reinterpret_cast<uint64_t*>(smem + Tile::kBarrierOffset);
   uint64_t* k_full = q_full + 1;   // [2]
   uint64_t* k_empty = k_full + 2;  // [2]
-  uint64_t* v_full = k_empty + 2;  // [2], raw V; the producer itself frees it
+  uint64_t* v_full = k_empty + 2;  // [kVStages], raw V; the producer itself frees it
   uint64_t* t_full = v_full + 2;   // [2], transposed V
   uint64_t* t_empty = t_full + 2;  // [2]
 
@@ -104,7 +113,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<kD>::kThreads, 1)
     for (int s = 0; s < 2; ++s) {
       sm90::barrier_init(k_full + s, 1);
       sm90::barrier_init(k_empty + s, 4 * Tile::kConsumers);  // one arrival per consumer warp
-      sm90::barrier_init(v_full + s, 1);
+      if (s < Tile::kVStages) sm90::barrier_init(v_full + s, 1);
       sm90::barrier_init(t_full + s, 4);  // one arrival per producer warp
       sm90::barrier_init(t_empty + s, 4 * Tile::kConsumers);
     }
@@ -119,35 +128,43 @@ __global__ void __launch_bounds__(FwdSm90Tile<kD>::kThreads, 1)
     sm90::registers_decrease<Tile::kProducerRegisters>();
     if (n_tiles == 0) return;
     const int tid = int(threadIdx.x);
-    auto issue = [&](int j) {  // K(j), V(j) into stage j % 2
+    constexpr int kVSt = Tile::kVStages;
+    auto issue_k = [&](int j) {  // K(j) into stage j % 2
       const int s = j % 2;
-      const int row = k_row0 + n_begin + j * kBN;
       sm90::barrier_wait(k_empty + s, ((j / 2) & 1) ^ 1);
       sm90::barrier_arrive_expect_bytes(k_full + s, Tile::kKVBytes);
 #pragma unroll
       for (int c = 0; c < Tile::kPanels; ++c)
-        sm90::tma_load_4d(sK + s * Tile::kKVBytes + c * Tile::kKVPanelBytes, &params.k, k_full + s, 32 * c, row, hk,
-                          map_batch);
+        sm90::tma_load_4d(sK + s * Tile::kKVBytes + c * Tile::kKVPanelBytes, &params.k, k_full + s, 32 * c,
+                          k_row0 + n_begin + j * kBN, hk, map_batch);
+    };
+    // V(j) into raw stage j % kVSt, which every producer thread has read before the named
+    // barrier that ends the transpose of tile j - kVSt.
+    auto issue_v = [&](int j) {
+      const int s = j % kVSt;
       sm90::barrier_arrive_expect_bytes(v_full + s, Tile::kKVBytes);
 #pragma unroll
       for (int c = 0; c < Tile::kPanels; ++c)
-        sm90::tma_load_4d(sV + s * Tile::kKVBytes + c * Tile::kKVPanelBytes, &params.v, v_full + s, 32 * c, row, hk,
-                          map_batch);
+        sm90::tma_load_4d(sV + s * Tile::kKVBytes + c * Tile::kKVPanelBytes, &params.v, v_full + s, 32 * c,
+                          k_row0 + n_begin + j * kBN, hk, map_batch);
     };
     if (tid == 0) {
       sm90::barrier_arrive_expect_bytes(q_full, Tile::kQBytes);
 #pragma unroll
       for (int c = 0; c < Tile::kPanels; ++c)
         sm90::tma_load_4d(sQ + c * Tile::kBlockM * 128, &params.q, q_full, 32 * c, q_row0 + i0, h, map_batch);
-      issue(0);
+      issue_k(0);
+      issue_v(0);
     }
     for (int j = 0; j < n_tiles; ++j) {
-      const int s = j % 2;
-      // Raw stage (j + 1) % 2 was read by every producer thread before the last barrier.
-      if (tid == 0 && j + 1 < n_tiles) issue(j + 1);
+      const int s = j % 2, vs = j % kVSt;
+      if (tid == 0 && j + 1 < n_tiles) {
+        issue_k(j + 1);
+        if constexpr (kVSt == 2) issue_v(j + 1);
+      }
       sm90::barrier_wait(t_empty + s, ((j / 2) & 1) ^ 1);
-      sm90::barrier_wait(v_full + s, (j / 2) & 1);
-      const unsigned char* src = sV + s * Tile::kKVBytes;
+      sm90::barrier_wait(v_full + vs, (j / kVSt) & 1);
+      const unsigned char* src = sV + vs * Tile::kKVBytes;
       unsigned char* dst = sT + s * Tile::kTBytes;
       // Unit (position group pgg, column chunk nc): positions 4 pgg .. 4 pgg + 3 of transposed
       // rows 4 nc .. 4 nc + 3. Position group pgg is half pgg % 2 of k-step pgg / 2: keys
@@ -178,6 +195,8 @@ __global__ void __launch_bounds__(FwdSm90Tile<kD>::kThreads, 1)
       __syncwarp();
       if (lane == 0) sm90::barrier_arrive(t_full + s);
       sm90::named_barrier_sync(1, 128);
+      if constexpr (kVSt == 1)
+        if (tid == 0 && j + 1 < n_tiles) issue_v(j + 1);
     }
     return;
   }
