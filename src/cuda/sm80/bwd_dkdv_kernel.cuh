@@ -121,7 +121,8 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const BwdParams p) {
 
     float dp[GS.tm / 16][GS.tn / 8][4];
     zero(dp);
-    warp_gemm<T, GS.tm / 16, GS.tn / 8, D, true, false>(dp, sV + s_row * LD, LD, cur.dout + s_col * LD, LD);
+    // dP^T summed wide (fp32), in the dQ pass's order: the two passes form the same dS.
+    warp_gemm<T, GS.tm / 16, GS.tn / 8, D, true, false, true>(dp, sV + s_row * LD, LD, cur.dout + s_col * LD, LD);
     float st[GS.tm / 16][GS.tn / 8][4];
     zero(st);
     warp_gemm<T, GS.tm / 16, GS.tn / 8, D, true, false>(st, sK + s_row * LD, LD, cur.q + s_col * LD, LD);

@@ -85,7 +85,8 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const BwdParams p) {
     const T* sV = sK + BN * LD;
     float dp[GS.tm / 16][GS.tn / 8][4];
     zero(dp);
-    warp_gemm<T, GS.tm / 16, GS.tn / 8, D, true, false>(dp, sdO + s_row * LD, LD, sV + s_col * LD, LD);
+    // dP summed wide (fp32): dS = P (dP - D) cancels, and what dP rounds survives into dS.
+    warp_gemm<T, GS.tm / 16, GS.tn / 8, D, true, false, true>(dp, sdO + s_row * LD, LD, sV + s_col * LD, LD);
     float st[GS.tm / 16][GS.tn / 8][4];
     zero(st);
     warp_gemm<T, GS.tm / 16, GS.tn / 8, D, true, false>(st, sQ + s_row * LD, LD, sK + s_col * LD, LD);

@@ -5,6 +5,8 @@
 // One warp per query row; rows past a sequence's end are workspace padding.
 #include <math.h>
 
+#include <type_traits>
+
 #include "common/online_softmax.hpp"
 #include "cuda/common/bwd_mma.cuh"
 #include "cuda/sm80/bwd_params.hpp"
@@ -43,14 +45,20 @@ __global__ void __launch_bounds__(kRowKernelThreads) preprocess_kernel(const Bwd
       static_cast<const T*>(p.o.ptr) + seq_base(p, p.o, b, true) + int64_t(i) * p.o.seq + int64_t(h) * p.o.head;
   const T* d = static_cast<const T*>(p.dout.ptr) + seq_base(p, p.dout, b, true) + int64_t(i) * p.dout.seq +
                int64_t(h) * p.dout.head;
-  float acc = 0.0f;
-  for (int c = lane; c < p.headdim_v; c += 32) acc = fmaf(to_float(o[c]), to_float(d[c]), acc);
+  // fp32 sums in double: dS = P (dP - D) cancels, and in a row that sees few keys (P near 1)
+  // whatever D and dP round differently goes straight into dS. The fp32 backward forms dP in
+  // double as well (warp_gemm's kWideSum), so both are rounded once. With both in fp32, dQ broke
+  // the 2x rule in 6 of 80 checks of a causal GQA d128 case (H100, up to 1.19 of the bound);
+  // with only D in double it got worse (up to 1.38), with both none in 80 repeats.
+  using Acc = std::conditional_t<std::is_same_v<T, float>, double, float>;
+  Acc acc = 0;
+  for (int c = lane; c < p.headdim_v; c += 32) acc = fma(Acc(to_float(o[c])), Acc(to_float(d[c])), acc);
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
   if (lane == 0) {
     const float l = p.lse[lse_index(p, s, b, h, i)];
     p.lse2[w] = l == -INFINITY ? INFINITY : l * kLog2e;
-    p.dsum[w] = acc;
+    p.dsum[w] = float(acc);
   }
 }
 
