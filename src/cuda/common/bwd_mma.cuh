@@ -118,7 +118,7 @@ __device__ __forceinline__ void warp_gemm(float (&acc)[MT][NT][4], const T* A, i
       for (int k = 0; k < K; ++k) step(k, acc);
     } else {
       // Products of fp32 values are exact in double, so the sum is rounded once, at the end.
-      // H100, fp32 backward B2 H8 N4k d128 causal: 12.4-12.5 ms against 10.6-10.7 without. Runs
+      // H100, fp32 backward B2 H8 N4k d128 causal: 12.5-12.6 ms against 10.7-10.8 without. Runs
       // of 8 summed in fp32 and added in double cost nothing, but over 40 repeats of the fp32
       // backward tests 4 of 80 dQ checks of varlen_with_empty_d40 still broke the 2x rule; the
       // whole double sum broke none in 80 repeats.
