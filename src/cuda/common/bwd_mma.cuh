@@ -45,6 +45,17 @@ __device__ __forceinline__ void zero(float (&acc)[MT][NT][4]) {
       for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
 }
 
+// dst = src, element by element, converted.
+template <class To, class From, int MT, int NT>
+__device__ __forceinline__ void convert(To (&dst)[MT][NT][4], const From (&src)[MT][NT][4]) {
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dst[i][j][e] = To(src[i][j][e]);
+}
+
 // acc (16*MT x 8*NT) += A (16*MT x K) * B (K x 8*NT). A and B point at the warp's first
 // row/column; lda/ldb are the stored row lengths in elements. For 16-bit types NT is even (B is
 // read 16 columns at a time). kWideSum (fp32 only): the K products are summed in double and
@@ -123,20 +134,10 @@ __device__ __forceinline__ void warp_gemm(float (&acc)[MT][NT][4], const T* A, i
       // backward tests 4 of 80 dQ checks of varlen_with_empty_d40 still broke the 2x rule; the
       // whole double sum broke none in 80 repeats.
       double wide[MT][NT][4];
-#pragma unroll
-      for (int i = 0; i < MT; ++i)
-#pragma unroll
-        for (int j = 0; j < NT; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) wide[i][j][e] = acc[i][j][e];
+      convert(wide, acc);
 #pragma unroll 4
       for (int k = 0; k < K; ++k) step(k, wide);
-#pragma unroll
-      for (int i = 0; i < MT; ++i)
-#pragma unroll
-        for (int j = 0; j < NT; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[i][j][e] = float(wide[i][j][e]);
+      convert(acc, wide);
     }
   }
 }
