@@ -132,7 +132,7 @@ __device__ __forceinline__ void warp_gemm(float (&acc)[MT][NT][4], const T* A, i
       // H100, fp32 backward B2 H8 N4k d128 causal: 12.5-12.6 ms against 10.7-10.8 without. Runs
       // of 8 summed in fp32 and added in double cost nothing, but over 40 repeats of the fp32
       // backward tests 4 of 80 dQ checks of varlen_with_empty_d40 still broke the 2x rule; the
-      // whole double sum broke none in 80 repeats.
+      // whole double sum broke none in 80 repeats, and once in a later check (see docs/perf.md).
       double wide[MT][NT][4];
       convert(wide, acc);
 #pragma unroll 4
