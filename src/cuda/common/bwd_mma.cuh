@@ -58,8 +58,9 @@ __device__ __forceinline__ void convert(To (&dst)[MT][NT][4], const From (&src)[
 
 // acc (16*MT x 8*NT) += A (16*MT x K) * B (K x 8*NT). A and B point at the warp's first
 // row/column; lda/ldb are the stored row lengths in elements. For 16-bit types NT is even (B is
-// read 16 columns at a time). kWideSum (fp32 only): the K products are summed in double and
-// rounded once, for a product whose rounding does not cancel downstream (dP, see the callers).
+// read 16 columns at a time). kWideSum (fp32 only): runs of 8 products are summed in fp32 and
+// the runs in double, for the products whose rounding does not cancel downstream (S and dP of
+// the fp32 backward, see the callers).
 template <class T, int MT, int NT, int K, bool ARowMajor, bool BRowMajor, bool kWideSum = false>
 __device__ __forceinline__ void warp_gemm(float (&acc)[MT][NT][4], const T* A, int lda, const T* B, int ldb) {
   const int lane = threadIdx.x & 31;
@@ -128,15 +129,27 @@ __device__ __forceinline__ void warp_gemm(float (&acc)[MT][NT][4], const T* A, i
 #pragma unroll 4
       for (int k = 0; k < K; ++k) step(k, acc);
     } else {
-      // Products of fp32 values are exact in double, so the sum is rounded once, at the end.
-      // H100, fp32 backward B2 H8 N4k d128 causal: 12.5-12.6 ms against 10.7-10.8 without. Runs
-      // of 8 summed in fp32 and added in double cost nothing, but over 40 repeats of the fp32
-      // backward tests 4 of 80 dQ checks of varlen_with_empty_d40 still broke the 2x rule; the
-      // whole double sum broke none in 80 repeats, and once in a later check (see docs/perf.md).
+      // Short fp32 runs keep their partial sums small; one conversion and one double add per
+      // 8 fused multiply-adds. H100 (docs/perf.md): with S and dP summed so, 30 repeats of the
+      // fp32 backward tests stayed within 0.74 of the 2x bound; the fp32 backward (B2 H8 N4k
+      // d128 causal) took 12.2 ms against 10.7 with plain fp32 sums and 18.7 with whole double
+      // sums of S and dP.
+      static_assert(K % 8 == 0, "warp_gemm: wide sums take runs of 8 products");
       double wide[MT][NT][4];
       convert(wide, acc);
-#pragma unroll 4
-      for (int k = 0; k < K; ++k) step(k, wide);
+#pragma unroll 1
+      for (int k0 = 0; k0 < K; k0 += 8) {
+        float run[MT][NT][4];
+        zero(run);
+#pragma unroll
+        for (int k = k0; k < k0 + 8; ++k) step(k, run);
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+          for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) wide[i][j][e] += double(run[i][j][e]);
+      }
       convert(acc, wide);
     }
   }

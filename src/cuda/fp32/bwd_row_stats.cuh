@@ -77,7 +77,8 @@ __global__ void __launch_bounds__(kThreads, 1) row_stats_kernel(const BwdParams 
     __syncthreads();
     float st[MT][NT][4];
     zero(st);
-    warp_gemm<float, MT, NT, D, true, false>(st, sQ + s_row * LD, LD, sK + s_col * LD, LD);
+    // Summed wide, as the passes that form P from these statistics sum S.
+    warp_gemm<float, MT, NT, D, true, false, true>(st, sQ + s_row * LD, LD, sK + s_col * LD, LD);
     const bool masked = !(mask.full_begin_key(q1) <= k0 && mask.full_end_key(q0) >= k0 + BN);
 #pragma unroll
     for (int i = 0; i < MT; ++i)

@@ -121,11 +121,11 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const BwdParams p) {
 
     float dp[GS.tm / 16][GS.tn / 8][4];
     zero(dp);
-    // dP^T summed wide (fp32), in the dQ pass's order: the two passes form the same dS.
+    // S^T and dP^T summed wide (fp32), in the dQ pass's order: the two passes form the same dS.
     warp_gemm<T, GS.tm / 16, GS.tn / 8, D, true, false, true>(dp, sV + s_row * LD, LD, cur.dout + s_col * LD, LD);
     float st[GS.tm / 16][GS.tn / 8][4];
     zero(st);
-    warp_gemm<T, GS.tm / 16, GS.tn / 8, D, true, false>(st, sK + s_row * LD, LD, cur.q + s_col * LD, LD);
+    warp_gemm<T, GS.tm / 16, GS.tn / 8, D, true, false, true>(st, sK + s_row * LD, LD, cur.q + s_col * LD, LD);
     const int q1 = min(q0 + BM, s.sq);
     const bool masked = !(mask.full_begin_key(q1) <= k0 && mask.full_end_key(q0) >= k0 + BN);
     scores_to_grads<T, true, true>(st, dp, cur.lse2, cur.row_sum, cur.dsum, s_row, s_col, q0, k0, masked, mask, p, sP,

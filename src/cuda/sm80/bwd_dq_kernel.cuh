@@ -85,11 +85,12 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const BwdParams p) {
     const T* sV = sK + BN * LD;
     float dp[GS.tm / 16][GS.tn / 8][4];
     zero(dp);
-    // dP summed wide (fp32): dS = P (dP - D) cancels, and what dP rounds survives into dS.
+    // S and dP summed wide (fp32): dS = P (dP - D) cancels, and what P and dP round survives into
+    // dS (D comes from the forward's O, whose P used exact scores).
     warp_gemm<T, GS.tm / 16, GS.tn / 8, D, true, false, true>(dp, sdO + s_row * LD, LD, sV + s_col * LD, LD);
     float st[GS.tm / 16][GS.tn / 8][4];
     zero(st);
-    warp_gemm<T, GS.tm / 16, GS.tn / 8, D, true, false>(st, sQ + s_row * LD, LD, sK + s_col * LD, LD);
+    warp_gemm<T, GS.tm / 16, GS.tn / 8, D, true, false, true>(st, sQ + s_row * LD, LD, sK + s_col * LD, LD);
     const bool masked = !(mask.full_begin_key(q1) <= k0 && mask.full_end_key(q0) >= k0 + BN);
     scores_to_grads<T, false, false>(st, dp, sL, sRowSum, sDsum, s_row, s_col, q0, k0, masked, mask, p, nullptr, sdS,
                                      LDS);

@@ -45,12 +45,10 @@ __global__ void __launch_bounds__(kRowKernelThreads) preprocess_kernel(const Bwd
       static_cast<const T*>(p.o.ptr) + seq_base(p, p.o, b, true) + int64_t(i) * p.o.seq + int64_t(h) * p.o.head;
   const T* d = static_cast<const T*>(p.dout.ptr) + seq_base(p, p.dout, b, true) + int64_t(i) * p.dout.seq +
                int64_t(h) * p.dout.head;
-  // fp32 sums in double: dS = P (dP - D) cancels, and in a row that sees few keys (P near 1)
-  // whatever D and dP round differently goes straight into dS. The fp32 backward forms dP in
-  // double as well (warp_gemm's kWideSum), so both are rounded once. With both in fp32, dQ broke
-  // the 2x rule in 6 of 80 checks of a causal GQA d128 case (H100, up to 1.19 of the bound);
-  // with only D in double it got worse (up to 1.38), with both none in 80 repeats (one miss in
-  // a later check, docs/perf.md).
+  // fp32 sums in double: dS = P (dP - D) cancels, so whatever D, dP and P round differently goes
+  // straight into dS. The fp32 backward also sums S and dP wide (warp_gemm's kWideSum). With all
+  // three in fp32, dQ broke the 2x rule in 6 of 80 checks of a causal GQA d128 case (H100, up to
+  // 1.19 of the bound); see docs/perf.md for the variants measured.
   using Acc = std::conditional_t<std::is_same_v<T, float>, double, float>;
   Acc acc = 0;
   for (int c = lane; c < p.headdim_v; c += 32) acc = fma(Acc(to_float(o[c])), Acc(to_float(d[c])), acc);
