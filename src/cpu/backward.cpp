@@ -33,7 +33,7 @@ struct BackwardScratch {
   std::vector<float> q, dout, lse2, delta;  // query tile: rows, dO rows, L * log2(e), D
   std::vector<float> kt, vt, k;             // key tile: K^T, V^T, K rows
   std::vector<float> p, ds, th;             // kTileQ x kTileK: P, dP then dS, tanh of capped scores
-  std::vector<float> part, out;             // one tile product; the finished rows to store
+  std::vector<float> part;                  // one tile product
   std::vector<double> wide, wide2;          // dQ, or dK and dV, summed over tiles
 };
 
@@ -41,13 +41,6 @@ struct BackwardScratch {
 void add_wide(double* wide, int64_t ldw, const float* part, int64_t ldp, int64_t m, int64_t n) {
   for (int64_t r = 0; r < m; ++r)
     for (int64_t c = 0; c < n; ++c) wide[r * ldw + c] += double(part[r * ldp + c]);
-}
-
-// The m x n double sums, rounded to fp32, into out (leading dimension n).
-void narrow(const double* wide, int64_t ldw, int64_t m, int64_t n, std::vector<float>& out) {
-  out.resize(size_t(m * n));
-  for (int64_t r = 0; r < m; ++r)
-    for (int64_t c = 0; c < n; ++c) out[size_t(r * n + c)] = float(wide[r * ldw + c]);
 }
 
 void size_scratch(BackwardScratch& w, int64_t dqk, int64_t dv) {
@@ -155,10 +148,8 @@ void key_tile(const AttentionProblem& p, const ScoreTransform& transform, const 
     }
   }
   const std::vector<float> scale(size_t(n), *p.softmax_scale);
-  narrow(w.wide.data(), dqk, n, dqk, w.out);
-  store_rows(p, p.dk, s, false, hk, j0, n, dqk, w.out.data(), dqk, scale.data());
-  narrow(w.wide2.data(), dv, n, dv, w.out);
-  store_rows(p, p.dv, s, false, hk, j0, n, dv, w.out.data(), dv, nullptr);
+  store_rows(p, p.dk, s, false, hk, j0, n, dqk, w.wide.data(), dqk, scale.data());
+  store_rows(p, p.dv, s, false, hk, j0, n, dv, w.wide2.data(), dv, nullptr);
 }
 
 // Fused schedule: every key tile of one (sequence, kv head), then dQ of the group's heads.
@@ -170,10 +161,9 @@ void kv_head_fused(const AttentionProblem& p, const ScoreTransform& transform, c
   std::vector<double> dq_accum(size_t(group * s.len_q * dqk), 0.0);
   for (int64_t j0 = 0; j0 < s.len_k; j0 += kTileK) key_tile(p, transform, delta, s, hk, j0, w, dq_accum.data());
   const std::vector<float> scale(size_t(s.len_q), *p.softmax_scale);
-  for (int64_t g = 0; g < group; ++g) {
-    narrow(dq_accum.data() + g * s.len_q * dqk, dqk, s.len_q, dqk, w.out);
-    store_rows(p, p.dq, s, true, hk * group + g, 0, s.len_q, dqk, w.out.data(), dqk, scale.data());
-  }
+  for (int64_t g = 0; g < group; ++g)
+    store_rows(p, p.dq, s, true, hk * group + g, 0, s.len_q, dqk, dq_accum.data() + g * s.len_q * dqk, dqk,
+               scale.data());
 }
 
 // Split schedule, second pass: dQ of one query tile over the key tiles it sees.
@@ -202,8 +192,7 @@ void dq_tile(const AttentionProblem& p, const ScoreTransform& transform, const s
     add_wide(w.wide.data(), dqk, w.part.data(), dqk, rows, dqk);
   }
   const std::vector<float> scale(size_t(rows), *p.softmax_scale);
-  narrow(w.wide.data(), dqk, rows, dqk, w.out);
-  store_rows(p, p.dq, s, true, h, i0, rows, dqk, w.out.data(), dqk, scale.data());
+  store_rows(p, p.dq, s, true, h, i0, rows, dqk, w.wide.data(), dqk, scale.data());
 }
 
 }  // namespace

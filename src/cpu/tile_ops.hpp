@@ -99,13 +99,15 @@ inline void load_rows_transposed(const AttentionProblem& p, const TensorView& t,
   }
 }
 
-// Stores rows of fp32 src (ld) times a per-row factor into tensor t, rounded to its dtype.
+// Stores rows of src (ld; fp32, or double sums rounded to fp32 first) times a per-row factor into
+// tensor t, rounded to its dtype.
+template <class Src>
 inline void store_rows(const AttentionProblem& p, const TensorView& t, const Sequence& s, bool query_side, int64_t h,
-                       int64_t i0, int64_t rows, int64_t dim, const float* src, int64_t ld, const float* row_factor) {
+                       int64_t i0, int64_t rows, int64_t dim, const Src* src, int64_t ld, const float* row_factor) {
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t base = row_offset(p, t, s, query_side, i0 + r, h);
     const float f = row_factor ? row_factor[r] : 1.0f;
-    for (int64_t d = 0; d < dim; ++d) store_element(t.data, base + d, p.dtype, src[r * ld + d] * f);
+    for (int64_t d = 0; d < dim; ++d) store_element(t.data, base + d, p.dtype, float(src[r * ld + d]) * f);
   }
 }
 
