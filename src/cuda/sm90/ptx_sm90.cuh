@@ -69,6 +69,39 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t b
                : "memory");
 }
 
+// ---- clusters: CTAs that share loads (multicast) and signal each other's barriers -----------
+
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+// Every thread of every CTA in the cluster: barriers initialised before any peer signals them,
+// and no CTA exits while a peer may still write to its shared memory.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
+}
+// Arrives on the barrier at the same offset in CTA `cta` of the cluster. Plain (CTA-scope)
+// semantics: a cluster-scope release compiles to a GPU-wide memory barrier per arrival, and the
+// callers only release stages whose reads have completed.
+__device__ __forceinline__ void barrier_arrive_cluster(uint64_t* bar, uint32_t cta) {
+  asm volatile(
+      "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\nmbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(
+          smem_address(bar)),
+      "r"(cta)
+      : "memory");
+}
+// tma_load_4d into the same offset of every CTA in `cta_mask`, completing on each one's barrier
+// at `bar`'s offset.
+__device__ __forceinline__ void tma_load_4d_multicast(void* dst, const CUtensorMap* map, uint64_t* bar, uint16_t cta_mask,
+                                                      int c0, int c1, int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%3, %4, %5, "
+      "%6}], [%2], %7;\n" ::"r"(smem_address(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_address(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "h"(cta_mask)
+      : "memory");
+}
+
 // ---- wgmma ordering ---------------------------------------------------------------------------
 
 // Before the first wgmma that reads registers (accumulators, A fragments) written by ordinary

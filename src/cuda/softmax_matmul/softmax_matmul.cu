@@ -9,6 +9,7 @@
 #include "cuda/common/check.cuh"
 #include "cuda/cuda_backend.hpp"
 #include "cuda/softmax_matmul/softmax_matmul_kernel.cuh"
+#include "cuda/sm90/smm_fast_f32_kernel_sm90.cuh"
 #include "cuda/sm90/smm_kernel_sm90.cuh"
 #include "cuda/sm90/hopper_available.hpp"
 #include "cuda/sm90/tma_map.hpp"
@@ -54,6 +55,37 @@ void launch_width(const SoftmaxMatmulProblem& pr) {
   else return launch<T, 256, kExact>(pr);
 }
 
+// Parameters of a Hopper kernel whose blocks cover `block_rows` rows of X, `block_k` keys per
+// stage and `cols` output columns; false when TMA cannot describe the inputs.
+bool make_sm90_params(const SoftmaxMatmulProblem& pr, int block_rows, int block_k, int cols, smm::Sm90Params& p) {
+  sm90::TileMapShape xs, vs;
+  xs.dim = pr.d2, xs.rows = pr.d1, xs.heads = 1, xs.batch = pr.batch;
+  xs.row_stride = pr.x_row_stride, xs.batch_stride = pr.x_batch_stride, xs.box_rows = block_rows;
+  vs.dim = pr.d3, vs.rows = pr.d2, vs.heads = 1, vs.batch = pr.batch;
+  vs.row_stride = pr.v_row_stride, vs.batch_stride = pr.v_batch_stride, vs.box_rows = block_k;
+  if (!sm90::make_tile_map(&p.x, pr.dtype, pr.x, xs) || !sm90::make_tile_map(&p.v, pr.dtype, pr.v, vs)) return false;
+  p.out = pr.out;
+  p.out_batch_stride = pr.out_batch_stride, p.out_row_stride = pr.out_row_stride;
+  p.d1 = int(pr.d1), p.d2 = int(pr.d2), p.d3 = int(pr.d3);
+  p.d3_blocks = int((pr.d3 + cols - 1) / cols);
+  const int64_t bands = (pr.d1 + block_rows - 1) / block_rows;
+  if (bands * p.d3_blocks > INT32_MAX || pr.batch > 65535)
+    throw Error(ErrorKind::unsupported, "softmax_matmul on CUDA: batch=" + std::to_string(pr.batch) +
+                                            " must be <= 65535 and d1 x d3 tiles fit a grid");
+  return true;
+}
+
+// `cluster_rows` CTAs of neighbouring row bands form a cluster (the grid rounds the bands up).
+template <class Kernel>
+void launch_sm90_kernel(Kernel kernel, const smm::Sm90Params& p, const SoftmaxMatmulProblem& pr, int block_rows,
+                        int threads, int smem, int cluster_rows = 1) {
+  TA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const int64_t bands = (pr.d1 + block_rows * cluster_rows - 1) / (block_rows * cluster_rows) * cluster_rows;
+  const dim3 grid(unsigned(bands * p.d3_blocks), unsigned(pr.batch));
+  kernel<<<grid, threads, smem, static_cast<cudaStream_t>(pr.stream)>>>(p);
+  TA_CUDA_CHECK_LAUNCH("softmax_matmul_kernel_sm90");
+}
+
 // The Hopper kernel (TMA + wgmma); false when it cannot run this problem here (not Hopper, the
 // portable kernels forced, no sm_90a code in the build, or inputs TMA cannot describe).
 template <class T, int N, bool kExact = false>
@@ -62,24 +94,19 @@ bool launch_sm90(const SoftmaxMatmulProblem& pr) {
   const auto kernel = smm::softmax_matmul_kernel_sm90<T, N, kExact>;
   if (!sm90::has_sm90a_code(reinterpret_cast<const void*>(kernel))) return false;
   smm::Sm90Params p{};
-  sm90::TileMapShape xs, vs;
-  xs.dim = pr.d2, xs.rows = pr.d1, xs.heads = 1, xs.batch = pr.batch;
-  xs.row_stride = pr.x_row_stride, xs.batch_stride = pr.x_batch_stride, xs.box_rows = Tile::kBlockM;
-  vs.dim = pr.d3, vs.rows = pr.d2, vs.heads = 1, vs.batch = pr.batch;
-  vs.row_stride = pr.v_row_stride, vs.batch_stride = pr.v_batch_stride, vs.box_rows = Tile::kBlockK;
-  if (!sm90::make_tile_map(&p.x, pr.dtype, pr.x, xs) || !sm90::make_tile_map(&p.v, pr.dtype, pr.v, vs)) return false;
-  p.out = pr.out;
-  p.out_batch_stride = pr.out_batch_stride, p.out_row_stride = pr.out_row_stride;
-  p.d1 = int(pr.d1), p.d2 = int(pr.d2), p.d3 = int(pr.d3);
-  p.d3_blocks = int((pr.d3 + N - 1) / N);
-  const int64_t bands = (pr.d1 + Tile::kBlockM - 1) / Tile::kBlockM;
-  if (bands * p.d3_blocks > INT32_MAX || pr.batch > 65535)
-    throw Error(ErrorKind::unsupported, "softmax_matmul on CUDA: batch=" + std::to_string(pr.batch) +
-                                            " must be <= 65535 and d1 x d3 tiles fit a grid");
-  TA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes));
-  const dim3 grid(unsigned(bands * p.d3_blocks), unsigned(pr.batch));
-  kernel<<<grid, Tile::kThreads, Tile::kSmemBytes, static_cast<cudaStream_t>(pr.stream)>>>(p);
-  TA_CUDA_CHECK_LAUNCH("softmax_matmul_kernel_sm90");
+  if (!make_sm90_params(pr, Tile::kBlockM, Tile::kBlockK, N, p)) return false;
+  launch_sm90_kernel(kernel, p, pr, Tile::kBlockM, Tile::kThreads, Tile::kSmemBytes);
+  return true;
+}
+
+// fp32 fast mode over more than 128 columns: the transposed kernel (no V transpose).
+bool launch_sm90_fast_f32(const SoftmaxMatmulProblem& pr) {
+  using Tile = smm::Sm90FastF32Tile;
+  const auto kernel = smm::softmax_matmul_fast_f32_kernel_sm90;
+  if (!sm90::has_sm90a_code(reinterpret_cast<const void*>(kernel))) return false;
+  smm::Sm90Params p{};
+  if (!make_sm90_params(pr, Tile::kBlockRows, Tile::kBlockK, Tile::kBlockCols, p)) return false;
+  launch_sm90_kernel(kernel, p, pr, Tile::kBlockRows, Tile::kThreads, Tile::kSmemBytes, Tile::kCluster);
   return true;
 }
 
@@ -89,6 +116,7 @@ bool launch_sm90_width(const SoftmaxMatmulProblem& pr) {
   if (pr.batch == 0 || pr.d1 == 0 || pr.d2 == 0 || pr.d3 == 0 || !sm90::hopper_kernels_enabled()) return false;
   if (pr.d3 <= 64) return launch_sm90<T, 64, kExact>(pr);
   if (pr.d3 <= 128 || kExact) return launch_sm90<T, 128, kExact>(pr);
+  if constexpr (std::is_same_v<T, float> && !kExact) return launch_sm90_fast_f32(pr);
   if constexpr (!kExact) return launch_sm90<T, 256>(pr);
   return false;
 }
