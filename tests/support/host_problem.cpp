@@ -76,6 +76,7 @@ std::string SoftmaxMatmulShape::describe() const {
   std::ostringstream os;
   os << dtype_name(dtype) << (padded ? " padded" : "") << " b=" << batch << " d1=" << d1 << " d2=" << d2 << " d3=" << d3
      << " x_scale=" << x_scale;
+  if (x_ramp != 0.0f) os << " x_ramp=" << x_ramp;
   return os.str();
 }
 
@@ -264,12 +265,13 @@ HostSoftmaxMatmul::HostSoftmaxMatmul(const SoftmaxMatmulShape& shape_)
   std::mt19937_64 rng(seed);
   x.fill_random(rng);
   v.fill_random(rng);
-  if (shape.x_scale != 1.0f) {
+  if (shape.x_scale != 1.0f || shape.x_ramp != 0.0f) {
     for (int64_t b = 0; b < x.batch; ++b)
       for (int64_t r = 0; r < x.seqlen; ++r)
         for (int64_t c = 0; c < x.dim; ++c) {
           const int64_t i = b * x.view.batch_stride + r * x.view.seq_stride + c;
-          cpu::store_element(x.view.data, i, x.dtype, shape.x_scale * cpu::load_element(x.view.data, i, x.dtype));
+          const float value = shape.x_scale * cpu::load_element(x.view.data, i, x.dtype) + shape.x_ramp * float(c);
+          cpu::store_element(x.view.data, i, x.dtype, value);
         }
   }
   problem.batch = shape.batch;

@@ -280,7 +280,7 @@ if [[ $PROFILE_SMM -eq 1 && -x "$BUILD/bench_fp32" ]]; then
   if [[ -n "$NCU" ]]; then
     for mode in fast exact; do
       run "$LOG/ncu_smm_$mode.txt" "$NCU" --set full --import-source no --clock-control none \
-        -k regex:softmax_matmul_kernel_sm90 -c 1 -o "$LOG/ncu_smm_$mode" "$BUILD/bench_fp32" smm_f32 "$mode"
+        -k regex:softmax_matmul.*sm90 -c 1 -o "$LOG/ncu_smm_$mode" "$BUILD/bench_fp32" smm_f32 "$mode"
       note "profile smm $mode: rc=$? (logs/ncu_smm_$mode.*)"
       "$NCU" --import "$LOG/ncu_smm_$mode.ncu-rep" --page details > "$LOG/ncu_smm_${mode}_details.txt" 2>&1
       "$NCU" --import "$LOG/ncu_smm_$mode.ncu-rep" --page source --csv --print-source sass \

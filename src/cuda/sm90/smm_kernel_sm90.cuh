@@ -1,6 +1,7 @@
 #pragma once
 // softmax(X) @ V on Hopper: one block per (128 rows of X, N columns of out, batch), three
-// warpgroups.
+// warpgroups. (fp32 fast mode over more than 128 columns runs the transposed kernel of
+// smm_fast_f32_kernel_sm90.cuh instead, which needs no V transpose.)
 //
 //   warpgroup 0      producer: TMA streams X and V tiles of kBlockK keys through shared-memory
 //                    stages (full/empty mbarriers as in the forward). fp32: the whole warpgroup
