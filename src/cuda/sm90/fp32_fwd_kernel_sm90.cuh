@@ -184,10 +184,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<kD>::kThreads, 1)
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
           const int n = 4 * nc + c;
-          const float4 o = c == 0   ? make_float4(in[0].x, in[1].x, in[2].x, in[3].x)
-                           : c == 1 ? make_float4(in[0].y, in[1].y, in[2].y, in[3].y)
-                           : c == 2 ? make_float4(in[0].z, in[1].z, in[2].z, in[3].z)
-                                    : make_float4(in[0].w, in[1].w, in[2].w, in[3].w);
+          const float4 o = sm90::column_of(in, c);
           *reinterpret_cast<float4*>(trow + n * 128 + (((pgg % 8) ^ (n % 8)) * 16)) = o;
         }
       }

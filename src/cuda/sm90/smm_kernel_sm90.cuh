@@ -232,10 +232,7 @@ __global__ void __launch_bounds__(Sm90Tile<T, N, kExact>::kThreads, 1)
           for (int uu = 0; uu < Tile::kUnits; ++uu) {
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
-              const float4 o = j == 0   ? make_float4(in[uu][0].x, in[uu][1].x, in[uu][2].x, in[uu][3].x)
-                               : j == 1 ? make_float4(in[uu][0].y, in[uu][1].y, in[uu][2].y, in[uu][3].y)
-                               : j == 2 ? make_float4(in[uu][0].z, in[uu][1].z, in[uu][2].z, in[uu][3].z)
-                                        : make_float4(in[uu][0].w, in[uu][1].w, in[uu][2].w, in[uu][3].w);
+              const float4 o = sm90::column_of(in[uu], j);
               unsigned char* at = dst + store0[j] + (it + uu) * kStoreStep;
               if constexpr (kSplit) {
                 const float4 hi = make_float4(tf32_rn(o.x), tf32_rn(o.y), tf32_rn(o.z), tf32_rn(o.w));
