@@ -16,6 +16,16 @@ constexpr float kLn2 = 0.6931471805599453f;
 // The max to subtract before exp2 for a row whose running max is m.
 TA_HOST_DEVICE float safe_row_max(float m) { return m == -INFINITY ? 0.0f : m; }
 
+// Reference max for kernels that rescale lazily: it stays at m_old until a row's max m_tile
+// passes it by more than `slack`, and then moves to a whole number at or above both. Every
+// rescale factor exp2(m_old - m_new) is then a power of two, so rescaling rounds nothing: rows
+// that keep rising, rescaled dozens of times, lose no accuracy to it. p stays at most 2^slack.
+TA_HOST_DEVICE float lazy_row_max(float m_old, float m_tile, float slack) {
+  if (m_old != -INFINITY && !(m_tile > m_old + slack)) return m_old;
+  if (m_tile == -INFINITY) return m_old;
+  return ceilf(fmaxf(m_old, m_tile));
+}
+
 // Factor by which the old accumulator and sum shrink when the running max moves m_old -> m_new.
 TA_HOST_DEVICE float rescale_factor(float m_old, float m_new) {
   return m_old == -INFINITY ? 0.0f : exp2f(m_old - m_new);

@@ -89,6 +89,7 @@ __global__ void __cluster_dims__(Sm90FastF32Tile::kCluster, 1, 1) __launch_bound
   uint64_t* p_full = x_empty + kXSt;
   uint64_t* v_full = p_full + kXSt;
   uint64_t* v_empty = v_full + kVSt;
+  uint64_t* sums_ready = v_empty + kVSt;  // the row sums' inverses are in inv_sum
 
   // Clusters of two CTAs on neighbouring row bands and the same column slice: each loads half of
   // every V tile into both. The slices of a band pair are neighbours, so X's second read is
@@ -110,6 +111,7 @@ __global__ void __cluster_dims__(Sm90FastF32Tile::kCluster, 1, 1) __launch_bound
       sm90::barrier_init(v_full + s, 1);
       sm90::barrier_init(v_empty + s, 8 * kCluster);  // the product warps of every CTA
     }
+    sm90::barrier_init(sums_ready, 4);  // every softmax warp
     sm90::barrier_init_fence();
   }
   sm90::cluster_sync();
@@ -160,8 +162,7 @@ __global__ void __cluster_dims__(Sm90FastF32Tile::kCluster, 1, 1) __launch_bound
           if (n0 + j >= p.d2) x[j] = -INFINITY;
       }
       const float tile_max = tree_reduce(x, [](float a, float b) { return fmaxf(a, b); });
-      float mx = fmaxf(row_max, tile_max * kLog2e);  // log2 domain
-      if (row_max != -INFINITY && mx <= row_max + kSlack) mx = row_max;
+      const float mx = lazy_row_max(row_max, tile_max * kLog2e, kSlack);  // log2 domain
       const float factor = rescale_factor(row_max, mx);
       const bool moved = mx != row_max;
       row_max = mx;
@@ -185,7 +186,8 @@ __global__ void __cluster_dims__(Sm90FastF32Tile::kCluster, 1, 1) __launch_bound
       if (lane == 0) sm90::barrier_arrive(p_full + s);
     }
     inv_sum[row] = inverse_row_sum(row_sum);
-    sm90::named_barrier_sync(1, Tile::kThreads);
+    __syncwarp();
+    if (lane == 0) sm90::barrier_arrive(sums_ready);
   } else {
     sm90::registers_increase<Tile::kProductRegisters>();
     const int wg = warpgroup - 1;
@@ -319,7 +321,7 @@ __global__ void __cluster_dims__(Sm90FastF32Tile::kCluster, 1, 1) __launch_bound
 #pragma unroll
     for (int j = 0; j < 2; ++j) sm90::fence_registers(acc[j]);
     retire(n_tiles - 1);
-    sm90::named_barrier_sync(1, Tile::kThreads);
+    sm90::barrier_wait(sums_ready, 0);
 
     // acc[j][n][e]: output column c0 + 128 wg + 64 j + 16 warp + 2 g + e / 2, row 8 n + 2 t + e % 2.
     float* out = static_cast<float*>(p.out) + batch * p.out_batch_stride;

@@ -324,9 +324,9 @@ __global__ void __launch_bounds__(Sm90Tile<T, N, kExact>::kThreads, 1)
       __syncwarp();
       if (lane == 0) sm90::barrier_arrive(x_empty + s);
 
-      // The reference max moves only when a row grows past it by 2^kSlack, so that the
-      // accumulators (which wgmma may still be writing) rarely need rescaling; p stays <=
-      // 2^kSlack. Whether any row of the warp does is one vote on each thread's own maxima; only
+      // The reference max moves only when a row grows past it by 2^kSlack (lazy_row_max), so that
+      // the accumulators (which wgmma may still be writing) rarely need rescaling, and then by a
+      // power of two; p stays <= 2^kSlack. Whether any row of the warp does is one vote on each thread's own maxima; only
       // then are the maxima reduced across the quad (the first tile always, later ones rarely).
       bool over = false;
 #pragma unroll
@@ -339,8 +339,7 @@ __global__ void __launch_bounds__(Sm90Tile<T, N, kExact>::kThreads, 1)
           float mx = tile_max[hf];
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-          mx = fmaxf(row_max[hf], mx * kLog2e);  // row_max is in the log2 domain
-          if (row_max[hf] != -INFINITY && mx <= row_max[hf] + kSlack) mx = row_max[hf];
+          mx = lazy_row_max(row_max[hf], mx * kLog2e, kSlack);  // row_max is in the log2 domain
           factor[hf] = rescale_factor(row_max[hf], mx);
           moved |= mx != row_max[hf];
           row_max[hf] = mx;
