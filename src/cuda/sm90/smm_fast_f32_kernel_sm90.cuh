@@ -25,9 +25,10 @@
 //   {0, 2, 4, 6} (or {1, 3, 5, 7}), whose 128-byte swizzles put their 32 bytes in four different
 //   quarters of the banks: two wavefronts per load, the minimum (the natural order took four).
 //
-// The running row max moves only in steps of 2^kSlack (as in the untransposed kernel); when a
-// row's does, its factor goes to shared memory beside P and a per-warp flag tells the product
-// warpgroups to rescale before adding the tile.
+// The reference row max moves only when a row passes it by 2^kSlack, and then to a whole number
+// (lazy_row_max, as in the untransposed kernel); when a row's does, its factor goes to shared
+// memory beside P and a per-warp flag tells the product warpgroups to rescale before adding the
+// tile.
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -50,8 +51,8 @@ struct Sm90FastF32Tile {
   static constexpr int kKSteps = kBlockK / 8;
   static constexpr int kXStages = 5;
   static constexpr int kVStages = 4;
-  // CTAs on neighbouring row bands that share V tiles. (H100: clusters of 4 ran 1.32 ms against
-  // 1.08 for pairs, and 1.18 against 0.87 with only the loads left in.)
+  // CTAs on neighbouring row bands that share V tiles. (H100: clusters of 4 ran 1.32-1.39 ms
+  // against 1.08-1.10 for pairs, and 1.07-1.18 against 0.87 with only the loads left in.)
   static constexpr int kCluster = 2;
   static constexpr int kXBytes = kBlockRows * 128;
   static constexpr int kVPanelBytes = kBlockK * 128;  // 32 keys x 32 columns
