@@ -200,6 +200,7 @@ std::vector<double> reference_softmax_matmul(const SoftmaxMatmulProblem& p) {
       x[size_t(c)] = load_element(p.x, b * p.x_batch_stride + r * p.x_row_stride + c, p.dtype);
       m = std::max(m, x[size_t(c)]);
     }
+    if (m == -std::numeric_limits<double>::infinity()) return;  // every key masked: a zero row
     double sum = 0.0;
     for (auto& e : x) sum += (e = std::exp(e - m));
     double* o = &out[size_t(task * p.d3)];

@@ -36,7 +36,8 @@ ReferenceForward reference_forward_dense(const AttentionProblem& problem, const 
 ReferenceBackward reference_backward_dense(const AttentionProblem& problem, const std::vector<double>& q,
                                            const std::vector<double>& k, const std::vector<double>& v,
                                            const std::vector<double>& dout);
-// (batch, d1, d3)
+// (batch, d1, d3); a row of X that is -inf throughout gives a zero row, as a fully masked
+// attention row does.
 std::vector<double> reference_softmax_matmul(const SoftmaxMatmulProblem& problem);
 
 }  // namespace tileattn::cpu

@@ -57,5 +57,30 @@ INSTANTIATE_TEST_SUITE_P(Cpu, SoftmaxMatmul,
                                          Case{2, 70, 129, 80, DType::bf16, false, 1.0f},
                                          Case{1, 33, 500, 64, DType::bf16, true, 40.0f}));
 
+// Rows of X that are -inf throughout give zero rows (every key masked, as in attention), not
+// NaN; rows with some keys -inf match the oracle.
+TEST(SoftmaxMatmulMaskedRows, FullyMaskedRowsGiveZeros) {
+  for (DType dt : {DType::f32, DType::bf16}) {
+    SoftmaxMatmulShape shape;
+    shape.batch = 2, shape.d1 = 40, shape.d2 = 300, shape.d3 = 24, shape.dtype = dt;
+    shape.masked_rows = true;
+    shape.num_threads = 2;
+    HostSoftmaxMatmul hs(shape);
+    hs.problem.backend = Backend::cpu;
+    tileattn::softmax_matmul(hs.problem);
+    const std::vector<double> want = cpu::reference_softmax_matmul(hs.problem);
+    const std::vector<double> got = hs.out.gather();
+    int64_t zero_rows = 0;
+    for (int64_t row = 0; row < shape.batch * shape.d1; ++row) {
+      if (!SoftmaxMatmulShape::row_fully_masked(row % shape.d1)) continue;
+      ++zero_rows;
+      for (int64_t d = 0; d < shape.d3; ++d) EXPECT_EQ(got[size_t(row * shape.d3 + d)], 0.0) << "row " << row;
+    }
+    EXPECT_EQ(zero_rows, 12);
+    const double rel = dt == DType::f32 ? 0.0 : unit_roundoff(dt);
+    EXPECT_TRUE(within(got, want, rel, 2e-5 * std::max(compare(want, want).max_ref, 1.0)));
+  }
+}
+
 }  // namespace
 }  // namespace tileattn::test

@@ -77,6 +77,7 @@ std::string SoftmaxMatmulShape::describe() const {
   os << dtype_name(dtype) << (padded ? " padded" : "") << " b=" << batch << " d1=" << d1 << " d2=" << d2 << " d3=" << d3
      << " x_scale=" << x_scale;
   if (x_ramp != 0.0f) os << " x_ramp=" << x_ramp;
+  if (masked_rows) os << " masked_rows";
   return os.str();
 }
 
@@ -273,6 +274,13 @@ HostSoftmaxMatmul::HostSoftmaxMatmul(const SoftmaxMatmulShape& shape_)
           const float value = shape.x_scale * cpu::load_element(x.view.data, i, x.dtype) + shape.x_ramp * float(c);
           cpu::store_element(x.view.data, i, x.dtype, value);
         }
+  }
+  if (shape.masked_rows) {
+    for (int64_t b = 0; b < x.batch; ++b)
+      for (int64_t r = 0; r < x.seqlen; ++r)
+        for (int64_t c = 0; c < x.dim; ++c)
+          if (SoftmaxMatmulShape::row_fully_masked(r) || (r % 5 == 1 && c % 3 == 0))
+            cpu::store_element(x.view.data, b * x.view.batch_stride + r * x.view.seq_stride + c, x.dtype, -INFINITY);
   }
   problem.batch = shape.batch;
   problem.d1 = shape.d1;

@@ -107,14 +107,17 @@ class HostProblem {
 
 // softmax(X) @ V with X (batch, d1, d2), V (batch, d2, d3), out (batch, d1, d3); `padded` puts
 // poisoned gaps after each row and batch. X is N(0, x_scale) so rows can be made peaky, plus
-// x_ramp * key so that each row's max keeps climbing along the keys.
+// x_ramp * key so that each row's max keeps climbing along the keys. With masked_rows, rows
+// r % 7 == 3 are -inf throughout (every key masked) and rows r % 5 == 1 at every third key.
 struct SoftmaxMatmulShape {
   int64_t batch = 1, d1 = 1, d2 = 1, d3 = 1;
   DType dtype = DType::f32;
   bool padded = false;
   float x_scale = 1.0f;
   float x_ramp = 0.0f;
+  bool masked_rows = false;
   int num_threads = 0;
+  static bool row_fully_masked(int64_t r) { return r % 7 == 3; }
   std::string describe() const;
 };
 
