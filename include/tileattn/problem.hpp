@@ -79,7 +79,9 @@ struct AttentionProblem {
 };
 
 // softmax(X, dim=-1) @ V for X (batch, d1, d2), V (batch, d2, d3), out (batch, d1, d3).
-// Strides in elements; the last dimension of each is contiguous.
+// Strides in elements; the last dimension of each is contiguous. A row of X that is -inf
+// throughout (every key masked) gives a zero row of out, as a fully masked attention row does
+// (PyTorch's softmax gives NaN there).
 struct SoftmaxMatmulProblem {
   int64_t batch = 0, d1 = 0, d2 = 0, d3 = 0;
   DType dtype = DType::f32;

@@ -130,7 +130,7 @@ def softmax_matmul(x: Tensor, v: Tensor) -> Tensor:
     """softmax(x, dim=-1) @ v without materialising softmax(x), differentiable.
 
     x is (batch, d1, d2) and v (batch, d2, d3), or (d1, d2) and (d2, d3); returns (batch, d1, d3)
-    or (d1, d3).
+    or (d1, d3). A row of x that is -inf throughout gives a zero row (torch.softmax gives NaN).
     """
     if x.dim() == 2 and v.dim() == 2:
         return torch.ops.tileattn.softmax_matmul(x.unsqueeze(0), v.unsqueeze(0)).squeeze(0)

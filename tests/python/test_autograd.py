@@ -124,6 +124,18 @@ def test_softmax_matmul_two_dimensional():
     assert naive.max_error(out, torch.softmax(x.double(), -1) @ v.double()) < 1e-6
 
 
+def test_softmax_matmul_fully_masked_row_is_zero():
+    x, v = torch.randn(2, 6, 40), torch.randn(2, 40, 3)
+    x[0, 2] = -math.inf  # every key masked
+    x[1, 4, ::3] = -math.inf  # some keys masked
+    out = tileattn.softmax_matmul(x, v)
+    assert torch.equal(out[0, 2], torch.zeros(3))
+    ref = torch.softmax(x.double(), -1) @ v.double()  # NaN in the fully masked row
+    keep = torch.ones(2, 6, dtype=torch.bool)
+    keep[0, 2] = False
+    assert naive.max_error(out[keep], ref[keep]) < 1e-6
+
+
 # ---- what the forward keeps -----------------------------------------------------------------
 
 def _saved_tensors(fn):
