@@ -68,10 +68,6 @@ bool make_sm90_params(const SoftmaxMatmulProblem& pr, int block_rows, int block_
   p.out_batch_stride = pr.out_batch_stride, p.out_row_stride = pr.out_row_stride;
   p.d1 = int(pr.d1), p.d2 = int(pr.d2), p.d3 = int(pr.d3);
   p.d3_blocks = int((pr.d3 + cols - 1) / cols);
-  const int64_t bands = (pr.d1 + block_rows - 1) / block_rows;
-  if (bands * p.d3_blocks > INT32_MAX || pr.batch > 65535)
-    throw Error(ErrorKind::unsupported, "softmax_matmul on CUDA: batch=" + std::to_string(pr.batch) +
-                                            " must be <= 65535 and d1 x d3 tiles fit a grid");
   return true;
 }
 
@@ -79,8 +75,11 @@ bool make_sm90_params(const SoftmaxMatmulProblem& pr, int block_rows, int block_
 template <class Kernel>
 void launch_sm90_kernel(Kernel kernel, const smm::Sm90Params& p, const SoftmaxMatmulProblem& pr, int block_rows,
                         int threads, int smem, int cluster_rows = 1) {
-  TA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const int64_t bands = (pr.d1 + block_rows * cluster_rows - 1) / (block_rows * cluster_rows) * cluster_rows;
+  if (bands * p.d3_blocks > INT32_MAX || pr.batch > 65535)
+    throw Error(ErrorKind::unsupported, "softmax_matmul on CUDA: batch=" + std::to_string(pr.batch) +
+                                            " must be <= 65535 and d1 x d3 tiles fit a grid");
+  TA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const dim3 grid(unsigned(bands * p.d3_blocks), unsigned(pr.batch));
   kernel<<<grid, threads, smem, static_cast<cudaStream_t>(pr.stream)>>>(p);
   TA_CUDA_CHECK_LAUNCH("softmax_matmul_kernel_sm90");
@@ -110,15 +109,15 @@ bool launch_sm90_fast_f32(const SoftmaxMatmulProblem& pr) {
   return true;
 }
 
-// fp32 exact mode (split TF32, two accumulators per thread) takes at most 128 columns.
+// fp32 exact mode (split TF32, two accumulators per thread) takes at most 128 columns; fp32
+// fast mode over 128 columns runs the transposed kernel, so no 256-column fp32 instance exists.
 template <class T, bool kExact = false>
 bool launch_sm90_width(const SoftmaxMatmulProblem& pr) {
   if (pr.batch == 0 || pr.d1 == 0 || pr.d2 == 0 || pr.d3 == 0 || !sm90::hopper_kernels_enabled()) return false;
   if (pr.d3 <= 64) return launch_sm90<T, 64, kExact>(pr);
   if (pr.d3 <= 128 || kExact) return launch_sm90<T, 128, kExact>(pr);
-  if constexpr (std::is_same_v<T, float> && !kExact) return launch_sm90_fast_f32(pr);
-  if constexpr (!kExact) return launch_sm90<T, 256>(pr);
-  return false;
+  if constexpr (std::is_same_v<T, float>) return launch_sm90_fast_f32(pr);
+  else return launch_sm90<T, 256>(pr);
 }
 
 }  // namespace
