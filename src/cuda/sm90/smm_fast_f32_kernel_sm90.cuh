@@ -3,14 +3,22 @@
 // out^T = V^T P^T. TF32 wgmma reads B from shared memory only K-major, and V is N-major, so the
 // untransposed kernel (smm_kernel_sm90.cuh) rewrites every V tile. Here the roles swap:
 //
-//   warpgroup 0      softmax: thread r owns row r of the block's 128 rows of X. It reads its
+//   warpgroup 0      loads: one thread issues X's TMA copies, another V's, each as soon as a
+//                    stage is free.
+//   warpgroup 1      softmax: thread r owns row r of the block's 128 rows of X. It reads its
 //                    row of the tile from the TMA stage, updates the row's max and sum, and
 //                    writes P (TF32-rounded) back over X in the same place. P is then the
 //                    K-major B operand (N = 128 rows of X), exactly as TMA laid X out.
-//   warpgroups 1, 2  products, 128 output columns each (two m64n128k8 per k-step): A = V^T is
+//   warpgroups 2, 3  products, 128 output columns each (two m64n128k8 per k-step): A = V^T is
 //                    read from the V stage straight into the A-fragment layout (registers take
-//                    any layout), so nothing is transposed through shared memory. One thread of
-//                    each also issues the TMA loads.
+//                    any layout), so nothing is transposed through shared memory.
+//
+// The loads have a warpgroup of their own, at 24 registers, because any wait on a product
+// warp's path idles the tensor cores. H100, 16 x 2048 x 8192 x 512: issued by a thread of each
+// product warpgroup, the whole kernel ran 1.08-1.10 ms; from their own warps, 0.96-0.98. (Issued
+// by the softmax warpgroup, V arrived late. On a product warp's loading thread, a few integer
+// divisions per tile lost a fifth of the speed, and putting a load off while its stage was busy,
+// rather than waiting for it, lost a fifth too.)
 //
 // CTAs run in pairs on neighbouring row bands of the same column slice, each loading half of
 // every V tile into both (multicast): a third less L2 traffic per tile. H100, 16 x 2048 x 8192 x
@@ -44,7 +52,7 @@
 namespace tileattn::cuda::smm {
 
 struct Sm90FastF32Tile {
-  static constexpr int kThreads = 384;
+  static constexpr int kThreads = 512;
   static constexpr int kBlockRows = 128;   // rows of X (wgmma N)
   static constexpr int kBlockCols = 256;   // output columns: 128 per product warpgroup (2 x M = 64)
   static constexpr int kBlockK = 32;       // keys per stage: one 128-byte row of X
@@ -63,9 +71,10 @@ struct Sm90FastF32Tile {
   static constexpr int kBarrierOffset = kInvOffset + kBlockRows * 4;
   static constexpr int kSmemBytes = kBarrierOffset + 256 + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "softmax_matmul sm90 fast f32: stages exceed shared memory");
-  // 72 + 2 x 216 = 504 registers over three warpgroups: the launch allocation at 384 threads.
+  // 24 + 72 + 2 x 208 = 512 registers over four warpgroups: the launch allocation at 512 threads.
+  static constexpr int kLoaderRegisters = 24;
   static constexpr int kSoftmaxRegisters = 72;
-  static constexpr int kProductRegisters = 216;
+  static constexpr int kProductRegisters = 208;
 };
 
 // The key (within its group of 8) at slot s of a k-step: 0, 2, 4, 6, 1, 3, 5, 7.
@@ -141,8 +150,22 @@ __global__ void __cluster_dims__(Sm90FastF32Tile::kCluster, 1, 1) __launch_bound
   };
 
   if (warpgroup == 0) {
+    sm90::registers_decrease<Tile::kLoaderRegisters>();
+    // Tile i's stage was last read by tile i - kStages.
+    if (lane == 0 && warp == 0) {
+      for (int i = 0; i < n_tiles; ++i) {
+        if (i >= kXSt) sm90::barrier_wait(x_empty + i % kXSt, (i / kXSt + 1) & 1);
+        issue_x(i);
+      }
+    } else if (lane == 0 && warp == 1) {
+      for (int i = 0; i < n_tiles; ++i) {
+        if (i >= kVSt) sm90::barrier_wait(v_empty + i % kVSt, (i / kVSt + 1) & 1);
+        issue_v(i);
+      }
+    }
+  } else if (warpgroup == 1) {
     sm90::registers_decrease<Tile::kSoftmaxRegisters>();
-    const int row = int(threadIdx.x);
+    const int row = int(threadIdx.x) - 128;
     float row_max = -INFINITY, row_sum = 0.0f;
 
     const int swz = row % 8;
@@ -191,7 +214,7 @@ __global__ void __cluster_dims__(Sm90FastF32Tile::kCluster, 1, 1) __launch_bound
     if (lane == 0) sm90::barrier_arrive(sums_ready);
   } else {
     sm90::registers_increase<Tile::kProductRegisters>();
-    const int wg = warpgroup - 1;
+    const int wg = warpgroup - 2;
     const int g = lane / 4, t = lane % 4;
 
     float acc[2][16][4];
@@ -259,11 +282,6 @@ __global__ void __cluster_dims__(Sm90FastF32Tile::kCluster, 1, 1) __launch_bound
       }
     };
 
-    // The loads are issued from here, by one thread of each product warpgroup (V by the first,
-    // X by the second), right after that warpgroup has released the stage: the other one
-    // releases it at about the same time, as both wait for the same P. (Issued by the softmax
-    // warpgroup, they waited behind its softmax: V arrived late.)
-    const bool loads_v = wg == 0 && warp == 0 && lane == 0, loads_x = wg == 1 && warp == 0 && lane == 0;
     // V's stage i goes back, in every CTA of the cluster, once this warp's fragments of tile i
     // are in registers. The wgmma issue waited for their values, so the loads have completed and
     // no later copy can change what they read: no proxy fence (it cost 1.11 against 1.08 ms).
@@ -273,19 +291,11 @@ __global__ void __cluster_dims__(Sm90FastF32Tile::kCluster, 1, 1) __launch_bound
 #pragma unroll
         for (int c = 0; c < kCluster; ++c) sm90::barrier_arrive_cluster(v_empty + i % kVSt, uint32_t(c));
       }
-      if (loads_v && i + kVSt < n_tiles) {
-        sm90::barrier_wait(v_empty + i % kVSt, (i / kVSt) & 1);
-        issue_v(i + kVSt);
-      }
     };
     // X's stage (P) goes back once every k-step of tile i's products has completed.
     auto retire = [&](int i) {
       __syncwarp();
       if (lane == 0) sm90::barrier_arrive(x_empty + i % kXSt);
-      if (loads_x && i + kXSt < n_tiles) {
-        sm90::barrier_wait(x_empty + i % kXSt, (i / kXSt) & 1);
-        issue_x(i + kXSt);
-      }
     };
 
     using S0 = std::integral_constant<int, 0>;
@@ -293,10 +303,6 @@ __global__ void __cluster_dims__(Sm90FastF32Tile::kCluster, 1, 1) __launch_bound
     using S2 = std::integral_constant<int, 2>;
     using S3 = std::integral_constant<int, 3>;
     static_assert(kKSteps == 4, "softmax_matmul sm90 fast f32: four k-steps per tile");
-    if (loads_v)
-      for (int i = 0; i < kVSt && i < n_tiles; ++i) issue_v(i);
-    if (loads_x)
-      for (int i = 0; i < kXSt && i < n_tiles; ++i) issue_x(i);
     auto load_first_half = [&](int i) {
       sm90::barrier_wait(v_full + i % kVSt, (i / kVSt) & 1);
       load_step(S0{}, i), load_step(S1{}, i);
