@@ -81,12 +81,12 @@ const std::vector<Case>& shapes() {
   static const std::vector<Case> list = {
       {"small", shape(2, 100, 300, 64)},
       {"wide_d3_two_slices", shape(1, 200, 520, 512)},
-      // Four and three column slices: work items that differ in their slice.
+      // Four and three column slices, so that neighbouring clusters differ in their slice.
       {"four_slices", shape(2, 300, 600, 1000)},
       {"three_slices", shape(1, 150, 330, 700)},
-      // More work items (band pairs x slices x batch: 144) than an H100 holds clusters (66): the
-      // persistent Hopper fp32 fast kernel runs two or three in a row per cluster.
-      {"many_items", shape(36, 300, 200, 300)},
+      // More blocks than a GPU holds at once (an H100 holds 132; the Hopper fp32 fast kernel
+      // runs 288 here): later waves find the X and V of earlier ones in L2.
+      {"many_blocks", shape(36, 300, 200, 300)},
       {"odd_sizes", shape(3, 37, 45, 70)},
       {"d2_is_1", shape(2, 16, 1, 24)},
       {"peaky_rows", shape(1, 130, 700, 300, false, 12.0f)},
