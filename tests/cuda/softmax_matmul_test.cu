@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -180,6 +181,40 @@ TEST_P(SoftmaxMatmulFp32Fast, WithinTf32Bound) {
 
 INSTANTIATE_TEST_SUITE_P(Sweep, SoftmaxMatmulFp32Fast, testing::ValuesIn(cases({DType::f32})),
                          [](const testing::TestParamInfo<Case>& info) { return info.param.name; });
+
+// The Hopper fp32 fast kernel writes a thread's two neighbouring columns with one 8-byte store
+// where output rows keep 8-byte alignment, and with two 4-byte stores where they do not (an odd
+// row stride): the same numbers either way, and the gaps between rows untouched.
+TEST(SoftmaxMatmulOutputStride, OddRowStrideGivesTheSameNumbers) {
+  TA_SKIP_WITHOUT_GPU();
+  HostSoftmaxMatmul h(shape(2, 150, 300, 300));
+  const auto ref = cpu::reference_softmax_matmul(host::validate_softmax_matmul(h.problem, Backend::cpu));
+  DeviceSoftmaxMatmul d(h);
+  d.run(Fp32Mode::fast);
+  const auto contiguous = h.out.gather();
+  double max_v = 0.0;
+  for (double x : h.v.gather()) max_v = std::max(max_v, std::fabs(x));
+  const ErrorStats e = compare(contiguous, ref);
+  EXPECT_LE(e.max_abs, kFastBoundPerMaxV * max_v + output_floor(DType::f32, e.max_ref)) << e;
+
+  const int64_t b = h.shape.batch, d1 = h.shape.d1, d3 = h.shape.d3, stride = d3 + 1;
+  constexpr uint32_t kGap = 0x7fa5a5a5u;  // a NaN that no result has
+  std::vector<uint32_t> odd(size_t(b * d1 * stride), kGap);
+  DeviceBuffer out(odd.data(), odd.size() * 4);
+  SoftmaxMatmulProblem p = d.problem;
+  p.out = out.get(), p.out_row_stride = stride, p.out_batch_stride = d1 * stride;
+  tileattn::softmax_matmul(p);
+  check_cuda(cudaDeviceSynchronize(), "softmax_matmul");
+  out.download(odd.data());
+  int64_t mismatches = 0, gaps_written = 0;
+  for (int64_t r = 0; r < b * d1; ++r) {
+    for (int64_t c = 0; c < d3; ++c)
+      if (double(std::bit_cast<float>(odd[size_t(r * stride + c)])) != contiguous[size_t(r * d3 + c)]) ++mismatches;
+    if (odd[size_t(r * stride + d3)] != kGap) ++gaps_written;
+  }
+  EXPECT_EQ(mismatches, 0);
+  EXPECT_EQ(gaps_written, 0);
+}
 
 // Rows of X that are -inf throughout give zero rows (every key masked, as in attention), not NaN,
 // in every dtype and fp32 mode and on each Hopper kernel (column slices of 64, 128 and more);

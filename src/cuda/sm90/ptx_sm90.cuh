@@ -81,15 +81,18 @@ __device__ __forceinline__ uint32_t cluster_rank() {
 __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
 }
-// Arrives on the barrier at the same offset in CTA `cta` of the cluster. Plain (CTA-scope)
-// semantics: a cluster-scope release compiles to a GPU-wide memory barrier per arrival, and the
-// callers only release stages whose reads have completed.
-__device__ __forceinline__ void barrier_arrive_cluster(uint64_t* bar, uint32_t cta) {
-  asm volatile(
-      "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\nmbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(
-          smem_address(bar)),
-      "r"(cta)
-      : "memory");
+// The cluster-window address of `p`'s offset in CTA `cta`'s shared memory. A CTA's window is
+// contiguous, so offsets from one mapped address stay valid.
+__device__ __forceinline__ uint32_t cluster_address(const void* p, uint32_t cta) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(smem_address(p)), "r"(cta));
+  return remote;
+}
+// Arrives on the barrier at a cluster-window address. Plain (CTA-scope) semantics: a
+// cluster-scope release compiles to a GPU-wide memory barrier per arrival, and the callers only
+// release stages whose reads have completed.
+__device__ __forceinline__ void barrier_arrive_remote(uint32_t cluster_addr) {
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_addr) : "memory");
 }
 // tma_load_4d into the same offset of every CTA in `cta_mask`, completing on each one's barrier
 // at `bar`'s offset.

@@ -287,11 +287,14 @@ __global__ void __cluster_dims__(Sm90FastF32Tile::kCluster, 1, 1) __launch_bound
     // V's stage i goes back, in every CTA of the cluster, once this warp's fragments of tile i
     // are in registers. The wgmma issue waited for their values, so the loads have completed and
     // no later copy can change what they read: no proxy fence (it cost 1.11 against 1.08 ms).
+    uint32_t v_empty_at[kCluster];  // v_empty in each CTA, mapped once (mapa costs a special-register read)
+#pragma unroll
+    for (int c = 0; c < kCluster; ++c) v_empty_at[c] = sm90::cluster_address(v_empty, uint32_t(c));
     auto release_v = [&](int i) {
       __syncwarp();
       if (lane == 0) {
 #pragma unroll
-        for (int c = 0; c < kCluster; ++c) sm90::barrier_arrive_cluster(v_empty + i % kVSt, uint32_t(c));
+        for (int c = 0; c < kCluster; ++c) sm90::barrier_arrive_remote(v_empty_at[c] + 8 * (i % kVSt));
       }
     };
     // X's stage (P) goes back once every k-step of tile i's products has completed.
@@ -333,7 +336,10 @@ __global__ void __cluster_dims__(Sm90FastF32Tile::kCluster, 1, 1) __launch_bound
     sm90::barrier_wait(sums_ready, 0);
 
     // acc[j][n][e]: output column c0 + 128 wg + 64 j + 16 warp + 2 g + e / 2, row 8 n + 2 t + e % 2.
+    // A thread's two columns of a row are neighbours: one 8-byte store where rows keep that
+    // alignment (c is even).
     float* out = static_cast<float*>(p.out) + batch * p.out_batch_stride;
+    const bool pairs = (reinterpret_cast<uintptr_t>(out) | uintptr_t(p.out_row_stride) * 4) % 8 == 0;
 #pragma unroll
     for (int n = 0; n < 16; ++n)
 #pragma unroll
@@ -345,8 +351,13 @@ __global__ void __cluster_dims__(Sm90FastF32Tile::kCluster, 1, 1) __launch_bound
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           const int c = c0 + 128 * wg + 64 * j + 16 * warp + 2 * g;
-          if (c < p.d3) orow[c] = acc[j][n][h] * inv;
-          if (c + 1 < p.d3) orow[c + 1] = acc[j][n][2 + h] * inv;
+          const float lo = acc[j][n][h] * inv, hi = acc[j][n][2 + h] * inv;
+          if (pairs && c + 1 < p.d3) {
+            *reinterpret_cast<float2*>(orow + c) = make_float2(lo, hi);
+          } else {
+            if (c < p.d3) orow[c] = lo;
+            if (c + 1 < p.d3) orow[c + 1] = hi;
+          }
         }
       }
   }
