@@ -86,7 +86,7 @@ const std::vector<Case>& shapes() {
       {"four_slices", shape(2, 300, 600, 1000)},
       {"three_slices", shape(1, 150, 330, 700)},
       // More blocks than a GPU holds at once (an H100 holds 132; the Hopper fp32 fast kernel
-      // runs 288 here): later waves find the X and V of earlier ones in L2.
+      // runs 288 here), so that blocks start while others are still running.
       {"many_blocks", shape(36, 300, 200, 300)},
       {"odd_sizes", shape(3, 37, 45, 70)},
       {"d2_is_1", shape(2, 16, 1, 24)},

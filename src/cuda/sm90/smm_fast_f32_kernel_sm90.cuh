@@ -62,7 +62,8 @@ struct Sm90FastF32Tile {
   static constexpr int kXStages = 6;
   static constexpr int kVStages = 3;
   // CTAs on neighbouring row bands that share V tiles. (H100: clusters of 4 ran 1.32-1.39 ms
-  // against 1.08-1.10 for pairs, and 1.07-1.18 against 0.87 with only the loads left in.)
+  // against 1.08-1.10 for pairs, and 1.07-1.18 against 0.87 with only the loads left in. Only 30
+  // clusters of four fit at once, against 66 pairs, so 512 blocks take five waves, not four.)
   static constexpr int kCluster = 2;
   static constexpr int kXBytes = kBlockRows * 128;
   static constexpr int kVPanelBytes = kBlockK * 128;  // 32 keys x 32 columns
