@@ -57,9 +57,11 @@ std::vector<double> gather(const AttentionProblem& p, const TensorView& t, const
 
 // One pass over every (sequence, kv head); the query heads of a GQA group are handled by the
 // same task, so each task owns its rows of every output and dK/dV sum without races.
+// `given_o` (dense like dout), when set, supplies O for D = rowsum(dO * O) in place of the oracle's
+// own P and dP.
 void run_oracle(const AttentionProblem& p, const std::vector<double>& q, const std::vector<double>& k,
                 const std::vector<double>& v, const std::vector<double>* dout, ReferenceForward* fwd,
-                ReferenceBackward* bwd) {
+                ReferenceBackward* bwd, const std::vector<double>* given_o = nullptr) {
   const Sequences seq = sequences(p);
   const int64_t hq = p.heads_q, hkv = p.heads_kv, group = hq / hkv;
   const int64_t dqk = p.headdim_qk, dv = p.headdim_v;
@@ -137,6 +139,11 @@ void run_oracle(const AttentionProblem& p, const std::vector<double>& q, const s
           double* gv = &bwd->dv[size_t(((k0 + j) * hkv + hk) * dv)];
           for (int64_t d = 0; d < dv; ++d) gv[d] += pij * go[d];
         }
+        if (given_o) {
+          const double* o = &(*given_o)[size_t(((q0 + i) * hq + h) * dv)];
+          rowsum = 0.0;
+          for (int64_t d = 0; d < dv; ++d) rowsum += go[d] * o[d];
+        }
         double* gq = &bwd->dq[size_t(((q0 + i) * hq + h) * dqk)];
         for (int64_t j = 0; j < sk; ++j) {
           const size_t ij = size_t(i * sk + j);
@@ -182,12 +189,17 @@ ReferenceForward reference_forward(const AttentionProblem& p) {
                                  gather(p, p.v, s.k_begin, s.k_len, s.rows_k, p.heads_kv, p.headdim_v));
 }
 
-ReferenceBackward reference_backward(const AttentionProblem& p) {
+ReferenceBackward reference_backward(const AttentionProblem& p, OracleDelta delta) {
   const Sequences s = sequences(p);
-  return reference_backward_dense(p, gather(p, p.q, s.q_begin, s.q_len, s.rows_q, p.heads_q, p.headdim_qk),
-                                  gather(p, p.k, s.k_begin, s.k_len, s.rows_k, p.heads_kv, p.headdim_qk),
-                                  gather(p, p.v, s.k_begin, s.k_len, s.rows_k, p.heads_kv, p.headdim_v),
-                                  gather(p, p.dout, s.q_begin, s.q_len, s.rows_q, p.heads_q, p.headdim_v));
+  const std::vector<double> dout = gather(p, p.dout, s.q_begin, s.q_len, s.rows_q, p.heads_q, p.headdim_v);
+  std::vector<double> given_o;
+  if (delta == OracleDelta::given_o) given_o = gather(p, p.o, s.q_begin, s.q_len, s.rows_q, p.heads_q, p.headdim_v);
+  ReferenceBackward out;
+  run_oracle(p, gather(p, p.q, s.q_begin, s.q_len, s.rows_q, p.heads_q, p.headdim_qk),
+             gather(p, p.k, s.k_begin, s.k_len, s.rows_k, p.heads_kv, p.headdim_qk),
+             gather(p, p.v, s.k_begin, s.k_len, s.rows_k, p.heads_kv, p.headdim_v), &dout, nullptr, &out,
+             delta == OracleDelta::given_o ? &given_o : nullptr);
+  return out;
 }
 
 std::vector<double> reference_softmax_matmul(const SoftmaxMatmulProblem& p) {

@@ -10,7 +10,11 @@
 //   dk  (rows_k, heads_kv, headdim_qk)      rows_k = batch * seqlen_k, or total_k
 //   dv  (rows_k, heads_kv, headdim_v)
 // reference_backward reads Q, K, V and dO only: it recomputes O and L itself, so it does not
-// inherit an error of the implementation under test.
+// inherit an error of the implementation under test. With OracleDelta::given_o it forms
+// D = rowsum(dO * O) in dS = P (dP - D) from the problem's O instead: the exact result of a
+// backward that takes O as an input, as the API's does. For 16-bit O the two differ by O's
+// rounding, which reaches dQ and dK whole through D; comparing an implementation with the given-O
+// result separates its own arithmetic from that.
 #include <vector>
 
 #include "tileattn/problem.hpp"
@@ -24,8 +28,10 @@ struct ReferenceBackward {
   std::vector<double> dq, dk, dv;
 };
 
+enum class OracleDelta { exact, given_o };
+
 ReferenceForward reference_forward(const AttentionProblem& problem);
-ReferenceBackward reference_backward(const AttentionProblem& problem);
+ReferenceBackward reference_backward(const AttentionProblem& problem, OracleDelta delta = OracleDelta::exact);
 
 // The same oracle on dense float64 inputs in the layouts above (q (rows_q, heads_q, headdim_qk),
 // k (rows_k, heads_kv, headdim_qk), v (rows_k, heads_kv, headdim_v), dout like o), for checks that

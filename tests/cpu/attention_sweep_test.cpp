@@ -186,8 +186,12 @@ TEST_P(AttentionSweep, TiledMatchesOracle) {
   EXPECT_EQ(hp.o.touched_outside_view(), 0);
   EXPECT_EQ(hp.lse_guard_touched(), 0);
 
+  // The backward takes O as an input, and D = rowsum(dO * O) carries O's rounding (2^-8 for bf16)
+  // into dQ and dK whole. Against the exact gradient that alone went past the tolerance below
+  // about once in 15 runs of the sweep (len127_causal_padded_bf16 dQ, q300_k17_causal_f16 dK; both
+  // pass with D from the given O), so the oracle takes D from the same O.
   tileattn::backward(hp.problem);
-  const cpu::ReferenceBackward grad = cpu::reference_backward(hp.problem);
+  const cpu::ReferenceBackward grad = cpu::reference_backward(hp.problem, cpu::OracleDelta::given_o);
   EXPECT_TRUE(gradient_close(hp.dq.gather(), grad.dq, dt)) << "dQ";
   EXPECT_TRUE(gradient_close(hp.dk.gather(), grad.dk, dt)) << "dK";
   EXPECT_TRUE(gradient_close(hp.dv.gather(), grad.dv, dt)) << "dV";

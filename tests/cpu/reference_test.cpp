@@ -3,6 +3,7 @@
 // attention, GQA as repeated heads, varlen as separate sequences).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -88,6 +89,48 @@ TEST(ReferenceGradient, MatchesFiniteDifferencesSoftcap) {
   s.softcap = 1.5f;
   s.softmax_scale = 0.9f;  // scores of a few units: tanh is well inside its curved part
   expect_gradient_matches_differences(s);
+}
+
+// D from the given O. With O the oracle's own forward (rounded to fp32), the gradient is the exact
+// one up to that rounding, on a layout where a wrong row, head or sequence of O would show
+// (varlen, GQA, causal with rows that see no key). With one row's O moved by e, D moves by
+// dO . e there, and dQ_i = scale sum_j P_ij (dP_ij - D_i) K_j by -scale (dO . e) (P K)_i in that
+// row only; (P K)_i is the forward with K in place of V.
+TEST(ReferenceGradient, GivenOFormsDFromTheProblemsO) {
+  auto s = tiny();
+  s.headdim_v = s.headdim_qk;  // so that P K is a forward
+  s.seqlens_q = {3, 0, 6, 2};
+  s.seqlens_k = {2, 3, 5, 0};
+  s.causal = true;
+  HostProblem hp(s);
+  const auto fwd = cpu::reference_forward(hp.problem);
+  hp.o.scatter(fwd.o);
+  const auto exact = cpu::reference_backward(hp.problem);
+  const auto given = cpu::reference_backward(hp.problem, cpu::OracleDelta::given_o);
+  const double max_ref = compare(exact.dq, exact.dq).max_ref;
+  EXPECT_TRUE(within(given.dq, exact.dq, 0.0, 1e-6 * max_ref)) << "dQ";
+  EXPECT_TRUE(within(given.dk, exact.dk, 0.0, 1e-6 * max_ref)) << "dK";
+  EXPECT_EQ(compare(given.dv, exact.dv).max_abs, 0.0) << "dV does not involve D";
+
+  // Dense row 7 is query 4 of the third sequence (6 queries, 5 keys: it sees keys 0..3), head 1.
+  const int64_t row = 7, head = 1, hq = s.heads_q, d = s.headdim_qk;
+  const size_t at = size_t((row * hq + head) * d);
+  const std::vector<double> o_before = hp.o.gather(), dout = hp.dout.gather(), q = hp.q.gather(), k = hp.k.gather();
+  std::vector<double> o = o_before;
+  for (int64_t c = 0; c < d; ++c) o[at + size_t(c)] += 0.25 * double(c + 1);
+  hp.o.scatter(o);
+  const std::vector<double> o_after = hp.o.gather();  // the shift as stored (fp32)
+  double shift = 0.0;
+  for (int64_t c = 0; c < d; ++c) shift += dout[at + size_t(c)] * (o_after[at + size_t(c)] - o_before[at + size_t(c)]);
+  const auto moved = cpu::reference_backward(hp.problem, cpu::OracleDelta::given_o);
+  const auto pk = reference_forward_dense(hp.problem, q, k, k).o;
+  const double scale = 1.0 / std::sqrt(double(d));
+  for (size_t i = 0; i < given.dq.size(); ++i) {
+    const bool in_row = i >= at && i < at + size_t(d);
+    const double want = given.dq[i] - (in_row ? scale * shift * pk[i] : 0.0);
+    EXPECT_NEAR(moved.dq[i], want, 1e-12 * std::max(1.0, std::fabs(want))) << "dQ[" << i << "]";
+  }
+  EXPECT_GT(std::fabs(shift), 1e-3);
 }
 
 TEST(ReferenceGradient, MatchesFiniteDifferencesVarlen) {
