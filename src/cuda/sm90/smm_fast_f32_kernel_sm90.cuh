@@ -154,18 +154,15 @@ __global__ void __cluster_dims__(Sm90FastF32Tile::kCluster, 1, 1) __launch_bound
 
   if (warpgroup == 0) {
     sm90::registers_decrease<Tile::kLoaderRegisters>();
-    // Tile i's stage was last read by tile i - kStages.
-    if (lane == 0 && warp == 0) {
+    // Every tile of one ring, each once its stage was let go by tile i - stages.
+    auto stream = [&](auto issue, uint64_t* empty, int stages) {
       for (int i = 0; i < n_tiles; ++i) {
-        if (i >= kXSt) sm90::barrier_wait(x_empty + i % kXSt, (i / kXSt + 1) & 1);
-        issue_x(i);
+        if (i >= stages) sm90::barrier_wait(empty + i % stages, (i / stages + 1) & 1);
+        issue(i);
       }
-    } else if (lane == 0 && warp == 1) {
-      for (int i = 0; i < n_tiles; ++i) {
-        if (i >= kVSt) sm90::barrier_wait(v_empty + i % kVSt, (i / kVSt + 1) & 1);
-        issue_v(i);
-      }
-    }
+    };
+    if (lane == 0 && warp == 0) stream(issue_x, x_empty, kXSt);
+    else if (lane == 0 && warp == 1) stream(issue_v, v_empty, kVSt);
   } else if (warpgroup == 1) {
     sm90::registers_decrease<Tile::kSoftmaxRegisters>();
     const int row = int(threadIdx.x) - 128;

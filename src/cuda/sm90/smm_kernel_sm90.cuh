@@ -327,8 +327,9 @@ __global__ void __launch_bounds__(Sm90Tile<T, N, kExact>::kThreads, 1)
 
       // The reference max moves only when a row grows past it by 2^kSlack (lazy_row_max), so that
       // the accumulators (which wgmma may still be writing) rarely need rescaling, and then by a
-      // power of two; p stays <= 2^kSlack. Whether any row of the warp does is one vote on each thread's own maxima; only
-      // then are the maxima reduced across the quad (the first tile always, later ones rarely).
+      // power of two; p stays <= 2^kSlack. Whether any row of the warp does is one vote on each
+      // thread's own maxima; only then are the maxima reduced across the quad (the first tile
+      // always, later ones rarely).
       bool over = false;
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) over |= tile_max[hf] * kLog2e > row_max[hf] + kSlack;
