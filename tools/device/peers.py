@@ -1,14 +1,15 @@
 """PyTorch peers of the device benchmarks, printing the CSV their tileattn counterparts print.
 
-  python3 tools/device/peers.py forward  B,H,Nq,Nk,D,causal ...   SDPA flash forward   (bench_attention --pass forward)
-  python3 tools/device/peers.py backward B,H,Nq,Nk,D,causal ...   SDPA flash backward  (bench_attention --pass backward)
-  python3 tools/device/peers.py fp32                              softmax(x) @ v and SDPA in fp32 (bench_fp32)
+  python3 tools/device/peers.py forward  B,H,Nq,Nk,D,causal ...   SDPA forward   (bench_attention --pass forward)
+  python3 tools/device/peers.py backward B,H,Nq,Nk,D,causal ...   SDPA backward  (bench_attention --pass backward)
+  python3 tools/device/peers.py fp32                              softmax(x) @ v, SDPA fp32 (bench_fp32)
 
-forward/backward: bf16, SDPA's flash backend timed on both layouts of the same shape, contiguous
-(batch, heads, seqlen, dim) and a (batch, seqlen, heads, dim) buffer seen through transpose(1, 2)
-(flash-attn's own layout, the one tileattn's harness uses); the faster is printed. Causal with
-Nq != Nk is skipped: SDPA aligns its causal mask top-left, tileattn (like flash-attn)
-bottom-right. The backward runs the forward once and times only autograd.grad of dQ, dK, dV.
+forward/backward: bf16, SDPA's flash and cuDNN backends, each timed on both layouts of the same
+shape, contiguous (batch, heads, seqlen, dim) and a (batch, seqlen, heads, dim) buffer seen
+through transpose(1, 2) (flash-attn's own layout, the one tileattn's harness uses); the faster is
+printed, and nothing where a backend refuses the shape. Causal with Nq != Nk is skipped: SDPA
+aligns its causal mask top-left, tileattn (like flash-attn) bottom-right. The backward runs the
+forward once and times only autograd.grad of dQ, dK, dV.
 fp32: torch.softmax(x, -1) @ v in fp32 with TF32 off and on, fp16, bf16 (batch 16,
 2048 x 8192 x 512), and SDPA fp32 (TF32 off; PyTorch picks the backend) on bench_fp32's
 attention shapes. extra_mib is the peak memory a call allocates beyond its inputs and output.
@@ -78,20 +79,44 @@ def sdpa_inputs(b, h, n, d, bshd, requires_grad=False):
     return t.requires_grad_(requires_grad)
 
 
+# SDPA's backends as peers: flash (the issue's yardstick) and cuDNN (often the fastest on Hopper).
+PEER_BACKENDS = (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION))
+
+
+def best_of_layouts(backend, b, h, nq, nk, d, causal, timing, backward=False):
+    """The faster of the two layouts, in ms; None where the backend refuses the shape."""
+    best = None
+    for bshd in (False, True):
+        q, k, v = (sdpa_inputs(b, h, n, d, bshd, requires_grad=backward) for n in (nq, nk, nk))
+        try:
+            with sdpa_kernel(backend):
+                if backward:
+                    dout = sdpa_inputs(b, h, nq, d, bshd)
+                    out = F.scaled_dot_product_attention(q, k, v, is_causal=bool(causal))
+                    fn = lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+                else:
+                    fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=bool(causal))
+                ms = time_ms(fn, timing)
+        except RuntimeError:
+            continue
+        finally:
+            del q, k, v
+        best = ms if best is None else min(best, ms)
+    return best
+
+
 def forward(shapes):
     row(ATTENTION_COLUMNS + ",gbps")
     for b, h, nq, nk, d, causal in shapes:
         if causal and nq != nk:
             continue
-        best = float("inf")
-        for bshd in (False, True):
-            q, k, v = (sdpa_inputs(b, h, n, d, bshd) for n in (nq, nk, nk))
-            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                ms = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=bool(causal)), FORWARD_TIMING)
-            best = min(best, ms)
         nbytes = 2.0 * (2 * b * h * nq * d + 2 * b * h * nk * d)
-        row("sdpa_flash", "bf16", b, h, nq, nk, d, causal, f"{best:.4f}",
-            f"{attention_flops(b, h, nq, nk, d, causal) / best / 1e9:.1f}", f"{nbytes / best / 1e6:.0f}")
+        for name, backend in PEER_BACKENDS:
+            best = best_of_layouts(backend, b, h, nq, nk, d, causal, FORWARD_TIMING)
+            if best is None:
+                continue
+            row(name, "bf16", b, h, nq, nk, d, causal, f"{best:.4f}",
+                f"{attention_flops(b, h, nq, nk, d, causal) / best / 1e9:.1f}", f"{nbytes / best / 1e6:.0f}")
 
 
 def backward(shapes):
@@ -99,17 +124,12 @@ def backward(shapes):
     for b, h, nq, nk, d, causal in shapes:
         if causal and nq != nk:
             continue
-        best = float("inf")
-        for bshd in (False, True):
-            q, k, v = (sdpa_inputs(b, h, n, d, bshd, requires_grad=True) for n in (nq, nk, nk))
-            dout = sdpa_inputs(b, h, nq, d, bshd)
-            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=bool(causal))
-                ms = time_ms(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), BACKWARD_TIMING)
-            best = min(best, ms)
-            del q, k, v, dout, out
-        row("sdpa_flash", "bf16", b, h, nq, nk, d, causal, f"{best:.4f}",
-            f"{attention_flops(b, h, nq, nk, d, causal, factor=2.5) / best / 1e9:.1f}")
+        for name, backend in PEER_BACKENDS:
+            best = best_of_layouts(backend, b, h, nq, nk, d, causal, BACKWARD_TIMING, backward=True)
+            if best is None:
+                continue
+            row(name, "bf16", b, h, nq, nk, d, causal, f"{best:.4f}",
+                f"{attention_flops(b, h, nq, nk, d, causal, factor=2.5) / best / 1e9:.1f}")
 
 
 def extra_mib(fn, out_bytes):

@@ -51,30 +51,38 @@ def tflops(impls, name):
         return NAN
 
 
+def best_peer(*tflops_values):
+    known = [x for x in tflops_values if x == x]
+    return max(known) if known else NAN
+
+
 def ratio(a, b):
     return a / b if a == a and b == b and b > 0 else NAN
 
 
 def forward(paths):
-    print("forward, bf16 (TFLOP/s; decoding rows also GB/s)")
+    print("forward, bf16 (TFLOP/s; tileattn / SDPA flash, and / the faster of flash and cuDNN; decoding rows "
+          "also GB/s)")
     print(f"{'B':>3} {'H':>3} {'Nq':>6} {'Nk':>6} {'D':>4} {'causal':>6} {'tileattn':>9} {'sdpa_flash':>10} "
-          f"{'ratio':>6}  {'ms':>8}")
+          f"{'cudnn':>6} {'/flash':>6} {'/best':>6}  {'ms':>8}")
     for key, impls in by_shape(paths).items():
         t, s = impls.get("tileattn"), impls.get("sdpa_flash")
-        tf, sf = tflops(impls, "tileattn"), tflops(impls, "sdpa_flash")
+        tf, sf, cf = tflops(impls, "tileattn"), tflops(impls, "sdpa_flash"), tflops(impls, "sdpa_cudnn")
         extra = f"  {t['gbps']} GB/s vs {s['gbps'] if s else '-'}" if key[2] in ("1", "4") and t else ""
         print(f"{key[0]:>3} {key[1]:>3} {key[2]:>6} {key[3]:>6} {key[4]:>4} {key[5]:>6} {tf:9.1f} {sf:10.1f} "
-              f"{ratio(tf, sf):6.2f}  {t['ms'] if t else '-':>8}{extra}")
+              f"{cf:6.1f} {ratio(tf, sf):6.2f} {ratio(tf, best_peer(sf, cf)):6.2f}  {t['ms'] if t else '-':>8}{extra}")
 
 
 def backward(paths):
-    print("backward, bf16 (TFLOP/s, 2.5x forward FLOPs; det cost = deterministic time / atomic-dQ time)")
+    print("backward, bf16 (TFLOP/s, 2.5x forward FLOPs; tileattn / SDPA flash, and / the faster of flash and "
+          "cuDNN; det cost = deterministic time / atomic-dQ time)")
     print(f"{'B':>3} {'H':>3} {'N':>6} {'D':>4} {'causal':>6} {'tileattn':>9} {'det':>7} {'sdpa_flash':>10} "
-          f"{'ratio':>6} {'det cost':>8}")
+          f"{'cudnn':>6} {'/flash':>6} {'/best':>6} {'det cost':>8}")
     for key, impls in by_shape(paths).items():
         t, d, s = tflops(impls, "tileattn"), tflops(impls, "tileattn_det"), tflops(impls, "sdpa_flash")
+        c = tflops(impls, "sdpa_cudnn")
         print(f"{key[0]:>3} {key[1]:>3} {key[2]:>6} {key[4]:>4} {key[5]:>6} {t:9.1f} {d:7.1f} {s:10.1f} "
-              f"{ratio(t, s):6.2f} {ratio(t, d):7.2f}x")
+              f"{c:6.1f} {ratio(t, s):6.2f} {ratio(t, best_peer(s, c)):6.2f} {ratio(t, d):7.2f}x")
 
 
 def fp32(paths):

@@ -57,10 +57,11 @@ struct RowStats {
   }
 
   // Folds one tile of raw scores in: turns s into P = exp2(s * scale_log2 - max) in place and
-  // rescales the output accumulator when a row's max moves.
-  template <int kNTiles, int kOTiles>
-  __device__ __forceinline__ void update(float (&s)[kMTiles][kNTiles][4], float (&o)[kMTiles][kOTiles][4],
-                                         float scale_log2) {
+  // gives, per row, the factor by which the output accumulated so far must shrink (rescale).
+  // Apart, so that a pipelined kernel can fold tile j while the products of tile j - 1 still
+  // write the accumulator.
+  template <int kNTiles>
+  __device__ __forceinline__ void fold(float (&s)[kMTiles][kNTiles][4], float scale_log2, float (&alpha)[kMTiles][2]) {
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -71,7 +72,7 @@ struct RowStats {
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
         const float m_new = fmaxf(max_log2[mt][half], m * scale_log2);
-        const float alpha = rescale_factor(max_log2[mt][half], m_new);
+        alpha[mt][half] = rescale_factor(max_log2[mt][half], m_new);
         max_log2[mt][half] = m_new;
         const float base = safe_row_max(m_new);
         float row_sum = 0.0f;
@@ -83,10 +84,30 @@ struct RowStats {
             x = exp2_fast(fmaf(x, scale_log2, -base));
             row_sum += x;
           }
-        sum[mt][half] = sum[mt][half] * alpha + row_sum;
-#pragma unroll
-        for (int ot = 0; ot < kOTiles; ++ot) o[mt][ot][2 * half] *= alpha, o[mt][ot][2 * half + 1] *= alpha;
+        sum[mt][half] = sum[mt][half] * alpha[mt][half] + row_sum;
       }
+  }
+
+  template <int kOTiles>
+  static __device__ __forceinline__ void rescale(float (&o)[kMTiles][kOTiles][4], const float (&alpha)[kMTiles][2]) {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+#pragma unroll
+        for (int ot = 0; ot < kOTiles; ++ot) {
+          o[mt][ot][2 * half] *= alpha[mt][half];
+          o[mt][ot][2 * half + 1] *= alpha[mt][half];
+        }
+  }
+
+  // fold, then rescale at once: for kernels whose products of the previous tile have completed.
+  template <int kNTiles, int kOTiles>
+  __device__ __forceinline__ void update(float (&s)[kMTiles][kNTiles][4], float (&o)[kMTiles][kOTiles][4],
+                                         float scale_log2) {
+    float alpha[kMTiles][2];
+    fold(s, scale_log2, alpha);
+    rescale(o, alpha);
   }
 
   // Adds the quad's shares of each row sum; afterwards every lane of the quad holds the total.

@@ -143,6 +143,16 @@ __device__ __forceinline__ uint64_t mn_major_descriptor(uint32_t address, uint32
   return smem_descriptor(address, panel_bytes, 1024);
 }
 
+// ---- named barriers (1..15; 0 is __syncthreads) for `threads` threads of the block ----------
+
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+// Counts this warp's threads toward the barrier without waiting for it.
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 // ---- register reallocation between warpgroups (needs a register cap at kernel entry) ----------
 
 template <int kRegisters>
