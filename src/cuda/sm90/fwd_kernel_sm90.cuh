@@ -24,6 +24,7 @@
 #include "cuda/sm80/softmax_fwd_sm80.cuh"
 #include "cuda/sm90/fwd_params_sm90.hpp"
 #include "cuda/sm90/panel_tile_sm90.cuh"
+#include "cuda/sm90/pingpong_sm90.cuh"
 #include "cuda/sm90/ptx_sm90.cuh"
 #include "cuda/sm90/wgmma_ops.cuh"
 
@@ -185,26 +186,23 @@ __global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim>::kThreads, 1)
     // Tile i's S is issued together with tile i - 1's P V, and its softmax runs while that
     // product is still on the tensor cores (FlashAttention-3's intra-warpgroup overlap). O is
     // rescaled for tile i only after tile i - 1's product has landed in it.
-    // The consumers take turns issuing their products (named barrier 1 + c lets consumer c go),
-    // so that one's softmax runs while the other's products hold the tensor cores, rather than
-    // both competing for the exp unit at once. Consumer 0 goes first.
-    auto my_turn = [&] { sm90::named_barrier_sync(1 + consumer, 256); };
-    auto your_turn = [&] { sm90::named_barrier_arrive(2 - consumer, 256); };
-    if (consumer == 1) sm90::named_barrier_arrive(1, 256);
+    // The two consumers issue their products in turn (pingpong_sm90.cuh).
+    const sm90::PingPong turns{consumer};
+    turns.start();
     const int count = tiles.end - tiles.begin;
     float alpha[1][2];
     sm90::barrier_wait(q_full, 0);
-    my_turn();
+    turns.take();
     issue_s(0);
-    your_turn();
+    turns.hand_over();
     sm90::wgmma_wait<0>();
     score(0, alpha);  // O is still zero: nothing to rescale
     pack_p();
     for (int i = 1; i < count; ++i) {
-      my_turn();
+      turns.take();
       issue_s(i);
       issue_pv(i - 1);
-      your_turn();
+      turns.hand_over();
       sm90::wgmma_wait<1>();  // S of tile i
       score(i, alpha);
       sm90::wgmma_wait<0>();  // P V of tile i - 1
@@ -212,10 +210,10 @@ __global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim>::kThreads, 1)
       stats.rescale(acc_o, alpha);
       pack_p();
     }
-    my_turn();
+    turns.take();
     issue_pv(count - 1);
-    your_turn();
-    if (consumer == 0) sm90::named_barrier_sync(1, 256);  // consumer 1's last turn, so no arrival is left over
+    turns.hand_over();
+    turns.finish();
     sm90::wgmma_wait<0>();
     release_v(count - 1);
   }
