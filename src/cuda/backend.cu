@@ -101,8 +101,8 @@ FwdKernel pick_forward(const AttentionProblem& p) {
 }
 
 struct FwdKernelSm90 {
-  int (*num_splits)(const FwdParams&);
   bool (*make_maps)(const AttentionProblem&, FwdSm90Params&);
+  int (*num_splits)(const FwdSm90Params&);
   void (*run)(const FwdSm90Params&, cudaStream_t);
 };
 
@@ -110,7 +110,7 @@ struct FwdKernelSm90 {
 template <class T>
 std::optional<FwdKernelSm90> pick_forward_sm90(int headdim) {
 #define TA_FWD90_BUCKET(D) \
-  if (headdim <= D) return FwdKernelSm90{&FwdSm90<T, D>::num_splits, &FwdSm90<T, D>::make_maps, &FwdSm90<T, D>::run};
+  if (headdim <= D) return FwdKernelSm90{&FwdSm90<T, D>::make_maps, &FwdSm90<T, D>::num_splits, &FwdSm90<T, D>::run};
 #if TILEATTN_CUDA_SM90_FWD_HEADDIM_32
   TA_FWD90_BUCKET(32)
 #endif
@@ -193,7 +193,7 @@ ForwardPlan plan_forward(const AttentionProblem& problem) {
   plan.sm90 = pick_forward_sm90(problem);
   if (plan.sm90 && !plan.sm90->make_maps(problem, plan.params)) plan.sm90.reset();
   if (plan.sm90) {
-    plan.params.fwd.num_splits = plan.sm90->num_splits(plan.params.fwd);
+    plan.params.fwd.num_splits = plan.sm90->num_splits(plan.params);
   } else {
     plan.sm80 = pick_forward(problem);
     plan.params.fwd.num_splits = plan.sm80.num_splits(plan.params.fwd);

@@ -30,14 +30,22 @@
 
 namespace tileattn::cuda {
 
-template <class T, int kHeadDim>
+// Keys per step: the O accumulator grows with the head dim, so S shrinks (64 + 128 registers at
+// D = 256). At D = 128, long key ranges take 192 keys a step: fewer steps to pay each step's
+// waits for, against a longer pipeline fill and a ragged last tile (H100, bf16: N = 16k 632-634
+// against 609-612 TFLOP/s, N = 1k 424-426 against 458-460).
+constexpr int fwd_sm90_block_n(int head_dim, bool long_keys) {
+  return head_dim > 128 ? 64 : long_keys && head_dim == 128 ? 192 : 128;
+}
+// Where the key range is long enough for the 192-key instance.
+constexpr int kFwdSm90LongKeys = 8192;
+
+template <class T, int kHeadDim, int kBlockN_ = fwd_sm90_block_n(kHeadDim, false)>
 struct FwdSm90Traits {
   static constexpr int kConsumers = 2;
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kBlockM = 64 * kConsumers;
-  // Keys per step: the O accumulator grows with the head dim, so S shrinks (64 + 128 registers
-  // at D = 256).
-  static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
+  static constexpr int kBlockN = kBlockN_;
   using QTile = sm90::PanelTile<kBlockM, kHeadDim>;
   using KVTile = sm90::PanelTile<kBlockN, kHeadDim>;
   static constexpr int kQBytes = QTile::kBytes;
@@ -53,11 +61,11 @@ struct FwdSm90Traits {
   static_assert(kHeadDim % 16 == 0 && kHeadDim <= 256, "sm90 forward: head dims 16..256 in steps of 16");
 };
 
-template <class T, int kHeadDim>
-__global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim>::kThreads, 1)
+template <class T, int kHeadDim, int kBlockN_>
+__global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim, kBlockN_>::kThreads, 1)
     fwd_kernel_sm90(const __grid_constant__ FwdSm90Params params) {
 #if defined(TILEATTN_SM90_ENABLED)
-  using Traits = FwdSm90Traits<T, kHeadDim>;
+  using Traits = FwdSm90Traits<T, kHeadDim, kBlockN_>;
   using QTile = typename Traits::QTile;
   using KVTile = typename Traits::KVTile;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kStages = Traits::kStages;

@@ -10,6 +10,7 @@ namespace tileattn::cuda {
 struct FwdSm90Params {
   FwdParams fwd;
   CUtensorMap q, k, v;  // (dim, rows, heads, batch); varlen: (dim, total rows, heads, 1)
+  int block_n;          // keys per step of the kernel instance the maps were made for
 };
 
 }  // namespace tileattn::cuda

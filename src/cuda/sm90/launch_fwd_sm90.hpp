@@ -10,10 +10,12 @@ namespace tileattn::cuda {
 
 template <class T, int kHeadDim>
 struct FwdSm90 {
-  // Splits of the key range for this problem on the current device (1: no split-KV).
-  static int num_splits(const FwdParams& params);
-  // Builds the tensor maps; false when TMA cannot describe an input (the sm80 kernel then runs).
+  // Picks the kernel instance (params.block_n) and builds its tensor maps; false when TMA cannot
+  // describe an input (the sm80 kernel then runs).
   static bool make_maps(const AttentionProblem& problem, FwdSm90Params& params);
+  // Splits of the key range for this problem on the current device (1: no split-KV); after
+  // make_maps.
+  static int num_splits(const FwdSm90Params& params);
   // Runs the forward (and the combine when params.fwd.num_splits > 1) on `stream`.
   static void run(const FwdSm90Params& params, cudaStream_t stream);
 };
