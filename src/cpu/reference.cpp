@@ -61,7 +61,7 @@ std::vector<double> gather(const AttentionProblem& p, const TensorView& t, const
 // own P and dP.
 void run_oracle(const AttentionProblem& p, const std::vector<double>& q, const std::vector<double>& k,
                 const std::vector<double>& v, const std::vector<double>* dout, ReferenceForward* fwd,
-                ReferenceBackward* bwd, const std::vector<double>* given_o = nullptr) {
+                ReferenceBackward* bwd, const std::vector<double>* given_o) {
   const Sequences seq = sequences(p);
   const int64_t hq = p.heads_q, hkv = p.heads_kv, group = hq / hkv;
   const int64_t dqk = p.headdim_qk, dv = p.headdim_v;
@@ -170,15 +170,15 @@ void run_oracle(const AttentionProblem& p, const std::vector<double>& q, const s
 ReferenceForward reference_forward_dense(const AttentionProblem& problem, const std::vector<double>& q,
                                          const std::vector<double>& k, const std::vector<double>& v) {
   ReferenceForward out;
-  run_oracle(problem, q, k, v, nullptr, &out, nullptr);
+  run_oracle(problem, q, k, v, nullptr, &out, nullptr, nullptr);
   return out;
 }
 
 ReferenceBackward reference_backward_dense(const AttentionProblem& problem, const std::vector<double>& q,
                                            const std::vector<double>& k, const std::vector<double>& v,
-                                           const std::vector<double>& dout) {
+                                           const std::vector<double>& dout, const std::vector<double>* given_o) {
   ReferenceBackward out;
-  run_oracle(problem, q, k, v, &dout, nullptr, &out);
+  run_oracle(problem, q, k, v, &dout, nullptr, &out, given_o);
   return out;
 }
 
@@ -191,15 +191,13 @@ ReferenceForward reference_forward(const AttentionProblem& p) {
 
 ReferenceBackward reference_backward(const AttentionProblem& p, OracleDelta delta) {
   const Sequences s = sequences(p);
-  const std::vector<double> dout = gather(p, p.dout, s.q_begin, s.q_len, s.rows_q, p.heads_q, p.headdim_v);
   std::vector<double> given_o;
   if (delta == OracleDelta::given_o) given_o = gather(p, p.o, s.q_begin, s.q_len, s.rows_q, p.heads_q, p.headdim_v);
-  ReferenceBackward out;
-  run_oracle(p, gather(p, p.q, s.q_begin, s.q_len, s.rows_q, p.heads_q, p.headdim_qk),
-             gather(p, p.k, s.k_begin, s.k_len, s.rows_k, p.heads_kv, p.headdim_qk),
-             gather(p, p.v, s.k_begin, s.k_len, s.rows_k, p.heads_kv, p.headdim_v), &dout, nullptr, &out,
-             delta == OracleDelta::given_o ? &given_o : nullptr);
-  return out;
+  return reference_backward_dense(p, gather(p, p.q, s.q_begin, s.q_len, s.rows_q, p.heads_q, p.headdim_qk),
+                                  gather(p, p.k, s.k_begin, s.k_len, s.rows_k, p.heads_kv, p.headdim_qk),
+                                  gather(p, p.v, s.k_begin, s.k_len, s.rows_k, p.heads_kv, p.headdim_v),
+                                  gather(p, p.dout, s.q_begin, s.q_len, s.rows_q, p.heads_q, p.headdim_v),
+                                  delta == OracleDelta::given_o ? &given_o : nullptr);
 }
 
 std::vector<double> reference_softmax_matmul(const SoftmaxMatmulProblem& p) {

@@ -36,12 +36,14 @@ ReferenceBackward reference_backward(const AttentionProblem& problem, OracleDelt
 // The same oracle on dense float64 inputs in the layouts above (q (rows_q, heads_q, headdim_qk),
 // k (rows_k, heads_kv, headdim_qk), v (rows_k, heads_kv, headdim_v), dout like o), for checks that
 // need inputs no DType holds (finite differences). The problem supplies sizes, options and
-// cu_seqlens; its tensor views and dtype are not read.
+// cu_seqlens; its tensor views and dtype are not read. given_o (like o), when set, is the O that
+// D = rowsum(dO * O) is formed from (OracleDelta::given_o).
 ReferenceForward reference_forward_dense(const AttentionProblem& problem, const std::vector<double>& q,
                                          const std::vector<double>& k, const std::vector<double>& v);
 ReferenceBackward reference_backward_dense(const AttentionProblem& problem, const std::vector<double>& q,
                                            const std::vector<double>& k, const std::vector<double>& v,
-                                           const std::vector<double>& dout);
+                                           const std::vector<double>& dout,
+                                           const std::vector<double>* given_o = nullptr);
 // (batch, d1, d3); a row of X that is -inf throughout gives a zero row, as a fully masked
 // attention row does.
 std::vector<double> reference_softmax_matmul(const SoftmaxMatmulProblem& problem);
