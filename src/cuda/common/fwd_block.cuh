@@ -70,6 +70,13 @@ __device__ __forceinline__ KeyTiles key_tiles(const FwdParams& p, const FwdBlock
   return t;
 }
 
+// Where the log-sum-exp of a row of the block's sequence goes: (batch, heads_q, seqlen_q), or
+// (heads_q, total_q) for varlen batches.
+__device__ __forceinline__ int64_t lse_index(const FwdParams& p, const FwdBlock& blk, int row) {
+  return p.cu_seqlens_q ? int64_t(blk.head) * p.total_q + blk.q_row0 + row
+                        : (int64_t(blk.batch) * p.heads_q + blk.head) * p.seqlen_q + row;
+}
+
 // The epilogue of a thread's finished rows (row0: its row of m-tile 0, g): O divided by the row
 // sum and L, or with split-KV the split's fp32 partials; rows past the sequence are not written.
 template <class T, int kMTiles, int kOTiles>
@@ -111,11 +118,7 @@ __device__ __forceinline__ void store_fwd_output(const FwdParams& p, const FwdBl
           if (d + 1 < p.headdim_v) out[d + 1] = from_float<T>(x1);
         }
       }
-      if (t == 0) {
-        const int64_t l = p.cu_seqlens_q ? int64_t(blk.head) * p.total_q + blk.q_row0 + row
-                                         : (int64_t(blk.batch) * p.heads_q + blk.head) * p.seqlen_q + row;
-        p.lse[l] = lse;
-      }
+      if (t == 0) p.lse[lse_index(p, blk, row)] = lse;
     }
 }
 

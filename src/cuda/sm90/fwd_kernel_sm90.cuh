@@ -22,6 +22,7 @@
 #include "common/mask.hpp"
 #include "cuda/common/fwd_block.cuh"
 #include "cuda/sm80/softmax_fwd_sm80.cuh"
+#include "cuda/sm90/epilogue_fwd_sm90.cuh"
 #include "cuda/sm90/fwd_params_sm90.hpp"
 #include "cuda/sm90/panel_tile_sm90.cuh"
 #include "cuda/sm90/pingpong_sm90.cuh"
@@ -226,8 +227,15 @@ __global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim, kBlockN_>::kThreads
     release_v(count - 1);
   }
 
-  // Rows that saw no key keep sum 0: O = 0 and L = -inf.
-  store_fwd_output<T>(p, blk, row0, acc_o, stats);
+  // Rows that saw no key keep sum 0: O = 0 and L = -inf. The 192-key instance (long key ranges,
+  // where the output's cost is small) stores directly: the staged epilogue's extra live values
+  // made ptxas spill inside its mainloop.
+  if constexpr (kBlockN > 128) {
+    store_fwd_output<T>(p, blk, row0, acc_o, stats);
+  } else {
+    store_fwd_output_sm90<T, kHeadDim, QTile::kPanelBytes>(params, blk, row0, acc_o, stats, sQ + consumer * 64 * 128,
+                                                          consumer);
+  }
 #endif
 }
 

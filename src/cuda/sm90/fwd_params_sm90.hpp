@@ -10,6 +10,8 @@ namespace tileattn::cuda {
 struct FwdSm90Params {
   FwdParams fwd;
   CUtensorMap q, k, v;  // (dim, rows, heads, batch); varlen: (dim, total rows, heads, 1)
+  CUtensorMap o;        // as q, in boxes of 64 rows (one consumer's); valid when o_by_tma
+  bool o_by_tma;        // the copy engine can describe O
   int block_n;          // keys per step of the kernel instance the maps were made for
 };
 

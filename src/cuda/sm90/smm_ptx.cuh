@@ -1,16 +1,11 @@
 #pragma once
-// What the Hopper softmax(X) @ V and fp32 attention kernels need beyond ptx_sm90.cuh: a fence
-// that hands plain shared-memory stores to the async proxy (wgmma reads through it) and the
+// What the Hopper softmax(X) @ V and fp32 attention kernels need beyond ptx_sm90.cuh: the
 // 4 x 4 register transpose of their V rewrites.
 #include <cuda_runtime.h>
 
-namespace tileattn::cuda::sm90 {
+#include "cuda/sm90/ptx_sm90.cuh"
 
-// After ordinary st.shared of an operand that wgmma will read, before the barrier that
-// publishes it.
-__device__ __forceinline__ void fence_shared_to_async() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
+namespace tileattn::cuda::sm90 {
 
 // Column j of the 4 x 4 block whose rows are in[0..3]: the j-th lane of each.
 __device__ __forceinline__ float4 column_of(const float4 (&in)[4], int j) {
