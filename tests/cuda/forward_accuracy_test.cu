@@ -165,6 +165,16 @@ std::vector<ForwardCase> base_cases() {
     q.batch = 2;
     q.layout = Layout::padded;
     c.push_back({"padded_split", q, true});
+    // Aligned strides with value dims of 17 (rows of 34 bytes: O is stored directly) and 24
+    // (48 bytes: the Hopper kernel's TMA store writes a part of its 64-column box), both with
+    // rows past the sequence in the last query tile.
+    for (int64_t dv : {17, 24}) {
+      ProblemShape o = shape(200, 150, 33, 4, 2);
+      o.headdim_v = dv;
+      o.layout = Layout::padded;
+      o.causal = dv == 24;
+      c.push_back({"padded_dv" + std::to_string(dv), o});
+    }
   }
   return c;
 }

@@ -35,7 +35,7 @@ bool FwdSm90<T, kHeadDim>::make_maps(const AttentionProblem& pr, FwdSm90Params& 
   constexpr int kBlockM = FwdSm90Traits<T, kHeadDim>::kBlockM;
   params.block_n = fwd_sm90_block_n(kHeadDim, pr.seqlen_k >= kFwdSm90LongKeys);
   // O in boxes of one consumer's 64 rows; without a map the kernel stores O directly.
-  params.o_by_tma = sm90::make_tile_map(&params.o, pr.dtype, pr.o.data,
+  params.o_by_tma = sm90::make_store_map(&params.o, pr.dtype, pr.o.data,
                                         attention_map_shape(pr, pr.o, pr.headdim_v, pr.seqlen_q, pr.total_q, pr.heads_q, 64));
   return sm90::make_tile_map(&params.q, pr.dtype, pr.q.data,
                              attention_map_shape(pr, pr.q, pr.headdim_qk, pr.seqlen_q, pr.total_q, pr.heads_q, kBlockM)) &&

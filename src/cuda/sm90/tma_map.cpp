@@ -51,6 +51,11 @@ bool make_tile_map(CUtensorMap* map, DType dtype, const void* base, const TileMa
   return r == CUDA_SUCCESS;
 }
 
+bool make_store_map(CUtensorMap* map, DType dtype, const void* base, const TileMapShape& s) {
+  const int64_t kElement = dtype == DType::f32 ? 4 : 2;
+  return s.dim * kElement % 16 == 0 && make_tile_map(map, dtype, base, s);
+}
+
 TileMapShape attention_map_shape(const AttentionProblem& problem, const TensorView& t, int64_t dim, int64_t seqlen,
                                  int64_t total, int64_t heads, int box_rows) {
   TileMapShape s;

@@ -21,6 +21,11 @@ struct TileMapShape {
 // a multiple of 16 bytes, sizes out of range): the caller then uses a kernel without TMA.
 bool make_tile_map(CUtensorMap* map, DType dtype, const void* base, const TileMapShape& shape);
 
+// make_tile_map for a tensor that TMA stores to: its rows must also be whole 16-byte units. (A
+// backward with dK rows of 66 bytes and dV rows of 34 bytes, stored by TMA, failed its accuracy
+// test on an H100; loads of such rows are correct.)
+bool make_store_map(CUtensorMap* map, DType dtype, const void* base, const TileMapShape& shape);
+
 // Shape of one attention tensor (Q, K, V, O, dO: rows of `seqlen`, or of `total` for varlen,
 // which become one sequence) in boxes of box_rows rows.
 TileMapShape attention_map_shape(const AttentionProblem& problem, const TensorView& t, int64_t dim, int64_t seqlen,
