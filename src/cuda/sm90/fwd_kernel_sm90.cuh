@@ -17,6 +17,7 @@
 // overlaps together took D = 128 from 541-545 to 613-616 TFLOP/s and D = 64 from 423-428 to 459;
 // the intra-warpgroup overlap alone gave 563 and 395-396.
 // Key tiles are visited from the last to the first, as in the sm80 kernel (mask work first).
+// O leaves through the consumers' rows of Q and TMA stores (epilogue_fwd_sm90.cuh).
 #include <cuda_runtime.h>
 
 #include "common/mask.hpp"
