@@ -21,9 +21,10 @@ struct TileMapShape {
 // a multiple of 16 bytes, sizes out of range): the caller then uses a kernel without TMA.
 bool make_tile_map(CUtensorMap* map, DType dtype, const void* base, const TileMapShape& shape);
 
-// make_tile_map for a tensor that TMA stores to: its rows must also be whole 16-byte units. (A
-// backward with dK rows of 66 bytes and dV rows of 34 bytes, stored by TMA, failed its accuracy
-// test on an H100; loads of such rows are correct.)
+// make_tile_map for a tensor that TMA stores to: its rows must also be whole 16-byte units. A
+// store writes the last 16-byte unit of a shorter row whole, past the row's end (H100: without
+// this rule the forward sweep's padded_dv17, O rows of 34 bytes in a padded buffer, fails with
+// "O written outside its view"); loads of such rows are correct.
 bool make_store_map(CUtensorMap* map, DType dtype, const void* base, const TileMapShape& shape);
 
 // Shape of one attention tensor (Q, K, V, O, dO: rows of `seqlen`, or of `total` for varlen,
