@@ -198,6 +198,12 @@ void dq_tile(const AttentionProblem& p, const ScoreTransform& transform, const s
 }  // namespace
 
 void backward(const AttentionProblem& p) {
+  if (p.is_varlen()) {
+    zero_rows(p, p.dq, first_uncovered_row(p, true), p.total_q, p.heads_q, p.headdim_qk);
+    const int64_t k0 = first_uncovered_row(p, false);
+    zero_rows(p, p.dk, k0, p.total_k, p.heads_kv, p.headdim_qk);
+    zero_rows(p, p.dv, k0, p.total_k, p.heads_kv, p.headdim_v);
+  }
   int64_t max_q, max_k;
   max_lengths(p, max_q, max_k);
   const int64_t q_tiles = ceil_div(max_q, kTileQ), k_tiles = ceil_div(max_k, kTileK);

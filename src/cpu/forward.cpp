@@ -129,6 +129,11 @@ void forward(const AttentionProblem& p) {
     const int64_t tile = task % tiles, bh = task / tiles;
     forward_tile(p, transform, bh / p.heads_q, bh % p.heads_q, tile, scratch);
   });
+  if (p.is_varlen()) {
+    const int64_t r0 = first_uncovered_row(p, true);
+    zero_rows(p, p.o, r0, p.total_q, p.heads_q, p.headdim_v);
+    for (int64_t h = 0; h < p.heads_q; ++h) std::fill(p.lse + h * p.total_q + r0, p.lse + (h + 1) * p.total_q, -INFINITY);
+  }
 }
 
 void softmax_matmul(const SoftmaxMatmulProblem& p) {

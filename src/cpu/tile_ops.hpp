@@ -99,6 +99,23 @@ inline void load_rows_transposed(const AttentionProblem& p, const TensorView& t,
   }
 }
 
+// Varlen buffers may hold rows after the last sequence (cu_seqlens[batch] < total): no sequence
+// covers them, so they are outputs of nothing, and they get the values of a row that sees no key
+// (zeros; L = -inf) rather than whatever the buffer held. Returns the first such row.
+inline int64_t first_uncovered_row(const AttentionProblem& p, bool query_side) {
+  return query_side ? p.cu_seqlens_q[p.batch] : p.cu_seqlens_k[p.batch];
+}
+
+// Zeros rows [r0, r1) of every head of a varlen tensor.
+inline void zero_rows(const AttentionProblem& p, const TensorView& t, int64_t r0, int64_t r1, int64_t heads,
+                      int64_t dim) {
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t base = r * t.seq_stride + h * t.head_stride;
+      for (int64_t d = 0; d < dim; ++d) store_element(t.data, base + d, p.dtype, 0.0f);
+    }
+}
+
 // Stores rows of src (ld; fp32, or double sums rounded to fp32 first) times a per-row factor into
 // tensor t, rounded to its dtype.
 template <class Src>
