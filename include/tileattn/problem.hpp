@@ -61,7 +61,7 @@ struct AttentionProblem {
   bool causal = false;                 // bottom-right aligned when seqlen_q != seqlen_k
   // Sliding window, flash-attn semantics: query i (bottom-right aligned) sees keys j with
   // i + (sk - sq) - window_left <= j <= i + (sk - sq) + window_right; -1 means unbounded.
-  // causal == true is window_right == 0; asking for causal with window_right > 0 is an error.
+  // causal == true sets window_right to 0 whatever it was (as flash-attn does); window_left stays.
   int64_t window_left = -1;
   int64_t window_right = -1;
   float softcap = 0.0f;                // > 0: scores become softcap * tanh(scores / softcap)

@@ -47,7 +47,9 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
 
     k and v may have fewer heads than q (GQA/MQA: their count must divide q's). ``causal`` is
     aligned to the bottom-right corner when seqlen_q != seqlen_k; ``window_size=(left, right)``
-    limits query i to keys [i + sk - sq - left, i + sk - sq + right] (-1 = unbounded).
+    limits query i to keys [i + sk - sq - left, i + sk - sq + right] (-1 = unbounded). With
+    ``causal=True`` the right bound is 0 whatever ``right`` says and the left bound stays, as in
+    flash-attn.
 
     Returns out (batch, seqlen_q, heads, headdim_v); with ``return_attn_probs=True`` returns
     (out, softmax_lse, None), softmax_lse being (batch, heads, seqlen_q) float32.
@@ -69,7 +71,8 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
 
     q is (total_q, heads, headdim), k and v (total_k, heads_kv, headdim); sequence b holds rows
     [cu_seqlens[b], cu_seqlens[b + 1]) (int32, batch + 1 entries, on the tensors' device).
-    max_seqlen_q/k bound every sequence's length. With ``return_attn_probs=True`` returns
+    max_seqlen_q/k bound every sequence's length. ``causal`` and ``window_size`` act within each
+    sequence as in ``flash_attn_func``. With ``return_attn_probs=True`` returns
     (out, softmax_lse, None), softmax_lse being (heads, total_q) float32.
     """
     _reject_unsupported(dropout_p, alibi_slopes)

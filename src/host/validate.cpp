@@ -331,12 +331,9 @@ AttentionProblem validate_attention(const AttentionProblem& problem, Pass pass, 
   }
   if (p.window_left < -1) invalid("window_left=" + str(p.window_left) + " must be >= -1 (-1 = unbounded)");
   if (p.window_right < -1) invalid("window_right=" + str(p.window_right) + " must be >= -1 (-1 = unbounded)");
-  if (p.causal) {
-    if (p.window_right > 0) {
-      invalid("window_right=" + str(p.window_right) + " contradicts causal=true (causal means window_right=0)");
-    }
-    n.window_right = 0;
-  }
+  // causal sets the right bound to 0 whatever window_right says, and the left bound stays: the
+  // rule of flash-attn, whose callers (Mistral, Gemma) pass causal=true with a full window pair.
+  if (p.causal) n.window_right = 0;
   // A side reaching past every key (left >= seqlen_k) or every query (right >= seqlen_q) masks
   // nothing; it is clamped there so the int32 arithmetic of the shared Mask cannot overflow.
   if (n.window_left > p.seqlen_k) n.window_left = p.seqlen_k;

@@ -2,7 +2,8 @@
 // The only place the API's rules live. Each function throws tileattn::Error naming the argument
 // and the rule, and returns the problem in the normalised form every backend consumes:
 //  - softmax_scale is set (default 1/sqrt(headdim_qk));
-//  - causal is folded into the window: causal => window_right == 0 (causal stays true as a hint);
+//  - causal is folded into the window: causal => window_right == 0 whatever window_right was given
+//    (flash-attn's rule: the right bound becomes 0, the left bound stays; causal stays true as a hint);
 //  - a window side reaching past the sequence (window_left > seqlen_k, window_right > seqlen_q)
 //    is clamped to that length: it masks nothing either way, and Mask's int32 arithmetic stays exact.
 #include "tileattn/problem.hpp"

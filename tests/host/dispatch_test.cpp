@@ -63,7 +63,7 @@ TEST(Dispatch, BackwardUsesDefaultScaleAndCausalWindow) {
 
 TEST(Dispatch, AnInvalidProblemWritesNothing) {
   HostProblem hp(gqa_causal_shape());
-  hp.problem.window_right = 3;  // contradicts causal
+  hp.problem.window_left = -3;  // below -1
   EXPECT_THROW(forward(hp.problem), Error);
   const std::vector<double> o = hp.o.gather();
   for (double x : o) ASSERT_TRUE(std::isnan(x)) << "O was written although validation failed";

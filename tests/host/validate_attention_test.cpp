@@ -6,8 +6,12 @@
 #include <cmath>
 #include <limits>
 
+#include "cpu/reference.hpp"
 #include "host/valid_problems.hpp"
 #include "host/validate.hpp"
+#include "support/host_problem.hpp"
+#include "support/metrics.hpp"
+#include "tileattn/attention.hpp"
 
 namespace tileattn::test {
 namespace {
@@ -367,14 +371,6 @@ TEST(ValidateAttention, WindowBelowMinusOneIsRejected) {
   expect_fwd_error(b.p, ErrorKind::invalid_argument, {"window_right=-7 must be >= -1"});
 }
 
-TEST(ValidateAttention, CausalWithPositiveWindowRightContradicts) {
-  ValidAttention a;
-  a.p.causal = true;
-  a.p.window_right = 5;
-  expect_fwd_error(a.p, ErrorKind::invalid_argument,
-                   {"window_right=5 contradicts causal=true (causal means window_right=0)"});
-}
-
 TEST(ValidateAttention, SoftcapMustBeFiniteAndNonNegative) {
   for (float bad : {std::nanf(""), -1.0f, std::numeric_limits<float>::infinity()}) {
     ValidAttention a;
@@ -428,6 +424,53 @@ TEST(NormaliseAttention, CausalFoldsIntoWindowRightAndStaysAHint) {
   b.p.causal = true;
   b.p.window_right = 0;  // consistent, accepted as is
   EXPECT_EQ(validate_fwd(b.p).window_right, 0);
+}
+
+TEST(NormaliseAttention, CausalSetsAnyWindowRightToZeroAndKeepsTheLeft) {
+  // flash-attn's rule: causal=true with a window (left, right) is the window (left, 0).
+  for (int64_t right : {int64_t(1), int64_t(3), int64_t(5), int64_t(1) << 40}) {
+    ValidAttention a;  // seqlen_q 4, seqlen_k 6
+    a.p.causal = true;
+    a.p.window_left = 2;
+    a.p.window_right = right;
+    const AttentionProblem f = validate_fwd(a.p);
+    const AttentionProblem b = validate_bwd(a.p);
+    for (const AttentionProblem& n : {f, b}) {
+      EXPECT_TRUE(n.causal);
+      EXPECT_EQ(n.window_right, 0) << "window_right=" << right;
+      EXPECT_EQ(n.window_left, 2) << "window_right=" << right;
+    }
+  }
+}
+
+TEST(NormaliseAttention, CausalWithAWindowComputesTheWindowWithRightZero) {
+  // End to end on the CPU backend: causal=true, window (3, 5) is what the float64 oracle computes
+  // for the non-causal window (3, 0), forward and backward, bottom-right aligned with sk > sq.
+  ProblemShape s;
+  s.batch = 2;
+  s.seqlen_q = 9;
+  s.seqlen_k = 14;
+  s.heads_q = 4;
+  s.heads_kv = 2;
+  s.headdim_qk = 16;
+  s.headdim_v = 8;
+  s.causal = true;
+  s.window_left = 3;
+  s.window_right = 5;
+  HostProblem hp(s);
+  forward(hp.problem);
+  backward(hp.problem);
+  AttentionProblem e = hp.problem;
+  e.causal = false;
+  e.window_right = 0;
+  const cpu::ReferenceBackward ref = cpu::reference_backward(e);
+  const cpu::ReferenceForward ref_fwd = cpu::reference_forward(e);
+  constexpr double kTol = 2e-5;  // fp32 over at most 4 visible keys
+  EXPECT_TRUE(within(hp.o.gather(), ref_fwd.o, kTol, kTol)) << "O";
+  EXPECT_TRUE(within(hp.gather_lse(), ref_fwd.lse, kTol, kTol)) << "L";
+  EXPECT_TRUE(within(hp.dq.gather(), ref.dq, kTol, kTol)) << "dQ";
+  EXPECT_TRUE(within(hp.dk.gather(), ref.dk, kTol, kTol)) << "dK";
+  EXPECT_TRUE(within(hp.dv.gather(), ref.dv, kTol, kTol)) << "dV";
 }
 
 TEST(NormaliseAttention, NonCausalWindowIsKept) {

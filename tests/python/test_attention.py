@@ -119,6 +119,40 @@ def test_varlen_matches_per_sequence_float64(causal):
         assert naive.max_error(a, r) < 4e-5, name
 
 
+@pytest.mark.parametrize("window", [(5, 3), (-1, 7), (0, 1), (2, 1 << 20)], ids=str)
+def test_causal_with_window_keeps_left_and_sets_right_to_zero(window):
+    # flash-attn's rule: causal=True with window_size=(left, right) is the window (left, 0).
+    q, k, v = _inputs(2, 21, 30, 4, 2, 16, 16, torch.float32)
+    out = tileattn.flash_attn_func(q, k, v, causal=True, window_size=window)
+    ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = naive.attention(*ref_inputs, causal=False, window=(window[0], 0))
+    assert naive.max_error(out, ref_out) < 1e-5
+    dout = torch.randn_like(out)
+    ours = torch.autograd.grad(out, (q, k, v), dout)
+    oracle = torch.autograd.grad(ref_out, ref_inputs, dout.double())
+    for name, a, r in zip(("dq", "dk", "dv"), ours, oracle):
+        assert naive.max_error(a, r) < 4e-5, name
+
+
+def test_varlen_causal_with_window_keeps_left_and_sets_right_to_zero():
+    lens_q, lens_k = [7, 12, 3], [9, 12, 20]
+    cu_q = torch.tensor([0] + lens_q, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    cu_k = torch.tensor([0] + lens_k, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    q = torch.randn(int(cu_q[-1]), 2, 16, requires_grad=True)
+    k = torch.randn(int(cu_k[-1]), 2, 16, requires_grad=True)
+    v = torch.randn(int(cu_k[-1]), 2, 16, requires_grad=True)
+    out = tileattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
+                                          window_size=(4, 6))
+    ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = naive.varlen_attention(*ref_inputs, cu_q, cu_k, window=(4, 0))
+    assert naive.max_error(out, ref_out) < 1e-5
+    dout = torch.randn_like(out)
+    ours = torch.autograd.grad(out, (q, k, v), dout)
+    oracle = torch.autograd.grad(ref_out, ref_inputs, dout.double())
+    for name, a, r in zip(("dq", "dk", "dv"), ours, oracle):
+        assert naive.max_error(a, r) < 4e-5, name
+
+
 class _OpRecorder(TorchDispatchMode):
     def __init__(self):
         super().__init__()
