@@ -8,6 +8,9 @@ argument; nothing is silently ignored.
 
 from __future__ import annotations
 
+import math
+import operator
+import struct
 from typing import Optional, Sequence
 
 import torch
@@ -17,18 +20,49 @@ from . import _ops
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "scaled_dot_product_attention", "softmax_matmul"]
 
+_INT64_MAX = 2**63 - 1
+_FLOAT32_MAX = 3.4028234663852886e38
+
 
 def _reject_unsupported(dropout_p: float, alibi_slopes: Optional[Tensor]) -> None:
-    if dropout_p != 0.0:
+    p = float(dropout_p)
+    if not 0.0 <= p <= 1.0:  # NaN fails too
+        raise ValueError(f"dropout_p={dropout_p!r} must be in [0, 1]")
+    if p != 0.0:
         raise NotImplementedError(f"dropout_p={dropout_p}: tileattn has no attention dropout; pass dropout_p=0.0")
     if alibi_slopes is not None:
         raise NotImplementedError("alibi_slopes: ALiBi biases are not supported; pass alibi_slopes=None")
 
 
+def _float32(value, name: str) -> float:
+    # The extension takes float32: a value beyond its range would reach the library's rules as inf
+    # (or 0), and the message would name a number the caller never passed.
+    x = float(value)
+    if math.isfinite(x) and abs(x) > _FLOAT32_MAX:
+        raise ValueError(f"{name}={value!r} is outside float32's range (|{name}| <= {_FLOAT32_MAX:.7g})")
+    if x != 0.0 and struct.unpack("f", struct.pack("f", x))[0] == 0.0:
+        raise ValueError(f"{name}={value!r} rounds to 0 in float32")
+    return x
+
+
+def _scale(scale: Optional[float], name: str) -> Optional[float]:
+    return None if scale is None else _float32(scale, name)
+
+
+def _int64(value, name: str) -> int:
+    try:
+        x = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}={value!r} must be an integer") from None
+    if not -_INT64_MAX - 1 <= x <= _INT64_MAX:
+        raise ValueError(f"{name}={x} does not fit in int64")
+    return x
+
+
 def _window(window_size: Sequence[int]) -> tuple[int, int]:
     if len(window_size) != 2:
         raise ValueError(f"window_size={tuple(window_size)} must be a pair (left, right)")
-    return int(window_size[0]), int(window_size[1])
+    return _int64(window_size[0], "window_size[0]"), _int64(window_size[1], "window_size[1]")
 
 
 def _finish(out: Tensor, lse: Tensor, return_attn_probs: bool):
@@ -56,8 +90,8 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
     """
     _reject_unsupported(dropout_p, alibi_slopes)
     left, right = _window(window_size)
-    out, lse = _ops.attention(q, k, v, None, None, 0, 0, softmax_scale, bool(causal), left, right, float(softcap),
-                              bool(deterministic))
+    out, lse = _ops.attention(q, k, v, None, None, 0, 0, _scale(softmax_scale, "softmax_scale"), bool(causal), left,
+                              right, _float32(softcap, "softcap"), bool(deterministic))
     return _finish(out, lse, return_attn_probs)
 
 
@@ -77,8 +111,9 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     """
     _reject_unsupported(dropout_p, alibi_slopes)
     left, right = _window(window_size)
-    out, lse = _ops.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                              bool(causal), left, right, float(softcap), bool(deterministic))
+    out, lse = _ops.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, _int64(max_seqlen_q, "max_seqlen_q"),
+                              _int64(max_seqlen_k, "max_seqlen_k"), _scale(softmax_scale, "softmax_scale"),
+                              bool(causal), left, right, _float32(softcap, "softcap"), bool(deterministic))
     return _finish(out, lse, return_attn_probs)
 
 
@@ -124,7 +159,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
                          "grouped-query attention")
     causal, right = top_left_causal(query.shape[2], key.shape[2]) if is_causal else (False, -1)
     out, _ = _ops.attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), None, None, 0, 0,
-                            scale, causal, -1, right, 0.0, False)
+                            _scale(scale, "scale"), causal, -1, right, 0.0, False)
     out = out.transpose(1, 2)
     return out.squeeze(1) if rank == 3 else out
 

@@ -103,6 +103,63 @@ def test_library_rules_reach_python():
         tileattn.flash_attn_func(big, big, big)
 
 
+@pytest.mark.parametrize("value,text", [(1e40, r"softmax_scale=1e\+40 is outside float32's range"),
+                                        (-1e39, r"softmax_scale=-1e\+39 is outside float32's range"),
+                                        (1e-50, r"softmax_scale=1e-50 rounds to 0 in float32")])
+def test_softmax_scale_outside_float32_is_reported_as_passed(value, text):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=text):
+        tileattn.flash_attn_func(q, k, v, softmax_scale=value)
+    cu = torch.tensor([0, 16], dtype=torch.int32)
+    with pytest.raises(ValueError, match=text):
+        tileattn.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 16, 16, softmax_scale=value)
+    sdpa = [t.transpose(1, 2) for t in (q, k, v)]
+    with pytest.raises(ValueError, match=text.replace("softmax_scale", "scale")):
+        tileattn.scaled_dot_product_attention(*sdpa, scale=value)
+
+
+def test_softcap_outside_float32_is_reported_as_passed():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"softcap=1e\+300 is outside float32's range"):
+        tileattn.flash_attn_func(q, k, v, softcap=1e300)
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.5, float("nan"), float("inf")], ids=str)
+def test_dropout_p_outside_0_1_is_a_value_error(value):
+    q, k, v = qkv()
+    text = rf"dropout_p={value!r} must be in \[0, 1\]"
+    with pytest.raises(ValueError, match=text):
+        tileattn.flash_attn_func(q, k, v, dropout_p=value)
+    cu = torch.tensor([0, 16], dtype=torch.int32)
+    with pytest.raises(ValueError, match=text):
+        tileattn.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 16, 16, dropout_p=value)
+    with pytest.raises(ValueError, match=text):
+        tileattn.scaled_dot_product_attention(*[t.transpose(1, 2) for t in (q, k, v)], dropout_p=value)
+
+
+@pytest.mark.parametrize("window,text", [((2**70, 0), r"window_size\[0\]=1180591620717411303424 does not fit in int64"),
+                                         ((0, -2**64), r"window_size\[1\]=-18446744073709551616 does not fit"),
+                                         ((1.5, 0), r"window_size\[0\]=1\.5 must be an integer")], ids=str)
+def test_window_outside_int64_names_window_size(window, text):
+    q, k, v = qkv()
+    with pytest.raises((ValueError, TypeError), match=text) as info:
+        tileattn.flash_attn_func(q, k, v, window_size=window)
+    assert "Invalid function signature" not in str(info.value) and "nanobind" not in str(info.value)
+
+
+def test_huge_window_in_int64_masks_nothing():
+    # Past every key, a bound is the same as unbounded (the library clamps it).
+    q, k, v = qkv()
+    assert torch.equal(tileattn.flash_attn_func(q, k, v, window_size=(2**62, 2**62)), tileattn.flash_attn_func(q, k, v))
+
+
+def test_max_seqlen_outside_int64_is_named():
+    q = torch.randn(10, 2, 16)
+    cu = torch.tensor([0, 10], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"max_seqlen_k=1180591620717411303424 does not fit in int64"):
+        tileattn.flash_attn_varlen_func(q, q, q, cu, cu, 10, 2**70)
+
+
 def test_varlen_offsets_are_checked():
     q = torch.randn(10, 2, 16)
     good = torch.tensor([0, 4, 10], dtype=torch.int32)
