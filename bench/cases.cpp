@@ -2,16 +2,51 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdio>
 #include <random>
+#include <stdexcept>
+#include <string>
+
+#include <unistd.h>
 
 #include "cpu/convert.hpp"
 #include "tileattn/attention.hpp"
 #include "tileattn/flops.hpp"
 
+#ifdef TILEATTN_WITH_CUDA
+#include "device.hpp"
+#endif
+
 namespace tileattn::bench {
 namespace {
 
 size_t element_bytes(DType dtype) { return size_t(cpu::dtype_size(dtype)); }
+
+std::string gib(double bytes) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.1f GiB", bytes / (1024.0 * 1024.0 * 1024.0));
+  return buf;
+}
+
+// Refuses, before anything is allocated, a problem whose tensors cannot fit in the backend's
+// memory: otherwise sizes near INT32_MAX end in std::bad_alloc (or an overflowed size) with no
+// word on which flag asked for it. `bytes` is a double so that the product itself cannot overflow.
+void check_fits(double bytes, Backend backend, const char* flags) {
+  double total = 0;
+  const char* where = "host";
+  if (backend == Backend::cuda) {
+#ifdef TILEATTN_WITH_CUDA
+    total = double(device::total_memory());
+    where = "device";
+#endif
+  } else {
+    total = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGE_SIZE));
+  }
+  if (total > 0 && bytes > total) {
+    throw std::invalid_argument("the problem's tensors need " + gib(bytes) + ", more than the " + gib(total) + " of " +
+                                where + " memory (lower " + flags + ")");
+  }
+}
 
 // A (batch, rows, heads, dim) tensor in the requested layout; `rows` is seqlen, or the total
 // tokens of a varlen batch (then batch == 1 and batch_stride is unused).
@@ -56,7 +91,25 @@ Buffer make_offsets(const std::vector<int32_t>& lengths, Backend backend, int64_
 
 }  // namespace
 
+double attention_case_bytes(const Options& o) {
+  const double e = double(cpu::dtype_size(o.dtype));
+  const double dv = double(o.headdim_v > 0 ? o.headdim_v : o.headdim);
+  const double hkv = double(o.heads_kv > 0 ? o.heads_kv : o.heads);
+  const double rows_q = double(o.batch) * double(o.seqlen_q), rows_k = double(o.batch) * double(o.seqlen_k);
+  const double q = rows_q * double(o.heads) * double(o.headdim), k = rows_k * hkv * double(o.headdim);
+  const double v = rows_k * hkv * dv, out = rows_q * double(o.heads) * dv;
+  const double inputs = q + k + v + out;  // q, k, v, dout
+  const double outputs = out + (o.run_backward ? q + k + v : 0.0);  // o, dq, dk, dv
+  return e * (inputs + outputs) + 4.0 * rows_q * double(o.heads);   // + fp32 L
+}
+
+double softmax_matmul_case_bytes(const Options& o) {
+  const double b = double(o.batch), d1 = double(o.d1), d2 = double(o.d2), d3 = double(o.d3);
+  return double(cpu::dtype_size(o.dtype)) * b * (d1 * d2 + d2 * d3 + d1 * d3);
+}
+
 AttentionCase make_attention_case(const Options& o, Backend backend) {
+  check_fits(attention_case_bytes(o), backend, "--batch, --seqlen, --heads or --headdim");
   AttentionCase c;
   AttentionProblem& p = c.problem;
   p.batch = o.batch;
@@ -148,6 +201,7 @@ AttentionOutputs bind_outputs(AttentionProblem& p, Backend backend, Layout layou
 }
 
 SoftmaxMatmulCase make_softmax_matmul_case(const Options& o, Backend backend) {
+  check_fits(softmax_matmul_case_bytes(o), backend, "--batch, --d1, --d2 or --d3");
   SoftmaxMatmulCase c;
   SoftmaxMatmulProblem& p = c.problem;
   p.batch = o.batch;

@@ -23,6 +23,13 @@ struct AttentionOutputs {
   Buffer o, lse, dq, dk, dv, workspace;
 };
 
+// Bytes of the tensors a case and one implementation's outputs take (the library's workspace
+// aside), for refusing a problem too large for memory before allocating any of it.
+double attention_case_bytes(const Options& options);
+double softmax_matmul_case_bytes(const Options& options);
+
+// Both throw std::invalid_argument, naming the flags to lower, when the tensors cannot fit in
+// the backend's memory.
 AttentionCase make_attention_case(const Options& options, Backend backend);
 
 // Allocates O and L (and dQ, dK, dV when `backward`) in the inputs' layout and points `problem`

@@ -49,6 +49,12 @@ void download(void* dst, const void* src, size_t bytes) {
 
 void synchronize() { check(cudaDeviceSynchronize(), "cudaDeviceSynchronize"); }
 
+size_t total_memory() {
+  size_t free = 0, total = 0;
+  check(cudaMemGetInfo(&free, &total), "cudaMemGetInfo");
+  return total;
+}
+
 double time_ms(const std::function<void()>& run) {
   Event start, stop;
   check(cudaEventRecord(start.event, nullptr), "cudaEventRecord");

@@ -12,6 +12,7 @@ void release(void* p);
 void upload(void* dst, const void* src, size_t bytes);
 void download(void* dst, const void* src, size_t bytes);
 void synchronize();
+size_t total_memory();  // bytes of the current device's memory
 
 // Milliseconds `run` takes on the legacy default stream, measured with events around it.
 double time_ms(const std::function<void()>& run);

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <functional>
 #include <memory>
+#include <new>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -13,6 +14,7 @@
 #include "cases.hpp"
 #include "memory.hpp"
 #include "options.hpp"
+#include "progress.hpp"
 #include "report.hpp"
 #include "tileattn/tileattn.hpp"
 #include "timing.hpp"
@@ -80,8 +82,11 @@ std::vector<std::string> implementations(const Options& o, Backend backend) {
 
 // Returns the number of implementations that failed at run time (unsupported on this device,
 // out of memory); an invalid problem throws instead, before anything runs.
-int run_attention(const Options& o, Backend backend, Report& report) {
-  AttentionCase c = make_attention_case(o, backend);
+int run_attention(const Options& o, Backend backend, Report& report, Progress& progress) {
+  AttentionCase c = [&] {
+    ProgressTask task(&progress, "preparing the inputs");
+    return make_attention_case(o, backend);
+  }();
   std::vector<Snapshot> snapshots;
   int failures = 0;
   for (const std::string& impl : implementations(o, backend)) {
@@ -112,12 +117,15 @@ int run_attention(const Options& o, Backend backend, Report& report) {
     // in memory) leaves the others' measurements standing.
     try {
       if (o.run_forward) {
-        report.add(o, {impl, "fwd", c.describe, c.forward_flops, measure(backend, o.warmup, o.iters, fwd)});
+        report.add(o, {impl, "fwd", c.describe, c.forward_flops,
+                       measure(backend, o.warmup, o.iters, fwd, &progress, impl + " fwd " + c.describe)});
       } else {
-        fwd();  // O and L for the backward
+        ProgressTask task(&progress, impl + " fwd " + c.describe + " (for the backward's O and L)");
+        fwd();
       }
       if (o.run_backward) {
-        report.add(o, {impl, "bwd", c.describe, c.backward_flops, measure(backend, o.warmup, o.iters, bwd)});
+        report.add(o, {impl, "bwd", c.describe, c.backward_flops,
+                       measure(backend, o.warmup, o.iters, bwd, &progress, impl + " bwd " + c.describe)});
       }
     } catch (const std::exception& e) {
       std::fprintf(stderr, "%s: failed: %s\n", impl.c_str(), e.what());
@@ -140,11 +148,16 @@ int run_attention(const Options& o, Backend backend, Report& report) {
   return failures;
 }
 
-void run_softmax_matmul(const Options& o, Backend backend, Report& report) {
+void run_softmax_matmul(const Options& o, Backend backend, Report& report, Progress& progress) {
   allocation_stats(backend).reset_peak();
-  SoftmaxMatmulCase c = make_softmax_matmul_case(o, backend);
+  SoftmaxMatmulCase c = [&] {
+    ProgressTask task(&progress, "preparing the inputs");
+    return make_softmax_matmul_case(o, backend);
+  }();
   report.add(o, {"tileattn", "fwd", c.describe, c.flops,
-                 measure(backend, o.warmup, o.iters, [&] { softmax_matmul(c.problem); })});
+                 measure(
+                     backend, o.warmup, o.iters, [&] { softmax_matmul(c.problem); }, &progress,
+                     "tileattn softmax_matmul " + c.describe)});
   if (o.check) std::printf("check: needs two implementations on this backend; nothing compared\n");
 }
 
@@ -169,12 +182,16 @@ int run(Options o) {
   if (o.iters < 0) o.iters = gpu ? 20 : 10;
 
   const std::string device = describe_device(backend, o.threads);
-  std::printf("tileattn-bench %s | %s | %s | %s%s | warmup %d, iters %d\n", version(), device.c_str(),
-              dtype_name(o.dtype), o.op == Op::attention ? layout_name(o.layout) : "softmax_matmul",
-              o.dtype == DType::f32 && o.fp32_mode == Fp32Mode::fast ? " | fp32 fast" : "", o.warmup, o.iters);
-  std::printf("mem_MiB: peak %s memory the bench allocated (inputs, outputs, workspace, peer scratch)%s\n",
-              gpu ? "device" : "host", gpu ? "" : "; rss+_MiB: peak RSS growth during the runs");
-  Report report(backend, device, o.csv);
+  char preamble[1024];
+  std::snprintf(preamble, sizeof preamble,
+                "tileattn-bench %s | %s | %s | %s%s | warmup %d, iters %d\n"
+                "mem_MiB: peak %s memory the bench allocated (inputs, outputs, workspace, peer scratch)%s\n",
+                version(), device.c_str(), dtype_name(o.dtype),
+                o.op == Op::attention ? layout_name(o.layout) : "softmax_matmul",
+                o.dtype == DType::f32 && o.fp32_mode == Fp32Mode::fast ? " | fp32 fast" : "", o.warmup, o.iters,
+                gpu ? "device" : "host", gpu ? "" : "; rss+_MiB: peak RSS growth during the runs");
+  Report report(backend, device, o.csv, preamble);
+  Progress progress(o.progress_s);
 
   const bool sweep = !o.sweep_values.empty();
   const size_t points = sweep ? o.sweep_values.size() : 1;
@@ -189,11 +206,11 @@ int run(Options o) {
     }
     try {
       if (point.op == Op::attention) {
-        failures += run_attention(point, backend, report);
+        failures += run_attention(point, backend, report, progress);
       } else {
-        run_softmax_matmul(point, backend, report);
+        run_softmax_matmul(point, backend, report, progress);
       }
-    } catch (const Error& e) {
+    } catch (const std::exception& e) {
       if (!sweep) throw;
       // One invalid point of a sweep does not stop the others.
       std::fprintf(stderr, "[%zu/%zu] %s=%lld: %s\n", i + 1, points, o.sweep_key.c_str(),
@@ -224,6 +241,9 @@ int main(int argc, char** argv) {
   }
   try {
     return run(options);
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "tileattn-bench: error: out of host memory\n");
+    return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "tileattn-bench: error: %s\n", e.what());
     return 1;

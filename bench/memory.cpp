@@ -3,7 +3,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
-#include <new>
+#include <stdexcept>
 #include <string>
 #include <utility>
 
@@ -44,7 +44,9 @@ Buffer::Buffer(Backend where, size_t bytes) : where_(where), bytes_(bytes) {
 #endif
   } else {
     data_ = std::aligned_alloc(kHostAlignment, (bytes + kHostAlignment - 1) / kHostAlignment * kHostAlignment);
-    if (data_ == nullptr) throw std::bad_alloc();
+    if (data_ == nullptr) {
+      throw std::runtime_error("allocating " + std::to_string(bytes) + " bytes of host memory failed (out of memory)");
+    }
   }
   AllocationStats& s = allocation_stats(where);
   s.live += bytes;

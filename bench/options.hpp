@@ -20,9 +20,9 @@ struct Options {
   int64_t seqlen_q = 1024;
   int64_t seqlen_k = 1024;
   int64_t heads = 8;
-  int64_t heads_kv = 0;  // 0: same as heads
+  int64_t heads_kv = 0;  // 0: same as heads (the flags take only values >= 1)
   int64_t headdim = 64;
-  int64_t headdim_v = 0;  // 0: same as headdim
+  int64_t headdim_v = 0;  // 0: same as headdim (the flags take only values >= 1)
   bool causal = false;
   int64_t window_left = -1, window_right = -1;
   float softcap = 0.0f;
@@ -44,16 +44,20 @@ struct Options {
   uint64_t seed = 1;
   bool check = false;
   std::string csv;
+  double progress_s = 2.0;  // a run still going after this many seconds reports to stderr; 0: never
 
   // --sweep KEY=V1,V2,...: the problem is run once per value.
   std::string sweep_key;
   std::vector<int64_t> sweep_values;
 };
 
-// Parses argv; prints help and exits 0 on --help, throws std::invalid_argument on bad flags.
+// Parses argv; prints help and exits 0 on --help, throws std::invalid_argument on bad flags with a
+// one-line message naming the flag and the rule it breaks. Every value is checked here, sweep
+// values included, so that a bad flag fails before anything runs or prints.
 Options parse_options(int argc, char** argv);
 
-// Sets the option `key` (a --sweep key) to `value`.
+// Sets the option `key` (a --sweep key) to `value`; throws std::invalid_argument for an unknown
+// key or a value outside the key's range.
 void apply_sweep_value(Options& options, const std::string& key, int64_t value);
 
 const char* dtype_name(DType dtype);

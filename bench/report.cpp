@@ -38,20 +38,21 @@ const char* kCsvHeader =
 
 }  // namespace
 
-Report::Report(Backend backend, std::string device, const std::string& csv_path)
-    : backend_(backend), device_(std::move(device)) {
+Report::Report(Backend backend, std::string device, const std::string& csv_path, std::string preamble)
+    : backend_(backend), device_(std::move(device)), preamble_(std::move(preamble)) {
   if (csv_path.empty()) return;
   std::error_code ec;
   const bool fresh = !std::filesystem::exists(csv_path, ec) || std::filesystem::file_size(csv_path, ec) == 0;
   csv_.open(csv_path, std::ios::app);
   if (!csv_) throw std::runtime_error("--csv: cannot open '" + csv_path + "' for appending");
-  if (fresh) csv_ << kCsvHeader << '\n';
+  csv_header_needed_ = fresh;
 }
 
 void Report::add(const Options& o, const Row& row) {
   const double tflops = row.flops / (row.m.median_ms * 1e-3) / 1e12;
   const std::string rss = row.m.rss_growth_bytes < 0 ? "-" : fixed(double(row.m.rss_growth_bytes) / kMiB, 1);
   if (!header_printed_) {
+    std::fputs(preamble_.c_str(), stdout);
     std::printf("%-9s %-4s %-44s %10s %10s %8s %9s %9s\n", "impl", "pass", "problem", "median_ms", "min_ms", "TFLOP/s",
                 "mem_MiB", "rss+_MiB");
     header_printed_ = true;
@@ -62,6 +63,10 @@ void Report::add(const Options& o, const Row& row) {
   std::fflush(stdout);
 
   if (!csv_.is_open()) return;
+  if (csv_header_needed_) {
+    csv_ << kCsvHeader << '\n';
+    csv_header_needed_ = false;
+  }
   const bool attention = o.op == Op::attention;
   const auto a = [&](int64_t v) { return attention ? std::to_string(v) : std::string(); };
   const auto s = [&](int64_t v) { return attention ? std::string() : std::to_string(v); };

@@ -12,18 +12,24 @@
 
 namespace tileattn::bench {
 
-Measurement measure(Backend backend, int warmup, int iters, const std::function<void()>& run) {
+Measurement measure(Backend backend, int warmup, int iters, const std::function<void()>& run, Progress* progress,
+                    const std::string& task) {
   Measurement m;
+  ProgressTask report(progress, task);
   const bool host = backend != Backend::cuda;
   const bool rss = host && reset_peak_rss();
   const int64_t rss_base = rss ? current_rss_bytes() : -1;
 
-  for (int i = 0; i < warmup; ++i) run();
+  for (int i = 0; i < warmup; ++i) {
+    report.step("warmup run " + std::to_string(i + 1) + " of " + std::to_string(warmup));
+    run();
+  }
 #ifdef TILEATTN_WITH_CUDA
   if (!host) device::synchronize();
 #endif
   std::vector<double> ms;
   for (int i = 0; i < iters; ++i) {
+    report.step("timed run " + std::to_string(i + 1) + " of " + std::to_string(iters));
 #ifdef TILEATTN_WITH_CUDA
     if (!host) {
       ms.push_back(device::time_ms(run));

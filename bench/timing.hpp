@@ -3,7 +3,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <string>
 
+#include "progress.hpp"
 #include "tileattn/problem.hpp"
 
 namespace tileattn::bench {
@@ -16,7 +18,8 @@ struct Measurement {
 
 // Runs `run` warmup + iters times; times each of the last `iters` (host clock on the CPU, events
 // on the CUDA default stream). bench_bytes is the allocation peak since the caller's last
-// allocation_stats(backend).reset_peak().
-Measurement measure(Backend backend, int warmup, int iters, const std::function<void()>& run);
+// allocation_stats(backend).reset_peak(). With `progress`, the runs are reported there as `task`.
+Measurement measure(Backend backend, int warmup, int iters, const std::function<void()>& run,
+                    Progress* progress = nullptr, const std::string& task = "");
 
 }  // namespace tileattn::bench
