@@ -1,16 +1,20 @@
 #pragma once
-// Runs body(task) for task in [0, tasks) on up to `num_threads` std::threads (0 = all hardware
-// threads). Tasks are handed out one at a time from an atomic counter, so uneven tasks (causal
-// tiles) balance. Each task must write memory no other task writes; which thread runs a task
-// does not change its result, so outputs are deterministic. The first exception a task throws
-// is rethrown on the caller's thread after all threads have joined.
+// Runs body(task) for task in [0, tasks) on up to `num_threads` threads (0 = all hardware
+// threads): the caller and the workers of one process-wide pool that lives for the whole process.
+// Starting OS threads on every call cost ~65 us, more than a whole seqlen-1 attention call.
+//
+// Tasks are handed out one at a time from an atomic counter, so uneven tasks (causal tiles)
+// balance. Each task must write memory no other task writes; which thread runs a task does not
+// change its result, so outputs are bitwise identical for any thread count. The first exception
+// a task throws is rethrown on the caller's thread once no thread is inside the call any more.
+//
+// Calls from several caller threads at once are safe: the pool runs one call at a time, the
+// others wait for it. A parallel_for inside a task (on a pool worker, or on the caller during a
+// call) runs serially on that thread instead of waiting for the pool it is part of.
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
-#include <exception>
-#include <mutex>
 #include <thread>
-#include <vector>
+#include <type_traits>
 
 namespace tileattn::cpu {
 
@@ -20,31 +24,29 @@ inline int resolve_threads(int num_threads) {
   return hw ? int(hw) : 1;
 }
 
+namespace detail {
+
+using TaskFn = void (*)(void* context, int64_t task);
+
+// Runs fn(context, t) for every t on the caller plus up to `helpers` pool workers; returns once
+// every task has finished (rethrowing the first exception).
+void run_on_pool(int64_t tasks, int helpers, TaskFn fn, void* context);
+
+// True on a pool worker, and on a caller while its call runs.
+bool inside_parallel_region();
+
+}  // namespace detail
+
 template <class Body>
 void parallel_for(int64_t tasks, int num_threads, Body&& body) {
   const int threads = int(std::min<int64_t>(resolve_threads(num_threads), tasks));
-  if (threads <= 1) {
+  if (threads <= 1 || detail::inside_parallel_region()) {
     for (int64_t t = 0; t < tasks; ++t) body(t);
     return;
   }
-  std::atomic<int64_t> next{0};
-  std::exception_ptr error;
-  std::mutex error_mutex;
-  auto worker = [&] {
-    try {
-      for (int64_t t = next++; t < tasks; t = next++) body(t);
-    } catch (...) {
-      std::lock_guard<std::mutex> lock(error_mutex);
-      if (!error) error = std::current_exception();
-      next = tasks;  // let the other threads run out
-    }
-  };
-  std::vector<std::thread> pool;
-  pool.reserve(size_t(threads - 1));
-  for (int i = 1; i < threads; ++i) pool.emplace_back(worker);
-  worker();
-  for (auto& t : pool) t.join();
-  if (error) std::rethrow_exception(error);
+  using B = std::remove_reference_t<Body>;
+  detail::run_on_pool(tasks, threads - 1, [](void* context, int64_t t) { (*static_cast<B*>(context))(t); },
+                      const_cast<void*>(static_cast<const void*>(&body)));
 }
 
 }  // namespace tileattn::cpu
