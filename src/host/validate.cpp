@@ -102,20 +102,24 @@ int64_t checked_mul(int64_t a, int64_t b, const std::string& tensor) {
   return r;
 }
 
-// Strides must be positive where a dimension has more than one index (a zero stride would alias
-// every index of it); a dimension of extent 1 never uses its stride. The last dimension is
-// contiguous by contract, with extent `inner`; `dims` come innermost first (the order ties keep).
+// Strides must not be negative, and positive where a dimension has more than one index (a zero
+// stride would alias every index of it); a dimension of extent 1 never uses its stride. Inputs
+// with `may_broadcast` are exempt from the zero rule: attention reads a tensor expanded over batch
+// or heads (k.expand(...), which PyTorch SDPA accepts) as every index reading the same memory.
+// The last dimension is contiguous by contract, with extent `inner`; `dims` come innermost first
+// (the order ties keep).
 //
 // Outputs must not overlap themselves, otherwise two threads write one element and results depend
 // on timing. The test: sorted by stride, each dimension must step past everything the smaller
 // dimensions span. This is sufficient, and for the layouts attention uses (any permutation of
 // (batch, seq, head) over a contiguous headdim) also necessary.
-void check_strides(const std::string& tensor, int64_t inner, std::vector<Dim> dims, bool is_output) {
+void check_strides(const std::string& tensor, int64_t inner, std::vector<Dim> dims, bool is_output,
+                   bool may_broadcast = false) {
   for (const Dim& d : dims) {
     if (d.stride < 0) {
       invalid(tensor + "." + d.field + "=" + str(d.stride) + " must not be negative");
     }
-    if (d.stride == 0 && d.extent > 1) {
+    if (!(may_broadcast && !is_output) && d.stride == 0 && d.extent > 1) {
       invalid(tensor + "." + d.field + "=0 must be positive (" + d.extent_name + "=" + str(d.extent) + " > 1)");
     }
   }
@@ -315,7 +319,7 @@ AttentionProblem validate_attention(const AttentionProblem& problem, Pass pass, 
         {"seq_stride", t.view->seq_stride, rows, rows_name},
     };
     if (!varlen) dims.push_back({"batch_stride", t.view->batch_stride, p.batch, "batch"});
-    check_strides(t.name, t.headdim, std::move(dims), t.is_output);
+    check_strides(t.name, t.headdim, std::move(dims), t.is_output, /*may_broadcast=*/true);
   }
 
   // ---- options ------------------------------------------------------------------------------

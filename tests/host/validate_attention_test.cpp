@@ -63,11 +63,27 @@ TEST(ValidateAttention, ZeroStrideOnExtentOneIsAllowed) {
 }
 
 TEST(ValidateAttention, InputsMayOverlapThemselves) {
-  // K and V broadcast over heads by a head stride of 0 would be rejected (extent 2 > 1), but
-  // inputs whose rows share memory are readable, so only outputs are held to non-overlap.
+  // Inputs whose rows share memory are readable, so only outputs are held to non-overlap.
   ValidAttention a;
   a.p.k.seq_stride = 4;  // rows of K overlap (headdim 8)
   EXPECT_NO_THROW(validate_fwd(a.p));
+}
+
+TEST(ValidateAttention, ExpandedInputsWithZeroStridesPass) {
+  // k.expand(...) over batch or heads, as PyTorch SDPA accepts: every input of either pass, O
+  // included where it is a backward input.
+  ValidAttention a;  // batch 2, heads_q 4, heads_kv 2
+  for (TensorView* t : {&a.p.q, &a.p.k, &a.p.v, &a.p.dout}) {
+    t->batch_stride = 0;
+    t->head_stride = 0;
+  }
+  EXPECT_NO_THROW(validate_fwd(a.p));
+  a.p.o.batch_stride = 0;
+  a.p.o.head_stride = 0;
+  EXPECT_NO_THROW(validate_bwd(a.p));
+  ValidAttention b;
+  b.p.v.seq_stride = 0;  // every key row the same value row
+  EXPECT_NO_THROW(validate_bwd(b.p));
 }
 
 TEST(ValidateAttention, VarlenPasses) {
@@ -254,16 +270,19 @@ TEST(ValidateAttention, NegativeStrideIsRejected) {
   expect_bwd_error(b.p, ErrorKind::invalid_argument, {"dv.batch_stride=-1", "must not be negative"});
 }
 
-TEST(ValidateAttention, ZeroStrideOnExtentAboveOneIsRejected) {
+TEST(ValidateAttention, ZeroStrideOnAnOutputExtentAboveOneIsRejected) {
   ValidAttention a;  // heads_kv = 2
-  a.p.k.head_stride = 0;
-  expect_fwd_error(a.p, ErrorKind::invalid_argument, {"k.head_stride=0 must be positive", "heads_kv=2 > 1"});
+  a.p.dk.head_stride = 0;
+  expect_bwd_error(a.p, ErrorKind::invalid_argument, {"dk.head_stride=0 must be positive", "heads_kv=2 > 1"});
   ValidAttention b;  // seqlen_q = 4
   b.p.o.seq_stride = 0;
   expect_fwd_error(b.p, ErrorKind::invalid_argument, {"o.seq_stride=0 must be positive", "seqlen_q=4 > 1"});
   ValidAttention c;  // batch = 2
-  c.p.v.batch_stride = 0;
-  expect_fwd_error(c.p, ErrorKind::invalid_argument, {"v.batch_stride=0 must be positive", "batch=2 > 1"});
+  c.p.dv.batch_stride = 0;
+  expect_bwd_error(c.p, ErrorKind::invalid_argument, {"dv.batch_stride=0 must be positive", "batch=2 > 1"});
+  ValidAttention d;  // heads_q = 4
+  d.p.o.head_stride = 0;
+  expect_fwd_error(d.p, ErrorKind::invalid_argument, {"o.head_stride=0 must be positive", "heads_q=4 > 1"});
 }
 
 TEST(ValidateAttention, ForwardOutputMustNotOverlapItself) {
