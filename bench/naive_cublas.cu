@@ -7,7 +7,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "cuda/common/ptx.cuh"
+#include "cuda/arch/ptx_sm80.cuh"
 #include "memory.hpp"
 #include "naive_cublas.hpp"
 

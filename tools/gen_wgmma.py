@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Writes src/cuda/sm90/wgmma_ops.cuh: the wgmma.mma_async wrappers, one per (type, N).
+"""Writes src/cuda/arch/wgmma_ops.cuh: the wgmma.mma_async wrappers, one per (type, N).
 
 PTX names every accumulator register of a wgmma in the instruction, so each N needs its own asm
 statement; generating them keeps the list exact. Run from the repository root after changing
@@ -72,7 +72,7 @@ def main():
         for n in SHAPES:
             parts.append(wrapper(ctype, ptype, k, n, transposable))
     parts.append("\n}  // namespace tileattn::cuda::sm90\n")
-    out = pathlib.Path("src/cuda/sm90/wgmma_ops.cuh")
+    out = pathlib.Path("src/cuda/arch/wgmma_ops.cuh")
     out.write_text("".join(parts))
     print(f"wrote {out}")
 

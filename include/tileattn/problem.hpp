@@ -55,6 +55,11 @@ struct AttentionProblem {
   const int32_t* cu_seqlens_k = nullptr;
   int64_t total_q = 0;
   int64_t total_k = 0;
+  // Host memory offsets are always checked against the rules above. Device offsets are checked
+  // only on request: reading them needs a copy to the host and a stream synchronisation (and is
+  // skipped while the stream is being captured into a CUDA graph). Unchecked, offsets that break
+  // the rules give unspecified values but never an access outside the buffers (the kernels clamp).
+  bool check_cu_seqlens = false;
 
   // ---- options --------------------------------------------------------------------------
   std::optional<float> softmax_scale;  // default 1/sqrt(headdim_qk); must be finite and > 0

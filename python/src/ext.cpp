@@ -175,7 +175,7 @@ class Attention {
   Attention(Array q, Array k, Array v, Array out, Array lse, OptArray dout, OptArray dq, OptArray dk, OptArray dv,
             OptArray cu_seqlens_q, OptArray cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
             std::optional<float> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
-            float softcap, bool deterministic, bool fp32_fast, int num_threads)
+            float softcap, bool deterministic, bool fp32_fast, int num_threads, bool check_cu_seqlens)
       : q_(q), k_(k), v_(v), out_(out), lse_(lse), dout_(dout), dq_(dq), dk_(dk), dv_(dv),
         cu_q_(cu_seqlens_q), cu_k_(cu_seqlens_k) {
     if (cu_q_.has_value() != cu_k_.has_value())
@@ -271,29 +271,27 @@ class Attention {
     p.deterministic = deterministic;
     p.fp32_mode = fp32_fast ? tileattn::Fp32Mode::fast : tileattn::Fp32Mode::exact;
     p.num_threads = num_threads;
+    p.check_cu_seqlens = check_cu_seqlens;
   }
 
-  // The stream matters to the size queries too: validation reads device cu_seqlens on it (and
-  // must not while it is being captured into a CUDA graph).
-  size_t forward_workspace_size(uintptr_t stream) const {
-    return tileattn::forward_workspace_size(with_execution(OptArray{}, stream));
+  // Validates and plans the call once (kernel, split count, workspace size, tensor maps) for the
+  // stream it will run on, and returns the workspace size the run needs; run() then executes
+  // that plan. The stream matters to planning: the opt-in cu_seqlens check reads on it.
+  size_t plan_forward(uintptr_t stream) {
+    plan_ = tileattn::plan_forward(with_stream(stream));
+    return plan_->workspace_size();
   }
-  size_t backward_workspace_size(uintptr_t stream) const {
+  size_t plan_backward(uintptr_t stream) {
     require_grads();
-    return tileattn::backward_workspace_size(with_execution(OptArray{}, stream));
+    plan_ = tileattn::plan_backward(with_stream(stream));
+    return plan_->workspace_size();
   }
 
-  void forward(OptArray workspace, uintptr_t stream) {
-    auto p = with_execution(workspace, stream);
+  void run(OptArray workspace) {
+    if (!plan_) fail(ErrorKind::invalid_argument, "run() needs plan_forward() or plan_backward() first");
+    auto [data, bytes] = workspace_of(workspace, q_);
     nb::gil_scoped_release release;
-    tileattn::forward(p);
-  }
-
-  void backward(OptArray workspace, uintptr_t stream) {
-    require_grads();
-    auto p = with_execution(workspace, stream);
-    nb::gil_scoped_release release;
-    tileattn::backward(p);
+    plan_->run(data, bytes);
   }
 
   std::string backend() const { return backend_name(problem_.backend); }
@@ -303,11 +301,8 @@ class Attention {
     if (!dout_) fail(ErrorKind::invalid_argument, "backward needs dout, dq, dk and dv");
   }
 
-  tileattn::AttentionProblem with_execution(const OptArray& workspace, uintptr_t stream) const {
+  tileattn::AttentionProblem with_stream(uintptr_t stream) const {
     auto p = problem_;
-    auto [data, bytes] = workspace_of(workspace, q_);
-    p.workspace = data;
-    p.workspace_bytes = bytes;
     p.stream = reinterpret_cast<void*>(stream);
     return p;
   }
@@ -315,6 +310,7 @@ class Attention {
   Array q_, k_, v_, out_, lse_;
   OptArray dout_, dq_, dk_, dv_, cu_q_, cu_k_;
   tileattn::AttentionProblem problem_;
+  std::optional<tileattn::Plan> plan_;
 };
 
 // out = softmax(x, dim=-1) @ v for x (batch, d1, d2), v (batch, d2, d3), out (batch, d1, d3).
@@ -346,21 +342,25 @@ class SoftmaxMatmul {
     p.num_threads = num_threads;
   }
 
-  size_t workspace_size() const { return tileattn::softmax_matmul_workspace_size(problem_); }
-
-  void run(OptArray workspace, uintptr_t stream) {
+  // As Attention: plan once for the stream, then run that plan.
+  size_t plan(uintptr_t stream) {
     auto p = problem_;
-    auto [data, bytes] = workspace_of(workspace, x_);
-    p.workspace = data;
-    p.workspace_bytes = bytes;
     p.stream = reinterpret_cast<void*>(stream);
+    plan_ = tileattn::plan_softmax_matmul(p);
+    return plan_->workspace_size();
+  }
+
+  void run(OptArray workspace) {
+    if (!plan_) fail(ErrorKind::invalid_argument, "run() needs plan() first");
+    auto [data, bytes] = workspace_of(workspace, x_);
     nb::gil_scoped_release release;
-    tileattn::softmax_matmul(p);
+    plan_->run(data, bytes);
   }
 
  private:
   Array x_, v_, out_;
   tileattn::SoftmaxMatmulProblem problem_;
+  std::optional<tileattn::Plan> plan_;
 };
 
 }  // namespace
@@ -385,25 +385,24 @@ NB_MODULE(_ext, m) {
 
   nb::class_<Attention>(m, "Attention")
       .def(nb::init<Array, Array, Array, Array, Array, OptArray, OptArray, OptArray, OptArray, OptArray, OptArray,
-                    int64_t, int64_t, std::optional<float>, bool, int64_t, int64_t, float, bool, bool, int>(),
+                    int64_t, int64_t, std::optional<float>, bool, int64_t, int64_t, float, bool, bool, int, bool>(),
            nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("lse"), nb::kw_only(),
            nb::arg("dout").none() = nb::none(), nb::arg("dq").none() = nb::none(), nb::arg("dk").none() = nb::none(),
            nb::arg("dv").none() = nb::none(), nb::arg("cu_seqlens_q").none() = nb::none(),
            nb::arg("cu_seqlens_k").none() = nb::none(), nb::arg("max_seqlen_q") = 0, nb::arg("max_seqlen_k") = 0,
            nb::arg("softmax_scale").none() = nb::none(), nb::arg("causal") = false, nb::arg("window_left") = -1,
            nb::arg("window_right") = -1, nb::arg("softcap") = 0.0f, nb::arg("deterministic") = false,
-           nb::arg("fp32_fast") = false, nb::arg("num_threads") = 0)
-      .def("forward_workspace_size", &Attention::forward_workspace_size, nb::arg("stream") = 0)
-      .def("backward_workspace_size", &Attention::backward_workspace_size, nb::arg("stream") = 0)
-      .def("forward", &Attention::forward, nb::arg("workspace").none() = nb::none(), nb::arg("stream") = 0)
-      .def("backward", &Attention::backward, nb::arg("workspace").none() = nb::none(), nb::arg("stream") = 0)
+           nb::arg("fp32_fast") = false, nb::arg("num_threads") = 0, nb::arg("check_cu_seqlens") = false)
+      .def("plan_forward", &Attention::plan_forward, nb::arg("stream") = 0)
+      .def("plan_backward", &Attention::plan_backward, nb::arg("stream") = 0)
+      .def("run", &Attention::run, nb::arg("workspace").none() = nb::none())
       .def_prop_ro("backend", &Attention::backend);
 
   nb::class_<SoftmaxMatmul>(m, "SoftmaxMatmul")
       .def(nb::init<Array, Array, Array, bool, int>(), nb::arg("x"), nb::arg("v"), nb::arg("out"), nb::kw_only(),
            nb::arg("fp32_fast") = false, nb::arg("num_threads") = 0)
-      .def("workspace_size", &SoftmaxMatmul::workspace_size)
-      .def("run", &SoftmaxMatmul::run, nb::arg("workspace").none() = nb::none(), nb::arg("stream") = 0);
+      .def("plan", &SoftmaxMatmul::plan, nb::arg("stream") = 0)
+      .def("run", &SoftmaxMatmul::run, nb::arg("workspace").none() = nb::none());
 
   m.def("attention_forward_flops", &tileattn::attention_forward_flops, nb::arg("batch"), nb::arg("heads_q"),
         nb::arg("seqlen_q"), nb::arg("seqlen_k"), nb::arg("headdim_qk"), nb::arg("headdim_v"), nb::arg("causal"));

@@ -123,8 +123,7 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor
     call = _attention(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                       causal, window_left, window_right, softcap, deterministic)
     with _device_context(q.device):
-        workspace = _workspace(call.forward_workspace_size(_stream(q.device)), q.device)
-        call.forward(workspace, _stream(q.device))
+        call.run(_workspace(call.plan_forward(_stream(q.device)), q.device))
     return out, lse
 
 
@@ -159,8 +158,7 @@ def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     call = _attention(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                       causal, window_left, window_right, softcap, deterministic, grads=(dout, dq, dk, dv))
     with _device_context(q.device):
-        workspace = _workspace(call.backward_workspace_size(_stream(q.device)), q.device)
-        call.backward(workspace, _stream(q.device))
+        call.run(_workspace(call.plan_backward(_stream(q.device)), q.device))
     return dq, dk, dv
 
 
@@ -253,8 +251,7 @@ def softmax_matmul(x: Tensor, v: Tensor) -> Tensor:
     out = torch.empty((x.shape[0], x.shape[1], v.shape[-1]), dtype=x.dtype, device=x.device)
     call = _ext.SoftmaxMatmul(_capsule(x), _capsule(v), _capsule(out), num_threads=_num_threads(x.device))
     with _device_context(x.device):
-        workspace = _workspace(call.workspace_size(), x.device)
-        call.run(workspace, _stream(x.device))
+        call.run(_workspace(call.plan(_stream(x.device)), x.device))
     return out
 
 

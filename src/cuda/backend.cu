@@ -6,19 +6,22 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 
 #include "common/online_softmax.hpp"
+#include "common/backend_plan.hpp"
 #include "cuda/common/check.cuh"
 #include "cuda/common/row_alignment.hpp"
 #include "cuda/common/workspace.cuh"
 #include "cuda/cuda_backend.hpp"
+#include "cuda/head_dims_built.hpp"
 #include "cuda/fp32/forward_fp32.hpp"
-#include "cuda/sm80/fwd_params.hpp"
-#include "cuda/sm80/launch_fwd_sm80.hpp"
-#include "cuda/sm90/hopper_available.hpp"
-#include "cuda/sm90/launch_fwd_sm90.hpp"
+#include "cuda/common/fwd_params.hpp"
+#include "cuda/forward/launch_fwd_sm80.hpp"
+#include "cuda/arch/hopper_available.hpp"
+#include "cuda/forward/launch_fwd_sm90.hpp"
 #include "tileattn/error.hpp"
 
 namespace tileattn::cuda {
@@ -64,34 +67,22 @@ struct FwdKernel {
   void (*run)(const FwdParams&, cudaStream_t);
 };
 
-// The smallest head-dim bucket of this build that holds both head dims (Q/K and V are padded
-// to it with zeros).
+[[noreturn]] void no_bucket(const char* family, int headdim) {
+  throw Error(ErrorKind::unsupported, std::string(family) + ": head dim " + std::to_string(headdim) +
+                                          " exceeds every head-dim bucket of this build (TILEATTN_HEADDIMS=" +
+                                          kBuiltHeadDims + ")");
+}
+
+// The kernels of the smallest bucket that holds both head dims (Q/K and V are padded to it).
 template <class T>
 FwdKernel pick_forward(int headdim) {
-#define TA_FWD_BUCKET(D) \
-  if (headdim <= D) return {&FwdSm80<T, D>::num_splits, &FwdSm80<T, D>::run};
-#if TILEATTN_CUDA_HEADDIM_32
-  TA_FWD_BUCKET(32)
-#endif
-#if TILEATTN_CUDA_HEADDIM_64
-  TA_FWD_BUCKET(64)
-#endif
-#if TILEATTN_CUDA_HEADDIM_96
-  TA_FWD_BUCKET(96)
-#endif
-#if TILEATTN_CUDA_HEADDIM_128
-  TA_FWD_BUCKET(128)
-#endif
-#if TILEATTN_CUDA_HEADDIM_192
-  TA_FWD_BUCKET(192)
-#endif
-#if TILEATTN_CUDA_HEADDIM_256
-  TA_FWD_BUCKET(256)
-#endif
-#undef TA_FWD_BUCKET
-  throw Error(ErrorKind::unsupported, "CUDA forward: head dim " + std::to_string(headdim) +
-                                          " exceeds every head-dim bucket of this build (TILEATTN_HEADDIMS=" +
-                                          TILEATTN_CUDA_HEADDIMS + ")");
+  FwdKernel kernel{};
+  const bool found = with_bucket(FwdSm80HeadDims{}, headdim, [&](auto bucket) {
+    constexpr int d = decltype(bucket)::value;
+    kernel = {&FwdSm80<T, d>::num_splits, &FwdSm80<T, d>::run};
+  });
+  if (!found) no_bucket("CUDA forward", headdim);
+  return kernel;
 }
 
 FwdKernel pick_forward(const AttentionProblem& p) {
@@ -109,29 +100,13 @@ struct FwdKernelSm90 {
 // The Hopper kernel for the same bucket the sm80 dispatch would pick, when this build has it.
 template <class T>
 std::optional<FwdKernelSm90> pick_forward_sm90(int headdim) {
-#define TA_FWD90_BUCKET(D) \
-  if (headdim <= D) return FwdKernelSm90{&FwdSm90<T, D>::make_maps, &FwdSm90<T, D>::num_splits, &FwdSm90<T, D>::run};
-#if TILEATTN_CUDA_SM90_FWD_HEADDIM_32
-  TA_FWD90_BUCKET(32)
-#endif
-#if TILEATTN_CUDA_SM90_FWD_HEADDIM_64
-  TA_FWD90_BUCKET(64)
-#endif
-#if TILEATTN_CUDA_SM90_FWD_HEADDIM_96
-  TA_FWD90_BUCKET(96)
-#endif
-#if TILEATTN_CUDA_SM90_FWD_HEADDIM_128
-  TA_FWD90_BUCKET(128)
-#endif
-#if TILEATTN_CUDA_SM90_FWD_HEADDIM_192
-  TA_FWD90_BUCKET(192)
-#endif
-#if TILEATTN_CUDA_SM90_FWD_HEADDIM_256
-  TA_FWD90_BUCKET(256)
-#endif
-#undef TA_FWD90_BUCKET
-  (void)headdim;
-  return std::nullopt;
+  std::optional<FwdKernelSm90> kernel;
+  if (bucket_of(FwdSm90HeadDims{}, headdim) != bucket_of(FwdSm80HeadDims{}, headdim)) return kernel;
+  with_bucket(FwdSm90HeadDims{}, headdim, [&](auto bucket) {
+    constexpr int d = decltype(bucket)::value;
+    kernel = FwdKernelSm90{&FwdSm90<T, d>::make_maps, &FwdSm90<T, d>::num_splits, &FwdSm90<T, d>::run};
+  });
+  return kernel;
 }
 
 std::optional<FwdKernelSm90> pick_forward_sm90(const AttentionProblem& p) {
@@ -179,59 +154,67 @@ size_t split_bytes(const FwdParams& f, int splits, size_t* lse_bytes) {
 
 bool empty(const AttentionProblem& p) { return p.batch == 0 || p.heads_q == 0 || p.seqlen_q == 0; }
 
-// The kernel that runs a problem and its split count, decided once for both the workspace query
-// and the run.
-struct ForwardPlan {
-  FwdSm90Params params;  // params.fwd is what the sm80 kernel reads too
-  FwdKernel sm80{};
-  std::optional<FwdKernelSm90> sm90;
+// The fp16/bf16 forward: the Hopper kernel with its tensor maps where it runs this problem, else
+// the portable one; the split count and workspace follow from that choice.
+class ForwardPlan final : public detail::BackendPlan {
+ public:
+  explicit ForwardPlan(const AttentionProblem& problem)
+      : stream_(static_cast<cudaStream_t>(problem.stream)), empty_(empty(problem)) {
+    if (empty_) return;
+    params_.fwd = make_params(problem);  // params_.fwd is what the sm80 kernel reads too
+    sm90_ = pick_forward_sm90(problem);
+    if (sm90_ && !sm90_->make_maps(problem, params_)) sm90_.reset();
+    if (sm90_) {
+      params_.fwd.num_splits = sm90_->num_splits(params_);
+    } else {
+      sm80_ = pick_forward(problem);
+      params_.fwd.num_splits = sm80_.num_splits(params_.fwd);
+    }
+    workspace_ = split_bytes(params_.fwd, params_.fwd.num_splits, &lse_bytes_);
+  }
+
+  size_t workspace_size() const override { return workspace_; }
+  const char* kernel_name() const override { return empty_ ? "none" : sm90_ ? "sm90" : "sm80"; }
+
+  void run(void* workspace, size_t workspace_bytes) const override {
+    if (empty_) return;
+    FwdSm90Params params = params_;
+    Workspace scratch(workspace, workspace_bytes, workspace_, stream_);
+    if (workspace_) {
+      params.fwd.lse_partial = scratch.take<float>(lse_bytes_);
+      params.fwd.o_partial = scratch.take<float>(workspace_ - lse_bytes_);
+    }
+    if (sm90_) sm90_->run(params, stream_);
+    else sm80_.run(params.fwd, stream_);
+  }
+
+ private:
+  cudaStream_t stream_;
+  bool empty_;
+  FwdSm90Params params_{};
+  FwdKernel sm80_{};
+  std::optional<FwdKernelSm90> sm90_;
+  size_t workspace_ = 0, lse_bytes_ = 0;
 };
 
-ForwardPlan plan_forward(const AttentionProblem& problem) {
-  ForwardPlan plan;
-  plan.params.fwd = make_params(problem);
-  plan.sm90 = pick_forward_sm90(problem);
-  if (plan.sm90 && !plan.sm90->make_maps(problem, plan.params)) plan.sm90.reset();
-  if (plan.sm90) {
-    plan.params.fwd.num_splits = plan.sm90->num_splits(plan.params);
-  } else {
-    plan.sm80 = pick_forward(problem);
-    plan.params.fwd.num_splits = plan.sm80.num_splits(plan.params.fwd);
-  }
-  return plan;
-}
+class Fp32ForwardPlan final : public detail::BackendPlan {
+ public:
+  explicit Fp32ForwardPlan(const AttentionProblem& problem) : problem_(problem) {}
+  size_t workspace_size() const override { return 0; }
+  const char* kernel_name() const override { return "fp32"; }
+  void run(void*, size_t) const override { forward_fp32(problem_); }
+
+ private:
+  AttentionProblem problem_;
+};
 
 }  // namespace
 
-size_t forward_workspace_size(const AttentionProblem& problem) {
-  if (problem.dtype == DType::f32) return forward_fp32_workspace_size(problem);
-  if (empty(problem)) return 0;
-  const ForwardPlan plan = plan_forward(problem);
-  size_t lse_bytes = 0;
-  return split_bytes(plan.params.fwd, plan.params.fwd.num_splits, &lse_bytes);
+std::unique_ptr<detail::BackendPlan> plan_forward(const AttentionProblem& problem) {
+  if (problem.dtype == DType::f32) return std::make_unique<Fp32ForwardPlan>(problem);
+  return std::make_unique<ForwardPlan>(problem);
 }
 
-const char* forward_kernel_name(const AttentionProblem& problem) {
-  if (problem.dtype == DType::f32) return "fp32";
-  if (empty(problem)) return "none";
-  return plan_forward(problem).sm90 ? "sm90" : "sm80";
-}
-
-void forward(const AttentionProblem& problem) {
-  if (problem.dtype == DType::f32) return forward_fp32(problem);
-  if (empty(problem)) return;
-  ForwardPlan plan = plan_forward(problem);
-  FwdParams& f = plan.params.fwd;
-  size_t lse_bytes = 0;
-  const size_t needed = split_bytes(f, f.num_splits, &lse_bytes);
-  const auto stream = static_cast<cudaStream_t>(problem.stream);
-  Workspace workspace(problem.workspace, problem.workspace_bytes, needed, stream);
-  if (needed) {
-    f.lse_partial = workspace.take<float>(lse_bytes);
-    f.o_partial = workspace.take<float>(needed - lse_bytes);
-  }
-  if (plan.sm90) plan.sm90->run(plan.params, stream);
-  else plan.sm80.run(f, stream);
-}
+const char* forward_kernel_name(const AttentionProblem& problem) { return plan_forward(problem)->kernel_name(); }
 
 }  // namespace tileattn::cuda

@@ -1,6 +1,6 @@
 // The CUDA backward entry: the validated problem becomes kernel parameters and a workspace, then
-// dispatch on device, dtype and head-dim bucket: the Hopper kernels (src/cuda/sm90/bwd_*) where
-// they apply, else the portable ones (src/cuda/sm80/bwd_*).
+// dispatch on device, dtype and head-dim bucket: the Hopper kernels (src/cuda/backward/*_sm90*) where
+// they apply, else the portable ones (src/cuda/backward/bwd_*).
 //
 // The sm80 kernels sum dQ either by fp32 atomics from the dK/dV kernel into a workspace
 // accumulator (then scaled and converted), or by its own pass over key tiles (the deterministic
@@ -12,28 +12,33 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 
 #include "common/online_softmax.hpp"
+#include "common/backend_plan.hpp"
 #include "cuda/common/check.cuh"
 #include "cuda/common/row_alignment.hpp"
 #include "cuda/common/workspace.cuh"
 #include "cuda/cuda_backend.hpp"
-#include "cuda/sm80/bwd_launch.hpp"
-#include "cuda/sm90/hopper_available.hpp"
-#include "cuda/sm90/launch_bwd_sm90.hpp"
+#include "cuda/head_dims_built.hpp"
+#include "cuda/backward/bwd_launch.hpp"
+#include "cuda/arch/hopper_available.hpp"
+#include "cuda/backward/launch_bwd_sm90.hpp"
 #include "tileattn/error.hpp"
 
 namespace tileattn::cuda {
 namespace {
 
 int headdim_bucket(const AttentionProblem& p) {
-  const int64_t d = std::max(p.headdim_qk, p.headdim_v);
-  for (int b : bwd::kHeadDimBuckets)
-    if (d <= b) return b;
-  throw Error(ErrorKind::unsupported,
-              "headdim " + std::to_string(d) + " exceeds every head-dim bucket this build has (TILEATTN_HEADDIMS)");
+  const int d = int(std::max(p.headdim_qk, p.headdim_v));
+  const int bucket = bucket_of(BwdSm80HeadDims{}, d);
+  if (bucket == 0)
+    throw Error(ErrorKind::unsupported, "CUDA backward: head dim " + std::to_string(d) +
+                                            " exceeds every head-dim bucket of this build (TILEATTN_HEADDIMS=" +
+                                            kBuiltHeadDims + ")");
+  return bucket;
 }
 
 struct BwdKernelSm90 {
@@ -42,28 +47,19 @@ struct BwdKernelSm90 {
 };
 
 // The Hopper backward for this bucket, when the build has it and the device runs it.
+template <class T>
+std::optional<BwdKernelSm90> pick_backward_sm90(int bucket) {
+  std::optional<BwdKernelSm90> kernel;
+  if (bucket_of(BwdSm90HeadDims{}, bucket) != bucket) return kernel;
+  with_bucket(BwdSm90HeadDims{}, bucket, [&](auto d) {
+    kernel = BwdKernelSm90{&BwdSm90<T, decltype(d)::value>::make_maps, &BwdSm90<T, decltype(d)::value>::run};
+  });
+  return kernel;
+}
+
 std::optional<BwdKernelSm90> pick_backward_sm90(const AttentionProblem& p, int bucket) {
   if (p.dtype == DType::f32 || !sm90::hopper_kernels_enabled()) return std::nullopt;
-  const bool f16 = p.dtype == DType::f16;
-#define TA_BWD90_BUCKET(D)                                                                             \
-  if (bucket == D)                                                                                     \
-    return f16 ? BwdKernelSm90{&BwdSm90<__half, D>::make_maps, &BwdSm90<__half, D>::run}               \
-               : BwdKernelSm90{&BwdSm90<__nv_bfloat16, D>::make_maps, &BwdSm90<__nv_bfloat16, D>::run};
-#if TILEATTN_CUDA_SM90_BWD_HEADDIM_32
-  TA_BWD90_BUCKET(32)
-#endif
-#if TILEATTN_CUDA_SM90_BWD_HEADDIM_64
-  TA_BWD90_BUCKET(64)
-#endif
-#if TILEATTN_CUDA_SM90_BWD_HEADDIM_96
-  TA_BWD90_BUCKET(96)
-#endif
-#if TILEATTN_CUDA_SM90_BWD_HEADDIM_128
-  TA_BWD90_BUCKET(128)
-#endif
-#undef TA_BWD90_BUCKET
-  (void)f16;
-  return std::nullopt;
+  return p.dtype == DType::f16 ? pick_backward_sm90<__half>(bucket) : pick_backward_sm90<__nv_bfloat16>(bucket);
 }
 
 // The Hopper kernels with their tensor maps, or nothing (the sm80 kernels run).
@@ -72,7 +68,7 @@ struct BwdPlan {
   BwdSm90Params params{};
 };
 
-BwdPlan plan_backward(const AttentionProblem& p) {
+BwdPlan pick_kernels(const AttentionProblem& p) {
   BwdPlan plan;
   plan.sm90 = pick_backward_sm90(p, headdim_bucket(p));
   if (plan.sm90 && !plan.sm90->make_maps(p, plan.params)) plan.sm90.reset();
@@ -129,98 +125,93 @@ bool pair_stores_ok(const AttentionProblem& p) {
 // Window sides were clamped to the sequence lengths by validation, so they fit an int.
 int window_side(int64_t w) { return w < 0 ? -1 : int(w); }
 
-template <class T, int D>
-void launch_if(int bucket, const bwd::BwdParams& params, cudaStream_t stream) {
-  if (bucket == D) bwd::launch_backward<T, D>(params, stream);
-}
-
 template <class T>
 void dispatch(int bucket, const bwd::BwdParams& params, cudaStream_t stream) {
-#if TILEATTN_BWD_HAS_HEADDIM(32)
-  launch_if<T, 32>(bucket, params, stream);
-#endif
-#if TILEATTN_BWD_HAS_HEADDIM(64)
-  launch_if<T, 64>(bucket, params, stream);
-#endif
-#if TILEATTN_BWD_HAS_HEADDIM(96)
-  launch_if<T, 96>(bucket, params, stream);
-#endif
-#if TILEATTN_BWD_HAS_HEADDIM(128)
-  launch_if<T, 128>(bucket, params, stream);
-#endif
-#if TILEATTN_BWD_HAS_HEADDIM(192)
-  launch_if<T, 192>(bucket, params, stream);
-#endif
-#if TILEATTN_BWD_HAS_HEADDIM(256)
-  launch_if<T, 256>(bucket, params, stream);
-#endif
+  with_bucket(BwdSm80HeadDims{}, bucket, [&](auto d) { bwd::launch_backward<T, decltype(d)::value>(params, stream); });
 }
+
+// Decided once: Hopper or portable kernels, the workspace layout and every kernel parameter
+// but the workspace pointers, which the run carves from the caller's scratch.
+class BackwardPlan final : public detail::BackendPlan {
+ public:
+  explicit BackwardPlan(const AttentionProblem& p) : stream_(static_cast<cudaStream_t>(p.stream)), dtype_(p.dtype) {
+    plan_ = pick_kernels(p);
+    layout_ = workspace_layout(p, plan_);
+    bwd::BwdParams& params = params_;
+    params.q = strided(p.q);
+    params.k = strided(p.k);
+    params.v = strided(p.v);
+    params.o = strided(p.o);
+    params.dout = strided(p.dout);
+    params.dq = strided(p.dq);
+    params.dk = strided(p.dk);
+    params.dv = strided(p.dv);
+    params.lse = p.lse;
+    params.cu_seqlens_q = p.cu_seqlens_q;
+    params.cu_seqlens_k = p.cu_seqlens_k;
+    params.batch = int(p.batch);
+    params.seqlen_q = int(p.seqlen_q);
+    params.seqlen_k = int(p.seqlen_k);
+    params.total_q = p.total_q;
+    params.total_k = p.total_k;
+    params.heads_q = int(p.heads_q);
+    params.heads_kv = int(p.heads_kv);
+    params.group = int(p.heads_q / p.heads_kv);
+    params.headdim_qk = int(p.headdim_qk);
+    params.headdim_v = int(p.headdim_v);
+    params.window_left = window_side(p.window_left);
+    params.window_right = window_side(p.window_right);
+    params.scale = *p.softmax_scale;
+    params.scale_log2 = params.scale * kLog2e;
+    params.softcap = p.softcap;
+    params.scale_over_cap = p.softcap > 0.0f ? params.scale / p.softcap : 0.0f;
+    params.vec_io = vector_io_ok(p);
+    params.pair_grads = pair_stores_ok(p);
+    params.seqlen_q_rounded = int(layout_.rows / (p.batch * p.heads_q));
+    params.dq_accum_dim = layout_.dim;
+  }
+
+  size_t workspace_size() const override { return layout_.total(); }
+  const char* kernel_name() const override { return plan_.sm90 ? "sm90" : dtype_ == DType::f32 ? "fp32" : "sm80"; }
+
+  void run(void* workspace, size_t workspace_bytes) const override {
+    // The kernels read the workspace with 16-byte copies.
+    if (workspace != nullptr && reinterpret_cast<uintptr_t>(workspace) % 16 != 0)
+      throw Error(ErrorKind::invalid_argument, "workspace must be 16-byte aligned for the CUDA backward");
+    Workspace ws(workspace, workspace_bytes, layout_.total(), stream_);
+    bwd::BwdParams params = params_;
+    params.lse2 = ws.take<float>(layout_.lse2);
+    params.dsum = ws.take<float>(layout_.dsum);
+    params.row_sum = layout_.row_sum > 0 ? ws.take<float>(layout_.row_sum) : nullptr;
+    params.dq_accum = layout_.accum > 0 ? ws.take<float>(layout_.accum) : nullptr;
+    if (params.dq_accum != nullptr) TA_CUDA_CHECK(cudaMemsetAsync(params.dq_accum, 0, layout_.accum, stream_));
+    if (plan_.sm90) {
+      BwdSm90Params sm90 = plan_.params;
+      sm90.bwd = params;
+      return plan_.sm90->run(sm90, stream_);
+    }
+    switch (dtype_) {
+      case DType::f16:
+        return dispatch<__half>(layout_.dim, params, stream_);
+      case DType::bf16:
+        return dispatch<__nv_bfloat16>(layout_.dim, params, stream_);
+      case DType::f32:
+        return dispatch<float>(layout_.dim, params, stream_);
+    }
+  }
+
+ private:
+  cudaStream_t stream_;
+  DType dtype_;
+  BwdPlan plan_;
+  WorkspaceLayout layout_;
+  bwd::BwdParams params_{};
+};
 
 }  // namespace
 
-size_t backward_workspace_size(const AttentionProblem& problem) {
-  return workspace_layout(problem, plan_backward(problem)).total();
-}
-
-void backward(const AttentionProblem& p) {
-  // The kernels read the workspace with 16-byte copies.
-  if (p.workspace != nullptr && reinterpret_cast<uintptr_t>(p.workspace) % 16 != 0)
-    throw Error(ErrorKind::invalid_argument, "workspace must be 16-byte aligned for the CUDA backward");
-  const cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
-  BwdPlan plan = plan_backward(p);
-  const WorkspaceLayout layout = workspace_layout(p, plan);
-  Workspace ws(p.workspace, p.workspace_bytes, layout.total(), stream);
-
-  bwd::BwdParams params{};
-  params.q = strided(p.q);
-  params.k = strided(p.k);
-  params.v = strided(p.v);
-  params.o = strided(p.o);
-  params.dout = strided(p.dout);
-  params.dq = strided(p.dq);
-  params.dk = strided(p.dk);
-  params.dv = strided(p.dv);
-  params.lse = p.lse;
-  params.cu_seqlens_q = p.cu_seqlens_q;
-  params.cu_seqlens_k = p.cu_seqlens_k;
-  params.batch = int(p.batch);
-  params.seqlen_q = int(p.seqlen_q);
-  params.seqlen_k = int(p.seqlen_k);
-  params.total_q = p.total_q;
-  params.total_k = p.total_k;
-  params.heads_q = int(p.heads_q);
-  params.heads_kv = int(p.heads_kv);
-  params.group = int(p.heads_q / p.heads_kv);
-  params.headdim_qk = int(p.headdim_qk);
-  params.headdim_v = int(p.headdim_v);
-  params.window_left = window_side(p.window_left);
-  params.window_right = window_side(p.window_right);
-  params.scale = *p.softmax_scale;
-  params.scale_log2 = params.scale * kLog2e;
-  params.softcap = p.softcap;
-  params.scale_over_cap = p.softcap > 0.0f ? params.scale / p.softcap : 0.0f;
-  params.vec_io = vector_io_ok(p);
-  params.pair_grads = pair_stores_ok(p);
-  params.seqlen_q_rounded = int(layout.rows / (p.batch * p.heads_q));
-  params.dq_accum_dim = layout.dim;
-  params.lse2 = ws.take<float>(layout.lse2);
-  params.dsum = ws.take<float>(layout.dsum);
-  params.row_sum = layout.row_sum > 0 ? ws.take<float>(layout.row_sum) : nullptr;
-  params.dq_accum = layout.accum > 0 ? ws.take<float>(layout.accum) : nullptr;
-  if (params.dq_accum != nullptr) TA_CUDA_CHECK(cudaMemsetAsync(params.dq_accum, 0, layout.accum, stream));
-  if (plan.sm90) {
-    plan.params.bwd = params;
-    return plan.sm90->run(plan.params, stream);
-  }
-
-  switch (p.dtype) {
-    case DType::f16:
-      return dispatch<__half>(layout.dim, params, stream);
-    case DType::bf16:
-      return dispatch<__nv_bfloat16>(layout.dim, params, stream);
-    case DType::f32:
-      return dispatch<float>(layout.dim, params, stream);
-  }
+std::unique_ptr<detail::BackendPlan> plan_backward(const AttentionProblem& problem) {
+  return std::make_unique<BackwardPlan>(problem);
 }
 
 }  // namespace tileattn::cuda

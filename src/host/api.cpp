@@ -1,3 +1,14 @@
+// Dispatch: resolve the backend, check that the memory each pointer names is the backend's, read
+// the offsets validation needs, validate (src/host/validate.cpp), then hand the normalised
+// problem to the backend's planner. Everything that asks the CUDA runtime happens here, not in
+// validation.
+#include <climits>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/backend_plan.hpp"
 #include "cpu/cpu_backend.hpp"
 #include "host/validate.hpp"
 #include "tileattn/attention.hpp"
@@ -13,6 +24,8 @@
 namespace tileattn {
 namespace {
 
+[[noreturn]] void invalid(const std::string& message) { throw Error(ErrorKind::invalid_argument, message); }
+
 // `automatic` follows the memory the data lives in; an explicit choice (or an invalid enum value,
 // which validation rejects) passes through unchanged.
 Backend resolve(Backend requested, const void* data) {
@@ -25,80 +38,178 @@ Backend resolve(Backend requested, const void* data) {
   return Backend::cpu;
 }
 
-Backend resolve(const SoftmaxMatmulProblem& problem) { return resolve(problem.backend, problem.x); }
+// Validation rejects every other value; only a CUDA request needs the runtime to answer.
+void check_backend_present(Backend backend) {
+  if (backend != Backend::cuda) return;
+#ifdef TILEATTN_WITH_CUDA
+  if (!cuda::device_available()) throw Error(ErrorKind::device, "backend=cuda requested, but no CUDA device is visible");
+#else
+  throw Error(ErrorKind::device,
+              "backend=cuda requested, but this build of tileattn has no CUDA backend (configure with -DTILEATTN_CUDA=ON)");
+#endif
+}
+
+// Which memory a pointer lives in must match the backend that will dereference it.
+void check_memory_space(const void* p, const char* name, Backend backend) {
+#ifdef TILEATTN_WITH_CUDA
+  if (p == nullptr || (backend != Backend::cpu && backend != Backend::cuda)) return;
+  const bool on_device = cuda::is_device_pointer(p);
+  if (backend == Backend::cuda && !on_device)
+    invalid(std::string(name) + " is not memory of the current CUDA device, but backend=cuda needs device memory");
+  if (backend == Backend::cpu && on_device)
+    invalid(std::string(name) + " is device memory, but backend=cpu needs host memory");
+#else
+  (void)p, (void)name, (void)backend;
+#endif
+}
+
+void check_memory(const AttentionProblem& p, host::Pass pass, Backend backend) {
+  check_memory_space(p.q.data, "q.data", backend);
+  check_memory_space(p.k.data, "k.data", backend);
+  check_memory_space(p.v.data, "v.data", backend);
+  check_memory_space(p.o.data, "o.data", backend);
+  check_memory_space(p.lse, "lse", backend);
+  if (pass == host::Pass::backward) {
+    check_memory_space(p.dout.data, "dout.data", backend);
+    check_memory_space(p.dq.data, "dq.data", backend);
+    check_memory_space(p.dk.data, "dk.data", backend);
+    check_memory_space(p.dv.data, "dv.data", backend);
+  }
+  check_memory_space(p.cu_seqlens_q, "cu_seqlens_q", backend);
+  check_memory_space(p.cu_seqlens_k, "cu_seqlens_k", backend);
+  check_memory_space(p.workspace, "workspace", backend);
+}
+
+void check_memory(const SoftmaxMatmulProblem& p, Backend backend) {
+  check_memory_space(p.x, "x", backend);
+  check_memory_space(p.v, "v", backend);
+  check_memory_space(p.out, "out", backend);
+  check_memory_space(p.workspace, "workspace", backend);
+}
+
+// Device offsets copied for validation, on request only: the copy synchronises the stream.
+struct DeviceOffsets {
+  std::vector<int32_t> q, k;
+  host::HostOffsets view;
+};
+
+void read_device_offsets(const AttentionProblem& p, Backend backend, DeviceOffsets& out) {
+  // Validation rejects a batch outside [1, INT32_MAX] whatever the offsets say.
+  if (backend != Backend::cuda || !p.check_cu_seqlens || p.cu_seqlens_q == nullptr || p.cu_seqlens_k == nullptr ||
+      p.batch < 1 || p.batch > INT32_MAX)
+    return;
+#ifdef TILEATTN_WITH_CUDA
+  if (cuda::stream_is_capturing(p.stream)) return;
+  const size_t n = size_t(p.batch) + 1;
+  out.q.resize(n);
+  out.k.resize(n);
+  cuda::copy_to_host(out.q.data(), p.cu_seqlens_q, static_cast<long long>(n), p.stream);
+  cuda::copy_to_host(out.k.data(), p.cu_seqlens_k, static_cast<long long>(n), p.stream);
+  out.view = {out.q.data(), out.k.data()};
+#endif
+}
+
+Plan make_plan(std::unique_ptr<detail::BackendPlan> impl, Backend backend, const char* size_call) {
+  return Plan(std::shared_ptr<const detail::BackendPlan>(std::move(impl)), backend, size_call);
+}
+
+class CpuPlan final : public detail::BackendPlan {
+ public:
+  CpuPlan(const AttentionProblem& problem, host::Pass pass) : attention_(problem), pass_(pass) {}
+  explicit CpuPlan(const SoftmaxMatmulProblem& problem) : smm_(problem), is_smm_(true) {}
+  // The CPU backend allocates its own small per-thread scratch.
+  size_t workspace_size() const override { return 0; }
+  const char* kernel_name() const override { return "cpu"; }
+  void run(void*, size_t) const override {
+    if (is_smm_) return cpu::softmax_matmul(smm_);
+    if (pass_ == host::Pass::forward) return cpu::forward(attention_);
+    cpu::backward(attention_);
+  }
+
+ private:
+  AttentionProblem attention_{};
+  SoftmaxMatmulProblem smm_{};
+  host::Pass pass_ = host::Pass::forward;
+  bool is_smm_ = false;
+};
+
+Plan plan_attention(const AttentionProblem& problem, host::Pass pass) {
+  const Backend backend = resolve(problem.backend, problem.q.data);
+  check_backend_present(backend);
+  check_memory(problem, pass, backend);
+  DeviceOffsets offsets;
+  read_device_offsets(problem, backend, offsets);
+  const AttentionProblem p = host::validate_attention(problem, pass, backend, offsets.view);
+  const char* size_call = pass == host::Pass::forward ? "forward_workspace_size" : "backward_workspace_size";
+#ifdef TILEATTN_WITH_CUDA
+  if (backend == Backend::cuda) {
+    auto impl = pass == host::Pass::forward ? cuda::plan_forward(p) : cuda::plan_backward(p);
+    return make_plan(std::move(impl), backend, size_call);
+  }
+#endif
+  return make_plan(std::make_unique<CpuPlan>(p, pass), backend, size_call);
+}
 
 }  // namespace
 
-Backend resolve_backend(const AttentionProblem& problem) { return resolve(problem.backend, problem.q.data); }
+size_t Plan::workspace_size() const { return impl_->workspace_size(); }
 
-// Validation rejects backend=cuda in a build without CUDA, so dispatch needs the CUDA branch only
-// where it exists.
-void forward(const AttentionProblem& problem) {
-  const Backend backend = resolve_backend(problem);
-  const AttentionProblem p = host::validate_attention(problem, host::Pass::forward, backend);
-#ifdef TILEATTN_WITH_CUDA
-  if (backend == Backend::cuda) return cuda::forward(p);
-#endif
-  cpu::forward(p);
+const char* Plan::kernel_name() const { return impl_->kernel_name(); }
+
+void Plan::run(void* workspace, size_t workspace_bytes) const {
+  const size_t needed = impl_->workspace_size();
+  if (workspace != nullptr && workspace_bytes < needed) {
+    invalid("workspace_bytes=" + std::to_string(workspace_bytes) + " is less than " + size_call_ + "=" +
+            std::to_string(needed));
+  }
+  impl_->run(workspace, workspace_bytes);
 }
 
-void backward(const AttentionProblem& problem) {
-  const Backend backend = resolve_backend(problem);
-  const AttentionProblem p = host::validate_attention(problem, host::Pass::backward, backend);
+Backend resolve_backend(const AttentionProblem& problem) { return resolve(problem.backend, problem.q.data); }
+
+Plan plan_forward(const AttentionProblem& problem) { return plan_attention(problem, host::Pass::forward); }
+
+Plan plan_backward(const AttentionProblem& problem) { return plan_attention(problem, host::Pass::backward); }
+
+Plan plan_softmax_matmul(const SoftmaxMatmulProblem& problem) {
+  const Backend backend = resolve(problem.backend, problem.x);
+  check_backend_present(backend);
+  check_memory(problem, backend);
+  const SoftmaxMatmulProblem p = host::validate_softmax_matmul(problem, backend);
 #ifdef TILEATTN_WITH_CUDA
-  if (backend == Backend::cuda) return cuda::backward(p);
+  if (backend == Backend::cuda)
+    return make_plan(cuda::plan_softmax_matmul(p), backend, "softmax_matmul_workspace_size");
 #endif
-  cpu::backward(p);
+  return make_plan(std::make_unique<CpuPlan>(p), backend, "softmax_matmul_workspace_size");
+}
+
+void forward(const AttentionProblem& problem) { plan_forward(problem).run(problem.workspace, problem.workspace_bytes); }
+
+void backward(const AttentionProblem& problem) {
+  plan_backward(problem).run(problem.workspace, problem.workspace_bytes);
 }
 
 void softmax_matmul(const SoftmaxMatmulProblem& problem) {
-  const Backend backend = resolve(problem);
-  const SoftmaxMatmulProblem p = host::validate_softmax_matmul(problem, backend);
-#ifdef TILEATTN_WITH_CUDA
-  if (backend == Backend::cuda) return cuda::softmax_matmul(p);
-#endif
-  cpu::softmax_matmul(p);
+  plan_softmax_matmul(problem).run(problem.workspace, problem.workspace_bytes);
 }
 
-// The CPU backend allocates its own small per-thread scratch, so it asks for no workspace.
-// Sizes are computed for the validated problem: a size for an invalid problem would be meaningless.
+// Sizes are those of the validated problem's plan; the caller's workspace plays no part in them.
 size_t forward_workspace_size(const AttentionProblem& problem) {
   AttentionProblem unsized = problem;
   unsized.workspace = nullptr;
-  const Backend backend = resolve_backend(unsized);
-  const AttentionProblem p = host::validate_attention(unsized, host::Pass::forward, backend);
-#ifdef TILEATTN_WITH_CUDA
-  if (backend == Backend::cuda) return cuda::forward_workspace_size(p);
-#else
-  (void)p;
-#endif
-  return 0;
+  return plan_forward(unsized).workspace_size();
 }
 
 size_t backward_workspace_size(const AttentionProblem& problem) {
   AttentionProblem unsized = problem;
   unsized.workspace = nullptr;
-  const Backend backend = resolve_backend(unsized);
-  const AttentionProblem p = host::validate_attention(unsized, host::Pass::backward, backend);
-#ifdef TILEATTN_WITH_CUDA
-  if (backend == Backend::cuda) return cuda::backward_workspace_size(p);
-#else
-  (void)p;
-#endif
-  return 0;
+  return plan_backward(unsized).workspace_size();
 }
 
 size_t softmax_matmul_workspace_size(const SoftmaxMatmulProblem& problem) {
   SoftmaxMatmulProblem unsized = problem;
   unsized.workspace = nullptr;
-  const Backend backend = resolve(unsized);
-  const SoftmaxMatmulProblem p = host::validate_softmax_matmul(unsized, backend);
-#ifdef TILEATTN_WITH_CUDA
-  if (backend == Backend::cuda) return cuda::softmax_matmul_workspace_size(p);
-#else
-  (void)p;
-#endif
-  return 0;
+  return plan_softmax_matmul(unsized).workspace_size();
 }
 
 bool cuda_available() {

@@ -10,10 +10,6 @@
 
 #include "tileattn/error.hpp"
 
-#ifdef TILEATTN_WITH_CUDA
-#include "cuda/cuda_backend.hpp"
-#endif
-
 namespace tileattn::host {
 namespace {
 
@@ -142,38 +138,14 @@ void check_strides(const std::string& tensor, int64_t inner, std::vector<Dim> di
   }
 }
 
-// Which memory a pointer lives in must match the backend that will dereference it.
-void check_memory_space(const void* p, const std::string& name, Backend backend) {
-#ifdef TILEATTN_WITH_CUDA
-  if (p == nullptr) return;
-  const bool on_device = tileattn::cuda::is_device_pointer(p);
-  if (backend == Backend::cuda && !on_device) {
-    invalid(name + " is not memory of the current CUDA device, but backend=cuda needs device memory");
-  }
-  if (backend == Backend::cpu && on_device) {
-    invalid(name + " is device memory, but backend=cpu needs host memory");
-  }
-#else
-  (void)p, (void)name, (void)backend;
-#endif
-}
-
+// Whether the backend is present (a CUDA build, a visible device) is the dispatcher's question
+// (src/host/api.cpp); validation asks nothing of any backend.
 void check_backend(Backend backend) {
   if (backend != Backend::cpu && backend != Backend::cuda) {
     if (backend == Backend::automatic) {
       invalid("backend=automatic must be resolved to cpu or cuda before validation");
     }
     invalid("backend=" + str(int64_t(backend)) + " is not a Backend (automatic=0, cpu=1, cuda=2)");
-  }
-  if (backend == Backend::cuda) {
-#ifdef TILEATTN_WITH_CUDA
-    if (!tileattn::cuda::device_available()) {
-      fail(ErrorKind::device, "backend=cuda requested, but no CUDA device is visible");
-    }
-#else
-    fail(ErrorKind::device,
-         "backend=cuda requested, but this build of tileattn has no CUDA backend (configure with -DTILEATTN_CUDA=ON)");
-#endif
   }
 }
 
@@ -191,30 +163,10 @@ void check_num_threads(int num_threads) {
   if (num_threads < 0) invalid("num_threads=" + str(int64_t(num_threads)) + " must be >= 0 (0 = all hardware threads)");
 }
 
-void check_workspace(const void* workspace, size_t bytes, size_t needed, Backend backend, const char* call) {
-  check_memory_space(workspace, "workspace", backend);
-  if (workspace != nullptr && bytes < needed) {
-    invalid("workspace_bytes=" + std::to_string(bytes) + " is less than " + call + "=" + std::to_string(needed));
-  }
-}
-
-// cu_seqlens: batch + 1 int32 offsets into a buffer of `total` rows, each sequence no longer than
-// `max_len`. Device offsets are copied to the host and checked here -- except while `stream` is
-// being captured into a CUDA graph, where the copy would synchronise (and the values may change
-// before each replay): then the kernels' clamping (src/common/varlen.hpp) is what keeps every
-// access inside the buffers, and offsets that break these rules give unspecified values.
-void check_cu_seqlens(const int32_t* cu, const char* name, int64_t batch, int64_t total, const char* total_name,
-                      int64_t max_len, const char* max_name, Backend backend, void* stream) {
-  std::vector<int32_t> host(size_t(batch) + 1);
-  if (backend == Backend::cuda) {
-#ifdef TILEATTN_WITH_CUDA
-    if (tileattn::cuda::stream_is_capturing(stream)) return;
-    tileattn::cuda::copy_to_host(host.data(), cu, static_cast<long long>(batch) + 1, stream);
-#endif
-  } else {
-    std::copy(cu, cu + batch + 1, host.begin());
-  }
-  (void)stream;
+// cu_seqlens: batch + 1 int32 offsets (host memory) into a buffer of `total` rows, each sequence
+// no longer than `max_len`.
+void check_cu_seqlens(const int32_t* host, const char* name, int64_t batch, int64_t total, const char* total_name,
+                      int64_t max_len, const char* max_name) {
   const std::string n = name;
   if (host[0] != 0) invalid(n + "[0]=" + str(int64_t(host[0])) + " must be 0");
   for (int64_t b = 0; b < batch; ++b) {
@@ -255,7 +207,8 @@ void check_execution(const Problem& p, Backend backend) {
 
 }  // namespace
 
-AttentionProblem validate_attention(const AttentionProblem& problem, Pass pass, Backend backend) {
+AttentionProblem validate_attention(const AttentionProblem& problem, Pass pass, Backend backend,
+                                    HostOffsets offsets) {
   const AttentionProblem& p = problem;
   check_execution(p, backend);
 
@@ -304,12 +257,6 @@ AttentionProblem validate_attention(const AttentionProblem& problem, Pass pass, 
     check_aligned(p.cu_seqlens_k, sizeof(int32_t), "cu_seqlens_k", "an int32 offset");
   }
   checked_mul(checked_mul(varlen ? 1 : p.batch, p.heads_q, "lse"), varlen ? p.total_q : p.seqlen_q, "lse");
-  for (const TensorSpec& t : tensors) check_memory_space(t.view->data, std::string(t.name) + ".data", backend);
-  check_memory_space(p.lse, "lse", backend);
-  if (varlen) {
-    check_memory_space(p.cu_seqlens_q, "cu_seqlens_q", backend);
-    check_memory_space(p.cu_seqlens_k, "cu_seqlens_k", backend);
-  }
 
   for (const TensorSpec& t : tensors) {
     const int64_t rows = varlen ? (t.varlen_k ? p.total_k : p.total_q) : (t.varlen_k ? p.seqlen_k : p.seqlen_q);
@@ -343,23 +290,13 @@ AttentionProblem validate_attention(const AttentionProblem& problem, Pass pass, 
   if (n.window_left > p.seqlen_k) n.window_left = p.seqlen_k;
   if (n.window_right > p.seqlen_q) n.window_right = p.seqlen_q;
 
-  if (varlen) {
-    check_cu_seqlens(p.cu_seqlens_q, "cu_seqlens_q", p.batch, p.total_q, "total_q", p.seqlen_q, "seqlen_q", backend,
-                     p.stream);
-    check_cu_seqlens(p.cu_seqlens_k, "cu_seqlens_k", p.batch, p.total_k, "total_k", p.seqlen_k, "seqlen_k", backend,
-                     p.stream);
-  }
-
   n.backend = backend;
-  size_t needed = 0;
-#ifdef TILEATTN_WITH_CUDA
-  if (backend == Backend::cuda && p.workspace != nullptr) {
-    needed =
-        pass == Pass::forward ? tileattn::cuda::forward_workspace_size(n) : tileattn::cuda::backward_workspace_size(n);
+  // On the CPU backend the offsets are host memory already.
+  if (varlen && backend == Backend::cpu) offsets = {p.cu_seqlens_q, p.cu_seqlens_k};
+  if (varlen && offsets.q != nullptr && offsets.k != nullptr) {
+    check_cu_seqlens(offsets.q, "cu_seqlens_q", p.batch, p.total_q, "total_q", p.seqlen_q, "seqlen_q");
+    check_cu_seqlens(offsets.k, "cu_seqlens_k", p.batch, p.total_k, "total_k", p.seqlen_k, "seqlen_k");
   }
-#endif
-  check_workspace(p.workspace, p.workspace_bytes, needed, backend,
-                  pass == Pass::forward ? "forward_workspace_size" : "backward_workspace_size");
   return n;
 }
 
@@ -378,9 +315,6 @@ SoftmaxMatmulProblem validate_softmax_matmul(const SoftmaxMatmulProblem& problem
   check_aligned(p.x, element_bytes(p.dtype), "x", dtype_text);
   check_aligned(p.v, element_bytes(p.dtype), "v", dtype_text);
   check_aligned(p.out, element_bytes(p.dtype), "out", dtype_text);
-  check_memory_space(p.x, "x", backend);
-  check_memory_space(p.v, "v", backend);
-  check_memory_space(p.out, "out", backend);
 
   check_strides("x", p.d2,
                 {{"row_stride", p.x_row_stride, p.d1, "d1"}, {"batch_stride", p.x_batch_stride, p.batch, "batch"}},
@@ -394,11 +328,6 @@ SoftmaxMatmulProblem validate_softmax_matmul(const SoftmaxMatmulProblem& problem
 
   SoftmaxMatmulProblem n = p;
   n.backend = backend;
-  size_t needed = 0;
-#ifdef TILEATTN_WITH_CUDA
-  if (backend == Backend::cuda && p.workspace != nullptr) needed = tileattn::cuda::softmax_matmul_workspace_size(n);
-#endif
-  check_workspace(p.workspace, p.workspace_bytes, needed, backend, "softmax_matmul_workspace_size");
   return n;
 }
 

@@ -6,15 +6,27 @@
 //    (flash-attn's rule: the right bound becomes 0, the left bound stays; causal stays true as a hint);
 //  - a window side reaching past the sequence (window_left > seqlen_k, window_right > seqlen_q)
 //    is clamped to that length: it masks nothing either way, and Mask's int32 arithmetic stays exact.
+#include <cstdint>
+
 #include "tileattn/problem.hpp"
 
 namespace tileattn::host {
 
 enum class Pass { forward, backward };
 
-// `backend` is the resolved backend (cpu or cuda): it decides whether cu_seqlens can be read
-// in place or must be copied from the device to be checked.
-AttentionProblem validate_attention(const AttentionProblem& problem, Pass pass, Backend backend);
+// Device cu_seqlens copied to the host, for the offset rules, where the caller asked for the check
+// (check_cu_seqlens); else null, and the rules that need the values are not checked (the kernels
+// clamp every access). On the CPU backend the problem's own offsets are read.
+struct HostOffsets {
+  const int32_t* q = nullptr;
+  const int32_t* k = nullptr;
+};
+
+// `backend` is the resolved backend (cpu or cuda). Validation reads no device memory and calls no
+// backend: whether the backend is present and the pointers are its memory is src/host/api.cpp's
+// check, made before this one.
+AttentionProblem validate_attention(const AttentionProblem& problem, Pass pass, Backend backend,
+                                    HostOffsets offsets = {});
 SoftmaxMatmulProblem validate_softmax_matmul(const SoftmaxMatmulProblem& problem, Backend backend);
 
 }  // namespace tileattn::host

@@ -1,5 +1,6 @@
 // Rules that need a CUDA device: which memory each pointer lives in must match the backend, and
-// cu_seqlens in device memory are copied back and checked like host ones. Skipped without a device.
+// cu_seqlens in device memory are copied back and checked like host ones when the caller asks
+// (check_cu_seqlens). Skipped without a device.
 #include <gtest/gtest.h>
 
 #ifdef TILEATTN_WITH_CUDA
@@ -82,7 +83,7 @@ TEST_F(MemorySpace, DevicePointerOnTheCpuBackendIsRejected) {
                {"k.data is device memory, but backend=cpu needs host memory"});
 }
 
-TEST_F(MemorySpace, DeviceCuSeqlensAreCheckedOnTheHost) {
+TEST_F(MemorySpace, DeviceCuSeqlensAreCheckedOnRequest) {
   ValidAttention a;
   a.make_varlen({4, 4}, {6, 6});
   a.cu_k[1] = 7;  // cu_seqlens_k = {0, 7, 12}: sequence 0 is longer than seqlen_k = 6
@@ -90,8 +91,22 @@ TEST_F(MemorySpace, DeviceCuSeqlensAreCheckedOnTheHost) {
   DeviceCopy<int32_t> cu_q(a.cu_q), cu_k(a.cu_k);
   d.p.cu_seqlens_q = cu_q.data;
   d.p.cu_seqlens_k = cu_k.data;
-  expect_error([&] { host::validate_attention(d.p, host::Pass::forward, Backend::cuda); }, ErrorKind::invalid_argument,
+  d.p.check_cu_seqlens = true;
+  expect_error([&] { plan_forward(d.p); }, ErrorKind::invalid_argument,
                {"cu_seqlens_k: sequence 0 has length 7 > seqlen_k=6"});
+}
+
+// Without the request nothing reads device offsets on the host (no copy, no synchronisation):
+// the call is planned, and the kernels' clamping keeps a bad offset inside the buffers.
+TEST_F(MemorySpace, DeviceCuSeqlensAreNotReadByDefault) {
+  ValidAttention a;
+  a.make_varlen({4, 4}, {6, 6});
+  a.cu_k[1] = 7;
+  DeviceAttention d(a);
+  DeviceCopy<int32_t> cu_q(a.cu_q), cu_k(a.cu_k);
+  d.p.cu_seqlens_q = cu_q.data;
+  d.p.cu_seqlens_k = cu_k.data;
+  EXPECT_NO_THROW(plan_forward(d.p));
 }
 
 TEST_F(MemorySpace, TooSmallWorkspaceIsRejected) {

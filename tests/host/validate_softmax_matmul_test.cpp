@@ -3,6 +3,7 @@
 
 #include "host/valid_problems.hpp"
 #include "host/validate.hpp"
+#include "tileattn/attention.hpp"
 
 namespace tileattn::test {
 namespace {
@@ -117,8 +118,7 @@ TEST(ValidateSoftmaxMatmul, UnknownFp32ModeIsRejected) {
 TEST(ValidateSoftmaxMatmul, CudaBackendWithoutCudaIsADeviceError) {
   ValidSoftmaxMatmul s;
   s.p.backend = Backend::cuda;
-  expect_error([&] { validate_softmax_matmul(s.p, Backend::cuda); }, ErrorKind::device,
-               {"backend=cuda", "no CUDA backend"});
+  expect_error([&] { softmax_matmul(s.p); }, ErrorKind::device, {"backend=cuda", "no CUDA backend"});
 }
 #endif
 

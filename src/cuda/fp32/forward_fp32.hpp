@@ -9,6 +9,5 @@
 namespace tileattn::cuda {
 
 void forward_fp32(const AttentionProblem& problem);
-size_t forward_fp32_workspace_size(const AttentionProblem& problem);
 
 }  // namespace tileattn::cuda

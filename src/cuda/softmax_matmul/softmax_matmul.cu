@@ -3,16 +3,18 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <type_traits>
 
+#include "common/backend_plan.hpp"
 #include "cuda/common/check.cuh"
 #include "cuda/cuda_backend.hpp"
 #include "cuda/softmax_matmul/softmax_matmul_kernel.cuh"
-#include "cuda/sm90/smm_fast_f32_kernel_sm90.cuh"
-#include "cuda/sm90/smm_kernel_sm90.cuh"
-#include "cuda/sm90/hopper_available.hpp"
-#include "cuda/sm90/tma_map.hpp"
+#include "cuda/softmax_matmul/smm_fast_f32_kernel_sm90.cuh"
+#include "cuda/softmax_matmul/smm_kernel_sm90.cuh"
+#include "cuda/arch/hopper_available.hpp"
+#include "cuda/arch/tma_map.hpp"
 #include "tileattn/error.hpp"
 
 namespace tileattn::cuda {
@@ -120,9 +122,7 @@ bool launch_sm90_width(const SoftmaxMatmulProblem& pr) {
   else return launch_sm90<T, 256>(pr);
 }
 
-}  // namespace
-
-void softmax_matmul(const SoftmaxMatmulProblem& pr) {
+void run_softmax_matmul(const SoftmaxMatmulProblem& pr) {
   // fp32 exact mode runs split-TF32 products on Hopper, and its fp64 products elsewhere.
   const bool exact = pr.dtype == DType::f32 && pr.fp32_mode == Fp32Mode::exact;
   const bool done = exact                      ? launch_sm90_width<float, true>(pr)
@@ -139,6 +139,22 @@ void softmax_matmul(const SoftmaxMatmulProblem& pr) {
   }
 }
 
-size_t softmax_matmul_workspace_size(const SoftmaxMatmulProblem&) { return 0; }
+// The kernel choice depends only on the problem and is made in the run; no kernel needs scratch.
+class SoftmaxMatmulPlan final : public detail::BackendPlan {
+ public:
+  explicit SoftmaxMatmulPlan(const SoftmaxMatmulProblem& problem) : problem_(problem) {}
+  size_t workspace_size() const override { return 0; }
+  const char* kernel_name() const override { return "softmax_matmul"; }
+  void run(void*, size_t) const override { run_softmax_matmul(problem_); }
+
+ private:
+  SoftmaxMatmulProblem problem_;
+};
+
+}  // namespace
+
+std::unique_ptr<detail::BackendPlan> plan_softmax_matmul(const SoftmaxMatmulProblem& problem) {
+  return std::make_unique<SoftmaxMatmulPlan>(problem);
+}
 
 }  // namespace tileattn::cuda

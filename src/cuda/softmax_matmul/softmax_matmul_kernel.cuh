@@ -14,9 +14,9 @@
 #include <type_traits>
 
 #include "common/online_softmax.hpp"
-#include "cuda/common/ptx.cuh"
-#include "cuda/fp32/async_copy.cuh"
-#include "cuda/fp32/mma_fp32.cuh"
+#include "cuda/arch/ptx_sm80.cuh"
+#include "cuda/arch/async_copy.cuh"
+#include "cuda/arch/mma_fp32.cuh"
 
 namespace tileattn::cuda::smm {
 

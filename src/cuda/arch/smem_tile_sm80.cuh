@@ -1,0 +1,91 @@
+#pragma once
+// A (rows x cols) tile of 16-bit elements in shared memory, row-major in 16-byte chunks whose
+// order inside each row is XOR-swizzled with the row index, so that the 8 row addresses of one
+// ldmatrix (and of one cp.async wave) fall in 8 different bank groups:
+//  - chunks per row a multiple of 8 (row = 0 mod 128 bytes): chunk ^= row % 8;
+//  - otherwise (32, 96: rows of 64 or 192 bytes, alternating bank halves): chunk ^= (row / 2) % 4,
+//    which stays inside each aligned group of 4 chunks.
+#include <cstdint>
+
+#include "cuda/arch/ptx_sm80.cuh"
+
+namespace tileattn::cuda {
+
+template <int kRows_, int kCols_>
+struct SmemTile {
+  static constexpr int kRows = kRows_;
+  static constexpr int kCols = kCols_;
+  static_assert(kCols % 32 == 0, "tile width must be a multiple of 32 elements");
+  static constexpr int kChunks = kCols / 8;  // 16-byte chunks per row
+  static constexpr int kElements = kRows * kCols;
+
+  // Element offset of (row, col); col must be a multiple of 8 (chunk granularity).
+  __device__ __forceinline__ static int offset(int row, int col) {
+    // Unsigned bit operations let the compiler see that rows 8 apart share a swizzle.
+    const unsigned chunk = unsigned(col) / 8, r = unsigned(row);
+    const int swizzled = int((kChunks % 8 == 0) ? (chunk ^ (r & 7u)) : (chunk ^ ((r >> 1) & 3u)));
+    return row * kCols + swizzled * 8;
+  }
+
+  // The swizzle repeats every kPeriod steps of 16 columns and every 8 rows (16 in the (row/2)
+  // mode), so the ldmatrix address of a lane for (row + 16 i, 16 s + col) is one of kPeriod
+  // per-lane registers plus a compile-time offset: precomputing those few registers keeps the
+  // unrolled loops from holding one address register per (i, s).
+  static constexpr int kPeriod = kChunks % 8 == 0 ? 4 : 2;
+  struct LaneAddresses {
+    uint32_t base[kPeriod];
+  };
+  // row, col: this lane's ldmatrix row and column (col a multiple of 8, below 16).
+  __device__ __forceinline__ static LaneAddresses lane_addresses(const void* tile, int row, int col) {
+    LaneAddresses a;
+#pragma unroll
+    for (int s = 0; s < kPeriod; ++s) a.base[s] = smem_address(tile) + 2 * offset(row, 16 * s + col);
+    return a;
+  }
+  // Byte address for (row + row_add, 16 * step + col); row_add a multiple of 16, both constants.
+  __device__ __forceinline__ static uint32_t address(const LaneAddresses& a, int step, int row_add) {
+    return a.base[step % kPeriod] + (step / kPeriod) * kPeriod * 32 + row_add * kCols * 2;
+  }
+};
+
+// Copies the (rows_valid x cols_valid) corner of a global tile into `tile` and zero-fills the rest
+// of it, so padded head dims and rows past the sequence end contribute nothing (and never NaN).
+// `vectorized`: cp.async in 16-byte chunks (aligned data, cols_valid % 8 == 0); otherwise plain
+// element loads, which the caller's __syncthreads publishes like the asynchronous ones.
+//
+// Threads form (kThreads / kSlots) rows x kSlots chunk slots, kSlots the power of two >= chunks
+// per row (slots past the row end idle): each thread then walks one column of chunks with a
+// running pointer, and (when a pass spans a multiple of 8 rows) its shared-memory offsets differ
+// by compile-time constants.
+template <class Tile, int kThreads, class T>
+__device__ __forceinline__ void load_tile(T* tile, const T* global, int64_t row_stride, int rows_valid, int cols_valid,
+                                          bool vectorized) {
+  constexpr int kSlots = Tile::kChunks <= 4 ? 4 : Tile::kChunks <= 8 ? 8 : Tile::kChunks <= 16 ? 16 : 32;
+  constexpr int kRowsPerPass = kThreads / kSlots;
+  static_assert(Tile::kChunks <= 32 && Tile::kRows % kRowsPerPass == 0, "passes must cover the tile");
+  const int slot = int(threadIdx.x) % kSlots, row0 = int(threadIdx.x) / kSlots;
+  if (slot >= Tile::kChunks) return;
+  const int col = slot * 8;
+  const T* src = global + int64_t(row0) * row_stride + col;
+  const int64_t pass_stride = int64_t(kRowsPerPass) * row_stride;
+  if (vectorized) {
+    const bool col_inside = col < cols_valid;
+#pragma unroll
+    for (int i = 0; i < Tile::kRows / kRowsPerPass; ++i) {
+      const int row = row0 + i * kRowsPerPass;
+      const bool inside = col_inside && row < rows_valid;
+      cp_async_16(smem_address(tile + Tile::offset(row, col)), inside ? src : global, inside ? 16 : 0);
+      src += pass_stride;
+    }
+  } else {
+    for (int i = 0; i < Tile::kRows / kRowsPerPass; ++i) {
+      const int row = row0 + i * kRowsPerPass;
+      T* dst = tile + Tile::offset(row, col);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) dst[e] = (row < rows_valid && col + e < cols_valid) ? src[e] : T(0.0f);
+      src += pass_stride;
+    }
+  }
+}
+
+}  // namespace tileattn::cuda

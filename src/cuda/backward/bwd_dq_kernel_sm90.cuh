@@ -1,0 +1,173 @@
+#pragma once
+// dQ on Hopper, its own pass: one block per (128 queries, head, batch), three warpgroups. The
+// producer loads Q and dO once and streams K(j), V(j) of the key tiles these queries see; each
+// consumer owns 64 queries:
+//   S = Q K^T      dP = dO V^T       wgmma, all operands in shared memory
+//   dS             from S, dP and the rows' L and D (bwd_grads.cuh, per element)
+//   dQ += dS K     wgmma, dS from registers, K read N-major
+// No atomics: every dQ element is summed by one thread in a fixed order.
+#include <cuda_runtime.h>
+
+#include "common/mask.hpp"
+#include "cuda/backward/bwd_grads.cuh"
+#include "cuda/backward/bwd_launch.hpp"
+#include "cuda/common/bwd_params.hpp"
+#include "cuda/backward/bwd_tile_io.cuh"
+#include "cuda/backward/bwd_params_sm90.hpp"
+#include "cuda/arch/panel_tile_sm90.cuh"
+#include "cuda/arch/ptx_sm90.cuh"
+#include "cuda/arch/wgmma_ops.cuh"
+
+namespace tileattn::cuda {
+
+template <class T, int kHeadDim>
+struct DqSm90Traits {
+  static constexpr int kConsumers = 2;
+  static constexpr int kThreads = 128 * (kConsumers + 1);
+  static constexpr int kBlockM = 64 * kConsumers;           // queries per block
+  static constexpr int kBlockN = kHeadDim <= 64 ? 128 : 64;  // keys per step (registers: S, dP)
+  static constexpr int kStages = 2;
+  using QTile = sm90::PanelTile<kBlockM, kHeadDim>;
+  using KVTile = sm90::PanelTile<kBlockN, kHeadDim>;
+  // Q, dO, then per stage K, V; then the barriers.
+  static constexpr int kStagesOffset = 2 * QTile::kBytes;
+  static constexpr int kBarrierOffset = kStagesOffset + kStages * 2 * KVTile::kBytes;
+  static constexpr int kSmemBytes = kBarrierOffset + 128 + 1024;
+  static constexpr int kProducerRegisters = 24;
+  static constexpr int kConsumerRegisters = 240;
+  static_assert(kHeadDim % 16 == 0 && kHeadDim <= 128, "sm90 backward: head dims 16..128 in steps of 16");
+  static_assert(bwd::kWorkspaceRowTile % kBlockM == 0, "query tiles never reach past the workspace padding");
+};
+
+template <class T, int kHeadDim>
+__global__ void __launch_bounds__(DqSm90Traits<T, kHeadDim>::kThreads, 1)
+    dq_kernel_sm90(const __grid_constant__ BwdSm90Params params) {
+#if defined(TILEATTN_SM90_ENABLED)
+  using Traits = DqSm90Traits<T, kHeadDim>;
+  using QTile = typename Traits::QTile;
+  using KVTile = typename Traits::KVTile;
+  constexpr int BM = Traits::kBlockM, BN = Traits::kBlockN, kStages = Traits::kStages;
+  const bwd::BwdParams& p = params.bwd;
+
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = sm90::swizzle_aligned(smem_raw);
+  unsigned char* sQ = smem;
+  unsigned char* sdO = sQ + QTile::kBytes;
+  auto stage_k = [&](int s) { return smem + Traits::kStagesOffset + s * 2 * KVTile::kBytes; };
+  auto stage_v = [&](int s) { return stage_k(s) + KVTile::kBytes; };
+  uint64_t* q_full = reinterpret_cast<uint64_t*>(smem + Traits::kBarrierOffset);
+  uint64_t* full = q_full + 1;
+  uint64_t* empty = full + kStages;
+
+  const int h = blockIdx.y, b = blockIdx.z;
+  const bwd::SeqInfo seq = bwd::seq_info(p, b);
+  // Heavy query tiles (late rows under a causal mask) are launched first.
+  const int q0 = (int(gridDim.x) - 1 - int(blockIdx.x)) * BM;
+  if (q0 >= seq.sq) return;
+  const int q1 = min(q0 + BM, seq.sq);
+  const Mask mask = bwd::seq_mask(p, seq);
+  const bwd::TileSpan keys = bwd::tile_span(mask.tile_begin_key(q0), mask.tile_end_key(q1), BN);
+  // Keys every query of the tile sees: key tiles inside need no mask arithmetic.
+  const int full_begin = mask.full_begin_key(q1), full_end = mask.full_end_key(q0);
+
+  if (threadIdx.x == 0) {
+    sm90::barrier_init(q_full, 1);
+    for (int s = 0; s < kStages; ++s) {
+      sm90::barrier_init(full + s, 1);
+      sm90::barrier_init(empty + s, 4 * Traits::kConsumers);
+    }
+    sm90::barrier_init_fence();
+  }
+  __syncthreads();
+
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  const int warpgroup = int(threadIdx.x) / 128;
+  if (warpgroup == 0) {
+    sm90::registers_decrease<Traits::kProducerRegisters>();
+    if (threadIdx.x != 0 || keys.count == 0) return;
+    const int batch = varlen ? 0 : b;
+    const int hk = h / p.group;
+    const int q_row = int(seq.row_q) + q0;
+    const int k_base = int(seq.row_k);
+    sm90::barrier_arrive_expect_bytes(q_full, 2 * QTile::kBytes);
+    QTile::template load<kBwdBoxRows>(sQ, &params.q, q_full, q_row, h, batch);
+    QTile::template load<kBwdBoxRows>(sdO, &params.dout, q_full, q_row, h, batch);
+    for (int i = 0; i < keys.count; ++i) {
+      const int s = i % kStages;
+      const uint32_t phase = (i / kStages) & 1;
+      const int row = k_base + (keys.first + i) * BN;
+      sm90::barrier_wait(empty + s, phase ^ 1);
+      sm90::barrier_arrive_expect_bytes(full + s, 2 * KVTile::kBytes);
+      KVTile::template load<kBwdBoxRows>(stage_k(s), &params.k, full + s, row, hk, batch);
+      KVTile::template load<kBwdBoxRows>(stage_v(s), &params.v, full + s, row, hk, batch);
+    }
+    return;
+  }
+
+  sm90::registers_increase<Traits::kConsumerRegisters>();
+  const int consumer = warpgroup - 1;
+  const int warp = (int(threadIdx.x) / 32) % 4, lane = int(threadIdx.x) % 32;
+  const int row0 = 64 * consumer + 16 * warp;  // this warp's first tile row
+
+  float dq[1][kHeadDim / 8][4];
+#pragma unroll
+  for (int j = 0; j < kHeadDim / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dq[0][j][e] = 0.0f;
+
+  if (keys.count > 0) {
+    bwd::Fragment grads{nullptr, nullptr, {0.0f, 0.0f}, {0.0f, 0.0f}, 0, q0 + row0 + lane / 4, mask};
+    const int64_t w = bwd::ws_row(p, b, h) + q0 + row0 + lane / 4;  // rows past the end: padding
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      grads.row_lse2[half] = p.lse2[w + 8 * half];
+      grads.row_dsum[half] = p.dsum[w + 8 * half];
+    }
+    const uint32_t q_addr = smem_address(sQ) + consumer * 64 * 128;
+    const uint32_t do_addr = smem_address(sdO) + consumer * 64 * 128;
+    sm90::barrier_wait(q_full, 0);
+    for (int i = 0; i < keys.count; ++i) {
+      const int s = i % kStages;
+      const uint32_t phase = (i / kStages) & 1;
+      const int key0 = (keys.first + i) * BN;
+      const uint32_t k_addr = smem_address(stage_k(s)), v_addr = smem_address(stage_v(s));
+      sm90::barrier_wait(full + s, phase);
+
+      float st[1][BN / 8][4], dpt[1][BN / 8][4];
+      sm90::wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < kHeadDim / 16; ++ks)
+        sm90::Wgmma<T, BN>::ss(st[0], QTile::k_major(q_addr, ks), KVTile::k_major(k_addr, ks), ks > 0);
+#pragma unroll
+      for (int ks = 0; ks < kHeadDim / 16; ++ks)
+        sm90::Wgmma<T, BN>::ss(dpt[0], QTile::k_major(do_addr, ks), KVTile::k_major(v_addr, ks), ks > 0);
+      sm90::wgmma_commit();
+      sm90::wgmma_wait<0>();
+      sm90::fence_registers(st[0]);
+      sm90::fence_registers(dpt[0]);
+
+      uint32_t pa[BN / 16][4], da[BN / 16][4];
+      grads.col0 = key0;
+      const bool masked = !(key0 >= full_begin && key0 + BN <= full_end);
+      bwd::grads_to_fragments<T, false>(masked, st, dpt, grads, p, pa, da);
+
+      sm90::fence_registers(dq[0]);
+      sm90::wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < BN / 16; ++ks)
+        sm90::Wgmma<T, kHeadDim>::template rs<1>(dq[0], da[ks], KVTile::n_major(k_addr, ks), 1);
+      sm90::wgmma_commit();
+      sm90::wgmma_wait<0>();
+      sm90::fence_registers(dq[0]);
+      __syncwarp();
+      if (lane == 0) sm90::barrier_arrive(empty + s);
+    }
+  }
+
+  T* gdQ = static_cast<T*>(p.dq.ptr) + bwd::seq_base(p, p.dq, b, true) + int64_t(h) * p.dq.head +
+           int64_t(q0 + row0) * p.dq.seq;
+  bwd::store_grad_frag<T>(p.pair_grads, dq, p.scale, gdQ, p.dq.seq, q1 - q0 - row0, p.headdim_qk);
+#endif
+}
+
+}  // namespace tileattn::cuda

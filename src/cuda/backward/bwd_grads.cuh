@@ -1,0 +1,183 @@
+#pragma once
+// From a tile of raw scores S = Q.K^T and of dP = dO.V^T to the probabilities P and the score
+// gradients dS = P * (dP - D) (times d capped / d score under soft-capping), written to shared
+// memory in the input precision for the products that follow.
+//
+// fp16/bf16 recompute P from the saved log-sum-exp: P = exp2(s * scale * log2(e) - L * log2(e));
+// fp32 forms P = exp(s * scale - max) / sum from per-row statistics recomputed for accuracy
+// (src/cuda/fp32/bwd_row_stats.cuh). Rows that see no key and padding rows carry +inf in place of
+// L * log2(e) (resp. max), which makes P exactly 0 there: no mask arithmetic is needed for them,
+// and no NaN can arise.
+#include <math.h>
+
+#include <type_traits>
+
+#include "common/mask.hpp"
+#include "common/online_softmax.hpp"
+#include "cuda/arch/warp_mma_sm80.cuh"
+#include "cuda/common/bwd_params.hpp"
+
+namespace tileattn::cuda::bwd {
+
+// The scaled (soft-capped) score in the natural domain, as the fp32 path forms P from it.
+__device__ __forceinline__ float scaled_score(float x, const BwdParams& p) {
+  return p.softcap > 0.0f ? p.softcap * tanhf(x * p.scale_over_cap) : x * p.scale;
+}
+
+// P of one raw score x (q.k) of a query whose statistics are l (L * log2(e); fp32: the row max)
+// and row_sum (fp32 only); `cap` receives the capped score that grad_of_prob needs.
+template <class T, bool kCapped>
+__device__ __forceinline__ float prob_of_score(float x, float l, float row_sum, const BwdParams& p, float& cap) {
+  // The capped score, formed exactly as scaled_score does (fp32 statistics match it).
+  cap = kCapped ? p.softcap * tanhf(x * p.scale_over_cap) : 0.0f;
+  if constexpr (std::is_same_v<T, float>) return expf((kCapped ? cap : x * p.scale) - l) / row_sum;
+  else if constexpr (kCapped) return exp2_fast(cap * kLog2e - l);
+  else return exp2_fast(fmaf(x, p.scale_log2, -l));
+}
+
+// dS = P * (dP - D), times d capped / d score under soft-capping.
+template <bool kCapped>
+__device__ __forceinline__ float grad_of_prob(float pe, float dp, float d, float cap, const BwdParams& p) {
+  const float ds = pe * (dp - d);
+  return kCapped ? ds * softcap_grad(cap, p.softcap) : ds;
+}
+
+// s and dp are one warp's accumulator tiles; its first element sits at (row0, col0) of the
+// block's tile, whose first query and key are q0 and k0 of the sequence. kRowsAreKeys says which
+// side of the tile is the key side (the dK/dV kernel computes S^T). lse2/dsum are per query of
+// the tile (fp32: row max and row_sum, see bwd_params.hpp). P goes to sP (when kStoreP) and dS
+// to sdS, both at the same (row, column). Soft-capping and masking are template flags so that
+// the common tile runs neither test per element; scores_to_grads below picks the variant.
+template <class T, bool kRowsAreKeys, bool kStoreP, bool kCapped, bool kMasked, int MT, int NT>
+__device__ __forceinline__ void scores_to_grads_tile(const float (&s)[MT][NT][4], const float (&dp)[MT][NT][4],
+                                                     const float* lse2, const float* row_sum, const float* dsum,
+                                                     int row0, int col0, int q0, int k0, const Mask& mask,
+                                                     const BwdParams& p, T* sP, T* sdS, int ld) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    const int c = col0 + j * 8 + (lane & 3) * 2;
+    // A column's query statistics, read once when the columns are queries.
+    float col_lse[2] = {0.0f, 0.0f}, col_sum[2] = {1.0f, 1.0f}, col_d[2] = {0.0f, 0.0f};
+    if constexpr (kRowsAreKeys) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        col_lse[e] = lse2[c + e];
+        col_d[e] = dsum[c + e];
+        if constexpr (std::is_same_v<T, float>) col_sum[e] = row_sum[c + e];
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = row0 + i * 16 + (lane >> 2) + h * 8;
+        float pv[2], ds[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float l = kRowsAreKeys ? col_lse[e] : lse2[r];
+          const float d = kRowsAreKeys ? col_d[e] : dsum[r];
+          // Row sums exist for fp32 only (row_sum is null otherwise).
+          float sum = 1.0f;
+          if constexpr (std::is_same_v<T, float>) sum = kRowsAreKeys ? col_sum[e] : row_sum[r];
+          float cap;
+          float pe = prob_of_score<T, kCapped>(s[i][j][2 * h + e], l, sum, p, cap);
+          if constexpr (kMasked) {
+            const int qi = kRowsAreKeys ? c + e : r, kj = kRowsAreKeys ? r : c + e;
+            if (!mask.visible(q0 + qi, k0 + kj)) pe = 0.0f;
+          }
+          pv[e] = pe;
+          ds[e] = grad_of_prob<kCapped>(pe, dp[i][j][2 * h + e], d, cap, p);
+        }
+        if constexpr (kStoreP) store2(sP + r * ld + c, pv[0], pv[1]);
+        store2(sdS + r * ld + c, ds[0], ds[1]);
+      }
+  }
+}
+
+template <class T, bool kRowsAreKeys, bool kStoreP, int MT, int NT>
+__device__ __forceinline__ void scores_to_grads(const float (&s)[MT][NT][4], const float (&dp)[MT][NT][4],
+                                                const float* lse2, const float* row_sum, const float* dsum, int row0,
+                                                int col0, int q0, int k0, bool masked, const Mask& mask,
+                                                const BwdParams& p, T* sP, T* sdS, int ld) {
+#define TA_BWD_GRADS(capped, msk)                                                                                      \
+  scores_to_grads_tile<T, kRowsAreKeys, kStoreP, capped, msk>(s, dp, lse2, row_sum, dsum, row0, col0, q0, k0, mask, p, \
+                                                              sP, sdS, ld)
+  if (p.softcap > 0.0f) {
+    if (masked)
+      TA_BWD_GRADS(true, true);
+    else
+      TA_BWD_GRADS(true, false);
+  } else {
+    if (masked)
+      TA_BWD_GRADS(false, true);
+    else
+      TA_BWD_GRADS(false, false);
+  }
+#undef TA_BWD_GRADS
+}
+
+// ---- the same per element, for wgmma tiles whose P and dS stay in registers (sm90) -------------
+
+// Where a warpgroup's accumulator tile sits and the query statistics it needs. Rows are keys
+// (dK/dV): col_lse2/col_dsum hold the tile's queries' L * log2(e) and D, one per column.
+// Rows are queries (dQ): row_lse2/row_dsum hold those of this thread's rows g and g + 8.
+struct Fragment {
+  const float* col_lse2;
+  const float* col_dsum;
+  float row_lse2[2], row_dsum[2];
+  int col0;  // sequence position (query or key) of column 0
+  int row;   // sequence position (key or query) of this thread's row g
+  Mask mask;
+};
+
+// s, dp: m64nN accumulators (per warp the mma.sync C layout). Writes P and dS rounded to T as
+// A fragments of the next product (k-step ks covers columns 16 ks .. 16 ks + 15); fp32 never
+// comes here.
+template <class T, bool kRowsAreKeys, bool kCapped, bool kMasked, int NT>
+__device__ __forceinline__ void grads_to_fragments(const float (&s)[1][NT][4], const float (&dp)[1][NT][4],
+                                                   const Fragment& f, const BwdParams& p, uint32_t (&pa)[NT / 2][4],
+                                                   uint32_t (&da)[NT / 2][4]) {
+  static_assert(!std::is_same_v<T, float>, "16-bit inputs only");
+  const int t = threadIdx.x % 4;
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float pv[2], ds[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int c = j * 8 + 2 * t + e;
+        const float l = kRowsAreKeys ? f.col_lse2[c] : f.row_lse2[half];
+        const float d = kRowsAreKeys ? f.col_dsum[c] : f.row_dsum[half];
+        float cap;
+        float pe = prob_of_score<T, kCapped>(s[0][j][2 * half + e], l, 1.0f, p, cap);
+        if constexpr (kMasked) {
+          const int qi = kRowsAreKeys ? f.col0 + c : f.row + 8 * half;
+          const int kj = kRowsAreKeys ? f.row + 8 * half : f.col0 + c;
+          if (!f.mask.visible(qi, kj)) pe = 0.0f;
+        }
+        pv[e] = pe;
+        ds[e] = grad_of_prob<kCapped>(pe, dp[0][j][2 * half + e], d, cap, p);
+      }
+      pa[j / 2][2 * (j % 2) + half] = pack2<T>(pv[0], pv[1]);
+      da[j / 2][2 * (j % 2) + half] = pack2<T>(ds[0], ds[1]);
+    }
+}
+
+// The variant for this tile: soft-capping per problem, masking per tile.
+template <class T, bool kRowsAreKeys, int NT>
+__device__ __forceinline__ void grads_to_fragments(bool masked, const float (&s)[1][NT][4],
+                                                   const float (&dp)[1][NT][4], const Fragment& f,
+                                                   const BwdParams& p, uint32_t (&pa)[NT / 2][4],
+                                                   uint32_t (&da)[NT / 2][4]) {
+  if (p.softcap > 0.0f) {
+    if (masked) grads_to_fragments<T, kRowsAreKeys, true, true>(s, dp, f, p, pa, da);
+    else grads_to_fragments<T, kRowsAreKeys, true, false>(s, dp, f, p, pa, da);
+  } else {
+    if (masked) grads_to_fragments<T, kRowsAreKeys, false, true>(s, dp, f, p, pa, da);
+    else grads_to_fragments<T, kRowsAreKeys, false, false>(s, dp, f, p, pa, da);
+  }
+}
+
+}  // namespace tileattn::cuda::bwd

@@ -1,0 +1,76 @@
+#pragma once
+// Host side of one backward: preprocess (and, for fp32, the row statistics), dK/dV (with atomic
+// dQ, or not), then the dQ conversion or dQ's own pass. Instantiated per (dtype, head-dim bucket)
+// by the units src/cuda/CMakeLists.txt generates.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <string>
+#include <type_traits>
+
+#include "cuda/common/check.cuh"
+#include "cuda/backward/bwd_row_stats_fp32.cuh"
+#include "cuda/backward/bwd_dkdv_kernel.cuh"
+#include "cuda/backward/bwd_dq_kernel.cuh"
+#include "cuda/backward/bwd_launch.hpp"
+#include "cuda/common/bwd_params.hpp"
+#include "cuda/backward/bwd_preprocess.cuh"
+#include "cuda/backward/bwd_traits.cuh"
+#include "tileattn/error.hpp"
+
+namespace tileattn::cuda::bwd {
+
+template <class T, int D>
+void launch_backward(const BwdParams& params, cudaStream_t stream) {
+  using KV = DkdvTile<T, D>;
+  int device = 0, smem_optin = 0;
+  TA_CUDA_CHECK(cudaGetDevice(&device));
+  TA_CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  BwdParams p = params;
+  p.dkdv_stages = KV::smem_bytes(2) <= smem_optin ? 2 : 1;
+  p.dq_stages = DqTile<T, D>::smem_bytes(2) <= smem_optin ? 2 : 1;
+  const int needed = std::max(KV::smem_bytes(1), p.dq_accum != nullptr ? 0 : DqTile<T, D>::smem_bytes(1));
+  if (needed > smem_optin)
+    throw Error(ErrorKind::unsupported, "the CUDA backward for head dims up to " + std::to_string(D) + " needs " +
+                                            std::to_string(needed) + " bytes of shared memory per block; this device " +
+                                            "allows " + std::to_string(smem_optin));
+
+  const int64_t rows = int64_t(p.batch) * p.heads_q * p.seqlen_q_rounded;
+  const unsigned row_blocks = unsigned((rows + kRowKernelThreads / 32 - 1) / (kRowKernelThreads / 32));
+  static_assert(kWorkspaceRowTile % DkdvTile<T, D>::kBlockM == 0 && kWorkspaceRowTile % DqTile<T, D>::kBlockM == 0,
+                "query tiles never reach past the workspace padding");
+  preprocess_kernel<T><<<row_blocks, kRowKernelThreads, 0, stream>>>(p);
+  TA_CUDA_CHECK_LAUNCH("backward preprocess");
+
+  if constexpr (std::is_same_v<T, float>) {
+    using Q = DqTile<T, D>;
+    constexpr int smem = RowStatsTile<D>::kSmemBytes;
+    TA_CUDA_CHECK(cudaFuncSetAttribute(row_stats_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    const dim3 grid((p.seqlen_q + Q::kBlockM - 1) / Q::kBlockM, p.batch, p.heads_q);
+    row_stats_kernel<D><<<grid, kThreads, smem, stream>>>(p);
+    TA_CUDA_CHECK_LAUNCH("backward fp32 row statistics");
+  }
+
+  const int kv_smem = KV::smem_bytes(p.dkdv_stages);
+  TA_CUDA_CHECK(cudaFuncSetAttribute(dkdv_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, kv_smem));
+  const dim3 kv_grid((p.seqlen_k + KV::kBlockN - 1) / KV::kBlockN, p.batch, p.heads_kv);
+  dkdv_kernel<T, D><<<kv_grid, kThreads, kv_smem, stream>>>(p);
+  TA_CUDA_CHECK_LAUNCH("backward dK/dV");
+
+  if (p.dq_accum != nullptr) {
+    convert_dq_kernel<T><<<row_blocks, kRowKernelThreads, 0, stream>>>(p);
+    TA_CUDA_CHECK_LAUNCH("backward dQ conversion");
+  } else {
+    using Q = DqTile<T, D>;
+    const int q_smem = Q::smem_bytes(p.dq_stages);
+    TA_CUDA_CHECK(cudaFuncSetAttribute(dq_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, q_smem));
+    const dim3 q_grid((p.seqlen_q + Q::kBlockM - 1) / Q::kBlockM, p.batch, p.heads_q);
+    dq_kernel<T, D><<<q_grid, kThreads, q_smem, stream>>>(p);
+    TA_CUDA_CHECK_LAUNCH("backward dQ");
+  }
+}
+
+}  // namespace tileattn::cuda::bwd
+
+#define TILEATTN_INSTANTIATE_BWD_SM80(T, D) \
+  template void tileattn::cuda::bwd::launch_backward<T, D>(const tileattn::cuda::bwd::BwdParams&, cudaStream_t);

@@ -1,0 +1,75 @@
+#pragma once
+// The two light kernels around the main backward pass:
+//  - preprocess: D = rowsum(O * dO) and L * log2(e) per query row, into the workspace;
+//  - convert: the fp32 dQ accumulator, scaled, into dQ in the problem's dtype and strides.
+// One warp per query row; rows past a sequence's end are workspace padding.
+#include <math.h>
+
+#include <type_traits>
+
+#include "common/online_softmax.hpp"
+#include "cuda/arch/warp_mma_sm80.cuh"
+#include "cuda/common/bwd_params.hpp"
+
+namespace tileattn::cuda::bwd {
+
+constexpr int kRowKernelThreads = 256;
+
+// Rows of the workspace: (batch, heads_q, seqlen_q_rounded).
+__device__ __forceinline__ bool row_of_warp(const BwdParams& p, int& b, int& h, int& i) {
+  const int64_t row = int64_t(blockIdx.x) * (kRowKernelThreads / 32) + threadIdx.x / 32;
+  if (row >= int64_t(p.batch) * p.heads_q * p.seqlen_q_rounded) return false;
+  i = int(row % p.seqlen_q_rounded);
+  const int64_t bh = row / p.seqlen_q_rounded;
+  h = int(bh % p.heads_q);
+  b = int(bh / p.heads_q);
+  return true;
+}
+
+template <class T>
+__global__ void __launch_bounds__(kRowKernelThreads) preprocess_kernel(const BwdParams p) {
+  int b, h, i;
+  if (!row_of_warp(p, b, h, i)) return;
+  const int lane = threadIdx.x & 31;
+  const SeqInfo s = seq_info(p, b);
+  const int64_t w = ws_row(p, b, h) + i;
+  if (p.row_sum != nullptr && lane == 0) p.row_sum[w] = 1.0f;
+  if (i >= s.sq) {
+    if (lane == 0) {
+      p.lse2[w] = INFINITY;
+      p.dsum[w] = 0.0f;
+    }
+    return;
+  }
+  const T* o =
+      static_cast<const T*>(p.o.ptr) + seq_base(p, p.o, b, true) + int64_t(i) * p.o.seq + int64_t(h) * p.o.head;
+  const T* d = static_cast<const T*>(p.dout.ptr) + seq_base(p, p.dout, b, true) + int64_t(i) * p.dout.seq +
+               int64_t(h) * p.dout.head;
+  // fp32 sums in double: dS = P (dP - D) cancels, so whatever D, dP and P round differently goes
+  // straight into dS. The fp32 backward also sums S and dP wide (warp_gemm's kWideSum). With all
+  // three in fp32, dQ broke the 2x rule in 6 of 80 checks of a causal GQA d128 case (H100, up to
+  // 1.19 of the bound); see docs/perf.md for the variants measured.
+  using Acc = std::conditional_t<std::is_same_v<T, float>, double, float>;
+  Acc acc = 0;
+  for (int c = lane; c < p.headdim_v; c += 32) acc = fma(Acc(to_float(o[c])), Acc(to_float(d[c])), acc);
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  if (lane == 0) {
+    const float l = p.lse[lse_index(p, s, b, h, i)];
+    p.lse2[w] = l == -INFINITY ? INFINITY : l * kLog2e;
+    p.dsum[w] = float(acc);
+  }
+}
+
+template <class T>
+__global__ void __launch_bounds__(kRowKernelThreads) convert_dq_kernel(const BwdParams p) {
+  int b, h, i;
+  if (!row_of_warp(p, b, h, i)) return;
+  const SeqInfo s = seq_info(p, b);
+  if (i >= s.sq) return;
+  const float* a = p.dq_accum + (ws_row(p, b, h) + i) * p.dq_accum_dim;
+  T* dq = static_cast<T*>(p.dq.ptr) + seq_base(p, p.dq, b, true) + int64_t(i) * p.dq.seq + int64_t(h) * p.dq.head;
+  for (int c = threadIdx.x & 31; c < p.headdim_qk; c += 32) dq[c] = from_float<T>(a[c] * p.scale);
+}
+
+}  // namespace tileattn::cuda::bwd

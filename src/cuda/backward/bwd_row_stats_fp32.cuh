@@ -1,0 +1,135 @@
+#pragma once
+// fp32 backward only: each query row's softmax statistics, recomputed from Q and K.
+//
+// Recomputing P as exp(s - L) from the forward's L costs fp32 about |L| units in the last place
+// of relative error in every P (L is a sum of a max and a log, each rounded at its magnitude),
+// which is several times what a naive fp32 softmax, exp(s - max) / sum, commits. So the exact
+// fp32 backward rebuilds max and sum per row in this extra pass over the keys (one product of the
+// backward's five) and forms P the naive way.
+//
+// One block per query tile of one (batch, head); each thread keeps a running (max, sum) for its
+// fragment rows over its columns, merged across the quad and the block's column warps at the end.
+// Writes lse2 := row max (natural domain) and row_sum; rows that see no key keep the preprocess's
+// +inf and 1, so their P is 0.
+#include <math.h>
+
+#include "cuda/arch/warp_mma_sm80.cuh"
+#include "cuda/backward/bwd_grads.cuh"
+#include "cuda/common/bwd_params.hpp"
+#include "cuda/backward/bwd_tile_io.cuh"
+#include "cuda/backward/bwd_traits.cuh"
+
+namespace tileattn::cuda::bwd {
+
+// (m, l) <- the statistics of the union of two column sets.
+__device__ __forceinline__ void merge_stats(float& m, float& l, float m2, float l2) {
+  const float mn = fmaxf(m, m2);
+  if (mn == -INFINITY) return;
+  l = l * expf(m - mn) + l2 * expf(m2 - mn);
+  m = mn;
+}
+
+template <int D>
+struct RowStatsTile {
+  using Tile = DqTile<float, D>;
+  static constexpr int kSmemBytes = int(sizeof(float)) * (Tile::kBlockM * Tile::kLd + Tile::kBlockN * Tile::kLd +
+                                                          2 * Tile::kGridS.wn * Tile::kBlockM);
+};
+
+template <int D>
+__global__ void __launch_bounds__(kThreads, 1) row_stats_kernel(const BwdParams p) {
+  using Tile = DqTile<float, D>;
+  constexpr int BM = Tile::kBlockM, BN = Tile::kBlockN, LD = Tile::kLd;
+  constexpr WarpGrid GS = Tile::kGridS;
+  constexpr int MT = GS.tm / 16, NT = GS.tn / 8;
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  float* sQ = reinterpret_cast<float*>(smem);
+  float* sK = sQ + BM * LD;
+  float* sM = sK + BN * LD;  // [column warp][row]
+  float* sSum = sM + GS.wn * BM;
+
+  const int b = blockIdx.y, h = blockIdx.z, hk = h / p.group;
+  const SeqInfo s = seq_info(p, b);
+  const int q0 = blockIdx.x * BM;
+  if (q0 >= s.sq) return;
+  const int q1 = min(q0 + BM, s.sq);
+  const Mask mask = seq_mask(p, s);
+  const TileSpan keys = tile_span(mask.tile_begin_key(q0), mask.tile_end_key(q1), BN);
+  const int t0 = keys.first, n_tiles = keys.count;
+
+  const float* gQ =
+      static_cast<const float*>(p.q.ptr) + seq_base(p, p.q, b, true) + int64_t(h) * p.q.head + int64_t(q0) * p.q.seq;
+  const float* gK = static_cast<const float*>(p.k.ptr) + seq_base(p, p.k, b, false) + int64_t(hk) * p.k.head;
+  load_tile<float, BM, D, LD>(sQ, gQ, p.q.seq, q1 - q0, p.headdim_qk, p.vec_io);
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  const int s_row = (warp / GS.wn) * GS.tm, s_col = (warp % GS.wn) * GS.tn;
+  float m[MT][2], l[MT][2];
+#pragma unroll
+  for (int i = 0; i < MT; ++i) m[i][0] = m[i][1] = -INFINITY, l[i][0] = l[i][1] = 0.0f;
+
+  for (int it = 0; it < n_tiles; ++it) {
+    const int k0 = (t0 + it) * BN;
+    load_tile<float, BN, D, LD>(sK, gK + int64_t(k0) * p.k.seq, p.k.seq, s.sk - k0, p.headdim_qk, p.vec_io);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    float st[MT][NT][4];
+    zero(st);
+    // Summed wide, as the passes that form P from these statistics sum S.
+    warp_gemm<float, MT, NT, D, true, false, true>(st, sQ + s_row * LD, LD, sK + s_col * LD, LD);
+    const bool masked = !(mask.full_begin_key(q1) <= k0 && mask.full_end_key(q0) >= k0 + BN);
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int r = s_row + i * 16 + (lane >> 2) + hh * 8;
+        float v[NT][2];
+        float tile_max = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int c = s_col + j * 8 + (lane & 3) * 2 + e;
+            v[j][e] = (masked && !mask.visible(q0 + r, k0 + c)) ? -INFINITY : scaled_score(st[i][j][2 * hh + e], p);
+            tile_max = fmaxf(tile_max, v[j][e]);
+          }
+        float tile_sum = 0.0f;
+        if (tile_max != -INFINITY)
+#pragma unroll
+          for (int j = 0; j < NT; ++j) tile_sum += expf(v[j][0] - tile_max) + expf(v[j][1] - tile_max);
+        merge_stats(m[i][hh], l[i][hh], tile_max, tile_sum);
+      }
+    __syncthreads();  // sK is refilled next
+  }
+
+  // Quad lanes share rows; then the column warps of each row band.
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+#pragma unroll
+      for (int off = 1; off < 4; off <<= 1)
+        merge_stats(m[i][hh], l[i][hh], __shfl_xor_sync(0xffffffffu, m[i][hh], off),
+                    __shfl_xor_sync(0xffffffffu, l[i][hh], off));
+      if ((lane & 3) == 0) {
+        const int r = s_row + i * 16 + (lane >> 2) + hh * 8;
+        sM[(warp % GS.wn) * BM + r] = m[i][hh];
+        sSum[(warp % GS.wn) * BM + r] = l[i][hh];
+      }
+    }
+  cp_async_wait<0>();
+  __syncthreads();
+  for (int r = threadIdx.x; r < q1 - q0; r += kThreads) {
+    float mr = sM[r], lr = sSum[r];
+    for (int w = 1; w < GS.wn; ++w) merge_stats(mr, lr, sM[w * BM + r], sSum[w * BM + r]);
+    if (lr > 0.0f) {
+      const int64_t w = ws_row(p, b, h) + q0 + r;
+      p.lse2[w] = mr;
+      p.row_sum[w] = lr;
+    }
+  }
+}
+
+}  // namespace tileattn::cuda::bwd

@@ -1,0 +1,66 @@
+#pragma once
+// Launch side of the sm90 backward. Included only by the generated instantiation units.
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "cuda/common/check.cuh"
+#include "cuda/backward/bwd_preprocess.cuh"
+#include "cuda/backward/bwd_dkdv_kernel_sm90.cuh"
+#include "cuda/backward/bwd_dq_kernel_sm90.cuh"
+#include "cuda/backward/launch_bwd_sm90.hpp"
+#include "cuda/arch/tma_map.hpp"
+#include "tileattn/error.hpp"
+
+namespace tileattn::cuda {
+
+template <class T, int kHeadDim>
+bool BwdSm90<T, kHeadDim>::make_maps(const AttentionProblem& pr, BwdSm90Params& params) {
+  using sm90::attention_map_shape;
+  return sm90::make_tile_map(&params.q, pr.dtype, pr.q.data,
+                             attention_map_shape(pr, pr.q, pr.headdim_qk, pr.seqlen_q, pr.total_q, pr.heads_q,
+                                                 kBwdBoxRows)) &&
+         sm90::make_tile_map(&params.k, pr.dtype, pr.k.data,
+                             attention_map_shape(pr, pr.k, pr.headdim_qk, pr.seqlen_k, pr.total_k, pr.heads_kv,
+                                                 kBwdBoxRows)) &&
+         sm90::make_tile_map(&params.v, pr.dtype, pr.v.data,
+                             attention_map_shape(pr, pr.v, pr.headdim_v, pr.seqlen_k, pr.total_k, pr.heads_kv,
+                                                 kBwdBoxRows)) &&
+         sm90::make_tile_map(&params.dout, pr.dtype, pr.dout.data,
+                             attention_map_shape(pr, pr.dout, pr.headdim_v, pr.seqlen_q, pr.total_q, pr.heads_q,
+                                                 kBwdBoxRows));
+}
+
+template <class T, int kHeadDim>
+void BwdSm90<T, kHeadDim>::run(const BwdSm90Params& params, cudaStream_t stream) {
+  using KV = DkdvSm90Traits<T, kHeadDim>;
+  using Q = DqSm90Traits<T, kHeadDim>;
+  const bwd::BwdParams& p = params.bwd;
+  if (p.batch == 0 || p.heads_q == 0 || p.seqlen_q == 0) return;
+  if (p.batch > 65535 || p.heads_q > 65535)
+    throw Error(ErrorKind::unsupported, "CUDA backward: batch " + std::to_string(p.batch) + " and heads_q " +
+                                            std::to_string(p.heads_q) + " must be <= 65535");
+
+  const int64_t rows = int64_t(p.batch) * p.heads_q * p.seqlen_q_rounded;
+  const unsigned row_blocks = unsigned((rows + bwd::kRowKernelThreads / 32 - 1) / (bwd::kRowKernelThreads / 32));
+  bwd::preprocess_kernel<T><<<row_blocks, bwd::kRowKernelThreads, 0, stream>>>(p);
+  TA_CUDA_CHECK_LAUNCH("backward preprocess");
+
+  TA_CUDA_CHECK(cudaFuncSetAttribute(dkdv_kernel_sm90<T, kHeadDim>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     KV::kSmemBytes));
+  const dim3 kv_grid((p.seqlen_k + KV::kBlockN - 1) / KV::kBlockN, p.batch, p.heads_kv);
+  if (kv_grid.x > 0) {
+    dkdv_kernel_sm90<T, kHeadDim><<<kv_grid, KV::kThreads, KV::kSmemBytes, stream>>>(params);
+    TA_CUDA_CHECK_LAUNCH("backward dK/dV (sm90)");
+  }
+
+  TA_CUDA_CHECK(cudaFuncSetAttribute(dq_kernel_sm90<T, kHeadDim>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     Q::kSmemBytes));
+  const dim3 q_grid((p.seqlen_q + Q::kBlockM - 1) / Q::kBlockM, p.heads_q, p.batch);
+  dq_kernel_sm90<T, kHeadDim><<<q_grid, Q::kThreads, Q::kSmemBytes, stream>>>(params);
+  TA_CUDA_CHECK_LAUNCH("backward dQ (sm90)");
+}
+
+}  // namespace tileattn::cuda
+
+#define TILEATTN_INSTANTIATE_BWD_SM90(T, D) template struct tileattn::cuda::BwdSm90<T, D>;

@@ -1,0 +1,19 @@
+#pragma once
+// The sm90 backward (fp16/bf16, head-dim buckets <= 128): preprocess, dK/dV, dQ. Instantiated per
+// (dtype, bucket) by generated translation units (see src/cuda/CMakeLists.txt).
+#include <cuda_runtime.h>
+
+#include "cuda/backward/bwd_params_sm90.hpp"
+#include "tileattn/problem.hpp"
+
+namespace tileattn::cuda {
+
+template <class T, int kHeadDim>
+struct BwdSm90 {
+  // Tensor maps of Q, K, V and dO; false when TMA cannot describe one (the sm80 kernels run).
+  static bool make_maps(const AttentionProblem& problem, BwdSm90Params& params);
+  // params.bwd as for the sm80 kernels, without the dQ accumulator.
+  static void run(const BwdSm90Params& params, cudaStream_t stream);
+};
+
+}  // namespace tileattn::cuda

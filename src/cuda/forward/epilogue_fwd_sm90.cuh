@@ -1,0 +1,37 @@
+#pragma once
+// The sm90 forward's epilogue: a consumer's 64 rows of O over their row sums go out through
+// shared memory (the consumer's rows of Q) and TMA (tile_store_sm90.cuh), their L directly.
+// Where TMA cannot store (split-KV partials, an O the copy engine cannot describe, a varlen tile
+// reaching past its sequence, whose rows the next sequence owns), store_fwd_output runs.
+#include <cuda_runtime.h>
+
+#include "cuda/forward/fwd_block.cuh"
+#include "cuda/forward/fwd_params_sm90.hpp"
+#include "cuda/arch/tile_store_sm90.cuh"
+
+namespace tileattn::cuda {
+
+template <class T, int kHeadDim, int kPanelBytes>
+__device__ __forceinline__ void store_fwd_output_sm90(const FwdSm90Params& params, const FwdBlock& blk, int row0,
+                                                      float (&o)[1][kHeadDim / 8][4], RowStats<1>& stats,
+                                                      unsigned char* rows, int consumer) {
+  const FwdParams& p = params.fwd;
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  if (!params.o_by_tma || p.num_splits > 1 || (varlen && blk.m0 + 64 * (consumer + 1) > blk.seqlen_q)) {
+    store_fwd_output<T>(p, blk, row0, o, stats);
+    return;
+  }
+  stats.reduce_sums();
+  float inv[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    inv[half] = inverse_row_sum(stats.sum[0][half]);
+    if (threadIdx.x % 4 == 0 && row0 + 8 * half < blk.seqlen_q)
+      p.lse[lse_index(p, blk, row0 + 8 * half)] = finish_lse(stats.max_log2[0][half], stats.sum[0][half]);
+  }
+  sm90::store_rows<T, kHeadDim, kPanelBytes>(&params.o, rows, o, inv, p.headdim_v,
+                                              int(blk.q_row0) + blk.m0 + 64 * consumer, blk.head,
+                                              varlen ? 0 : blk.batch, consumer);
+}
+
+}  // namespace tileattn::cuda

@@ -1,0 +1,243 @@
+#pragma once
+// The sm90 forward kernel: one block per (128 query rows, head, batch[, key split]), three
+// warpgroups.
+//
+//   warpgroup 0      producer: one thread streams Q once and K(j), V(j) through kStages
+//                    shared-memory stages with TMA; each stage has a "full" barrier (the copy
+//                    engine completes it) and an "empty" one (the consumers release it).
+//   warpgroups 1, 2  consumers, 64 query rows each:
+//                      S = Q K(j)^T     wgmma, both operands in shared memory
+//                      P = exp2(S * scale_log2 - rowmax), online-softmax rescale of O
+//                      O += P V(j)      wgmma, P from registers (the S accumulator layout is the
+//                                       A-fragment layout), V read N-major from shared memory
+//                    with S(j + 1) issued beside P V(j), so that the softmax of j + 1 runs while
+//                    P V(j) is on the tensor cores, and the two consumers issue their products
+//                    in turn (ping-pong), so that one's softmax runs beside the other's products.
+// Registers move from the producer (which needs few) to the consumers. H100, bf16, N = 16k: both
+// overlaps together took D = 128 from 541-545 to 613-616 TFLOP/s and D = 64 from 423-428 to 459;
+// the intra-warpgroup overlap alone gave 563 and 395-396.
+// Key tiles are visited from the last to the first, as in the sm80 kernel (mask work first).
+// O leaves through the consumers' rows of Q and TMA stores (epilogue_fwd_sm90.cuh).
+#include <cuda_runtime.h>
+
+#include "common/mask.hpp"
+#include "cuda/forward/fwd_block.cuh"
+#include "cuda/forward/softmax_fwd_sm80.cuh"
+#include "cuda/forward/epilogue_fwd_sm90.cuh"
+#include "cuda/forward/fwd_params_sm90.hpp"
+#include "cuda/arch/panel_tile_sm90.cuh"
+#include "cuda/arch/pingpong_sm90.cuh"
+#include "cuda/arch/ptx_sm90.cuh"
+#include "cuda/arch/wgmma_ops.cuh"
+
+namespace tileattn::cuda {
+
+// Keys per step: the O accumulator grows with the head dim, so S shrinks (64 + 128 registers at
+// D = 256). At D = 128, long key ranges take 192 keys a step: fewer steps to pay each step's
+// waits for, against a longer pipeline fill and a ragged last tile (H100, bf16: N = 16k 632-634
+// against 609-612 TFLOP/s, N = 1k 424-426 against 458-460).
+constexpr int fwd_sm90_block_n(int head_dim, bool long_keys) {
+  return head_dim > 128 ? 64 : long_keys && head_dim == 128 ? 192 : 128;
+}
+// Where the key range is long enough for the 192-key instance.
+constexpr int kFwdSm90LongKeys = 8192;
+
+template <class T, int kHeadDim, int kBlockN_ = fwd_sm90_block_n(kHeadDim, false)>
+struct FwdSm90Traits {
+  static constexpr int kConsumers = 2;
+  static constexpr int kThreads = 128 * (kConsumers + 1);
+  static constexpr int kBlockM = 64 * kConsumers;
+  static constexpr int kBlockN = kBlockN_;
+  using QTile = sm90::PanelTile<kBlockM, kHeadDim>;
+  using KVTile = sm90::PanelTile<kBlockN, kHeadDim>;
+  static constexpr int kQBytes = QTile::kBytes;
+  static constexpr int kKVBytes = KVTile::kBytes;
+  // Three K/V stages where they fit (head dims up to 192), else two.
+  static constexpr int kStages = kQBytes + 3 * 2 * kKVBytes + 128 + 1024 <= 227 * 1024 ? 3 : 2;
+  static constexpr int kBarrierOffset = kQBytes + 2 * kStages * kKVBytes;
+  // + barriers, + slack to align the start to the 1024-byte swizzle period.
+  static constexpr int kSmemBytes = kBarrierOffset + 128 + 1024;
+  // 24 x 128 + 240 x 256 registers fit the 64K register file.
+  static constexpr int kProducerRegisters = 24;
+  static constexpr int kConsumerRegisters = 240;
+  static_assert(kHeadDim % 16 == 0 && kHeadDim <= 256, "sm90 forward: head dims 16..256 in steps of 16");
+};
+
+template <class T, int kHeadDim, int kBlockN_>
+__global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim, kBlockN_>::kThreads, 1)
+    fwd_kernel_sm90(const __grid_constant__ FwdSm90Params params) {
+#if defined(TILEATTN_SM90_ENABLED)
+  using Traits = FwdSm90Traits<T, kHeadDim, kBlockN_>;
+  using QTile = typename Traits::QTile;
+  using KVTile = typename Traits::KVTile;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kStages = Traits::kStages;
+  const FwdParams& p = params.fwd;
+
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = sm90::swizzle_aligned(smem_raw);
+  unsigned char* sQ = smem;
+  unsigned char* sK = sQ + Traits::kQBytes;
+  unsigned char* sV = sK + kStages * Traits::kKVBytes;
+  uint64_t* q_full = reinterpret_cast<uint64_t*>(smem + Traits::kBarrierOffset);
+  uint64_t* k_full = q_full + 1;
+  uint64_t* v_full = k_full + kStages;
+  uint64_t* k_empty = v_full + kStages;
+  uint64_t* v_empty = k_empty + kStages;
+
+  const FwdBlock blk = fwd_block_of_this_cta(p, kBlockM);
+  if (blk.m0 >= blk.seqlen_q) return;
+  const Mask mask{blk.seqlen_q, blk.seqlen_k, p.window_left, p.window_right};
+  const KeyTiles tiles = key_tiles(p, blk, mask, kBlockM, kBlockN);
+
+  if (threadIdx.x == 0) {
+    sm90::barrier_init(q_full, 1);
+    for (int s = 0; s < kStages; ++s) {
+      sm90::barrier_init(k_full + s, 1);
+      sm90::barrier_init(v_full + s, 1);
+      sm90::barrier_init(k_empty + s, 4 * Traits::kConsumers);  // one arrival per consumer warp
+      sm90::barrier_init(v_empty + s, 4 * Traits::kConsumers);
+    }
+    sm90::barrier_init_fence();
+  }
+  __syncthreads();
+
+  const int warpgroup = int(threadIdx.x) / 128;
+  if (warpgroup == 0) {
+    sm90::registers_decrease<Traits::kProducerRegisters>();
+    if (threadIdx.x != 0 || tiles.begin >= tiles.end) return;
+    const bool varlen = p.cu_seqlens_q != nullptr;
+    const int kv_head = blk.head / (p.heads_q / p.heads_kv);
+    const int batch = varlen ? 0 : blk.batch;
+    sm90::barrier_arrive_expect_bytes(q_full, Traits::kQBytes);
+    QTile::template load<kBlockM>(sQ, &params.q, q_full, int(blk.q_row0) + blk.m0, blk.head, batch);
+    int i = 0;
+    for (int n = tiles.end - 1; n >= tiles.begin; --n, ++i) {
+      const int s = i % kStages;
+      const uint32_t phase = (i / kStages) & 1;
+      const int row = int(blk.k_row0) + n * kBlockN;
+      sm90::barrier_wait(k_empty + s, phase ^ 1);
+      sm90::barrier_arrive_expect_bytes(k_full + s, Traits::kKVBytes);
+      KVTile::template load<kBlockN>(sK + s * Traits::kKVBytes, &params.k, k_full + s, row, kv_head, batch);
+      sm90::barrier_wait(v_empty + s, phase ^ 1);
+      sm90::barrier_arrive_expect_bytes(v_full + s, Traits::kKVBytes);
+      KVTile::template load<kBlockN>(sV + s * Traits::kKVBytes, &params.v, v_full + s, row, kv_head, batch);
+    }
+    return;
+  }
+
+  sm90::registers_increase<Traits::kConsumerRegisters>();
+  const int consumer = warpgroup - 1;
+  const int warp = (int(threadIdx.x) / 32) % 4, lane = int(threadIdx.x) % 32;
+  const int row0 = blk.m0 + 64 * consumer + 16 * warp + lane / 4;  // sequence row of (g, e < 2)
+
+  float acc_o[1][kHeadDim / 8][4];
+#pragma unroll
+  for (int ot = 0; ot < kHeadDim / 8; ++ot)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_o[0][ot][e] = 0.0f;
+  RowStats<1> stats;
+  stats.init();
+
+  if (tiles.begin < tiles.end) {
+    const uint32_t q_base = smem_address(sQ) + consumer * 64 * 128;
+    float acc_s[1][kBlockN / 8][4];
+    uint32_t pa[kBlockN / 16][4];  // P of the previous tile, rounded to T, in the A-fragment layout
+
+    // S = Q K^T of the i-th tile visited, issued (not waited for).
+    auto issue_s = [&](int i) {
+      const int s = i % kStages;
+      const uint32_t k_base = smem_address(sK + s * Traits::kKVBytes);
+      sm90::barrier_wait(k_full + s, (i / kStages) & 1);
+      sm90::wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < kHeadDim / 16; ++ks)
+        sm90::Wgmma<T, kBlockN>::ss(acc_s[0], QTile::k_major(q_base, ks), KVTile::k_major(k_base, ks), ks > 0);
+      sm90::wgmma_commit();
+    };
+    // Once that S has completed: K's stage goes back, the scores are modified and folded into
+    // the row statistics (P in acc_s; alpha: how much the output so far must shrink).
+    auto score = [&](int i, float (&alpha)[1][2]) {
+      sm90::fence_registers(acc_s[0]);
+      __syncwarp();
+      if (lane == 0) sm90::barrier_arrive(k_empty + i % kStages);
+      if (p.softcap_pre > 0.0f) softcap_scores(acc_s, p.softcap_pre, p.softcap_post);
+      const int key0 = (tiles.end - 1 - i) * kBlockN;
+      if (!(key0 >= tiles.full_begin && key0 + kBlockN <= tiles.full_end)) mask_scores(acc_s, mask, row0, key0);
+      stats.fold(acc_s, p.scale_log2, alpha);
+    };
+    // An S column-tile pair is one k-step of 16 keys.
+    auto pack_p = [&] {
+#pragma unroll
+      for (int ks = 0; ks < kBlockN / 16; ++ks) {
+        pa[ks][0] = pack2<T>(acc_s[0][2 * ks][0], acc_s[0][2 * ks][1]);
+        pa[ks][1] = pack2<T>(acc_s[0][2 * ks][2], acc_s[0][2 * ks][3]);
+        pa[ks][2] = pack2<T>(acc_s[0][2 * ks + 1][0], acc_s[0][2 * ks + 1][1]);
+        pa[ks][3] = pack2<T>(acc_s[0][2 * ks + 1][2], acc_s[0][2 * ks + 1][3]);
+      }
+    };
+    // O += P V of the i-th tile visited, issued.
+    auto issue_pv = [&](int i) {
+      const int s = i % kStages;
+      const uint32_t v_base = smem_address(sV + s * Traits::kKVBytes);
+      sm90::barrier_wait(v_full + s, (i / kStages) & 1);
+      sm90::fence_registers(acc_o[0]);
+      sm90::wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < kBlockN / 16; ++ks)
+        sm90::Wgmma<T, kHeadDim>::template rs<1>(acc_o[0], pa[ks], KVTile::n_major(v_base, ks), 1);
+      sm90::wgmma_commit();
+    };
+    auto release_v = [&](int i) {
+      sm90::fence_registers(acc_o[0]);
+      __syncwarp();
+      if (lane == 0) sm90::barrier_arrive(v_empty + i % kStages);
+    };
+
+    // Tile i's S is issued together with tile i - 1's P V, and its softmax runs while that
+    // product is still on the tensor cores (FlashAttention-3's intra-warpgroup overlap). O is
+    // rescaled for tile i only after tile i - 1's product has landed in it.
+    // The two consumers issue their products in turn (pingpong_sm90.cuh).
+    const sm90::PingPong turns{consumer};
+    turns.start();
+    const int count = tiles.end - tiles.begin;
+    float alpha[1][2];
+    sm90::barrier_wait(q_full, 0);
+    turns.take();
+    issue_s(0);
+    turns.hand_over();
+    sm90::wgmma_wait<0>();
+    score(0, alpha);  // O is still zero: nothing to rescale
+    pack_p();
+    for (int i = 1; i < count; ++i) {
+      turns.take();
+      issue_s(i);
+      issue_pv(i - 1);
+      turns.hand_over();
+      sm90::wgmma_wait<1>();  // S of tile i
+      score(i, alpha);
+      sm90::wgmma_wait<0>();  // P V of tile i - 1
+      release_v(i - 1);
+      stats.rescale(acc_o, alpha);
+      pack_p();
+    }
+    turns.take();
+    issue_pv(count - 1);
+    turns.hand_over();
+    turns.finish();
+    sm90::wgmma_wait<0>();
+    release_v(count - 1);
+  }
+
+  // Rows that saw no key keep sum 0: O = 0 and L = -inf. The 192-key instance (long key ranges,
+  // where the output's cost is small) stores directly: the staged epilogue's extra live values
+  // made ptxas spill inside its mainloop.
+  if constexpr (kBlockN > 128) {
+    store_fwd_output<T>(p, blk, row0, acc_o, stats);
+  } else {
+    store_fwd_output_sm90<T, kHeadDim, QTile::kPanelBytes>(params, blk, row0, acc_o, stats, sQ + consumer * 64 * 128,
+                                                          consumer);
+  }
+#endif
+}
+
+}  // namespace tileattn::cuda

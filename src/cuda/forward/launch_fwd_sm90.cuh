@@ -1,0 +1,72 @@
+#pragma once
+// Launch side of the sm90 forward: kernel instance (keys per step), tensor maps, grid shape,
+// shared-memory opt-in, split decision.
+// Included only by the generated instantiation units.
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "cuda/common/check.cuh"
+#include "cuda/forward/combine_fwd_sm80.cuh"
+#include "cuda/common/split_heuristic.hpp"
+#include "cuda/forward/fwd_kernel_sm90.cuh"
+#include "cuda/forward/launch_fwd_sm90.hpp"
+#include "cuda/arch/tma_map.hpp"
+#include "tileattn/error.hpp"
+
+namespace tileattn::cuda {
+
+namespace fwd_sm90_detail {
+
+template <class T, int kHeadDim, int kBlockN>
+void launch(const FwdSm90Params& params, int64_t tiles, cudaStream_t stream) {
+  using Traits = FwdSm90Traits<T, kHeadDim, kBlockN>;
+  const auto kernel = fwd_kernel_sm90<T, kHeadDim, kBlockN>;
+  TA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes));
+  kernel<<<fwd_grid(params.fwd, tiles), Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
+  TA_CUDA_CHECK_LAUNCH("fwd_kernel_sm90");
+}
+
+}  // namespace fwd_sm90_detail
+
+template <class T, int kHeadDim>
+bool FwdSm90<T, kHeadDim>::make_maps(const AttentionProblem& pr, FwdSm90Params& params) {
+  using sm90::attention_map_shape;
+  constexpr int kBlockM = FwdSm90Traits<T, kHeadDim>::kBlockM;
+  params.block_n = fwd_sm90_block_n(kHeadDim, pr.seqlen_k >= kFwdSm90LongKeys);
+  // O in boxes of one consumer's 64 rows; without a map the kernel stores O directly.
+  params.o_by_tma = sm90::make_store_map(&params.o, pr.dtype, pr.o.data,
+                                        attention_map_shape(pr, pr.o, pr.headdim_v, pr.seqlen_q, pr.total_q, pr.heads_q, 64));
+  return sm90::make_tile_map(&params.q, pr.dtype, pr.q.data,
+                             attention_map_shape(pr, pr.q, pr.headdim_qk, pr.seqlen_q, pr.total_q, pr.heads_q, kBlockM)) &&
+         sm90::make_tile_map(&params.k, pr.dtype, pr.k.data,
+                             attention_map_shape(pr, pr.k, pr.headdim_qk, pr.seqlen_k, pr.total_k, pr.heads_kv, params.block_n)) &&
+         sm90::make_tile_map(&params.v, pr.dtype, pr.v.data,
+                             attention_map_shape(pr, pr.v, pr.headdim_v, pr.seqlen_k, pr.total_k, pr.heads_kv, params.block_n));
+}
+
+template <class T, int kHeadDim>
+int FwdSm90<T, kHeadDim>::num_splits(const FwdSm90Params& params) {
+  const FwdParams& p = params.fwd;
+  int device = 0, sms = 0;
+  TA_CUDA_CHECK(cudaGetDevice(&device));
+  TA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int64_t tiles = int64_t(p.batch) * p.heads_q * fwd_query_tiles(p, FwdSm90Traits<T, kHeadDim>::kBlockM);
+  const int key_blocks = (p.seqlen_k + params.block_n - 1) / params.block_n;
+  return fwd_num_splits(tiles, key_blocks, sms, 1);  // one block per SM (launch bounds)
+}
+
+template <class T, int kHeadDim>
+void FwdSm90<T, kHeadDim>::run(const FwdSm90Params& params, cudaStream_t stream) {
+  const FwdParams& p = params.fwd;
+  const int64_t tiles = fwd_query_tiles(p, FwdSm90Traits<T, kHeadDim>::kBlockM);
+  if (tiles == 0 || p.heads_q == 0 || p.batch == 0) return;
+  constexpr int kShort = fwd_sm90_block_n(kHeadDim, false), kLong = fwd_sm90_block_n(kHeadDim, true);
+  if (kLong != kShort && params.block_n == kLong) fwd_sm90_detail::launch<T, kHeadDim, kLong>(params, tiles, stream);
+  else fwd_sm90_detail::launch<T, kHeadDim, kShort>(params, tiles, stream);
+  launch_fwd_combine<T>(p, stream);
+}
+
+}  // namespace tileattn::cuda
+
+#define TILEATTN_INSTANTIATE_FWD_SM90(T, D) template struct tileattn::cuda::FwdSm90<T, D>;

@@ -1,0 +1,127 @@
+#pragma once
+// The per-tile steps between S = Q K^T and O += P V, on the mma accumulator fragments of one
+// warp: score modifiers (soft-cap, mask) and the online-softmax update. Each thread holds, per
+// m-tile, two query rows (g and g+8) spread over the 4 lanes of its quad.
+#include <math.h>
+
+#include "common/mask.hpp"
+#include "common/online_softmax.hpp"
+#include "cuda/arch/ptx_sm80.cuh"
+
+namespace tileattn::cuda {
+
+// s -> post * tanh(s * pre): soft-capping in raw score units (see FwdParams).
+template <int kMTiles, int kNTiles>
+__device__ __forceinline__ void softcap_scores(float (&s)[kMTiles][kNTiles][4], float pre, float post) {
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[mt][nt][e] = post * tanhf(s[mt][nt][e] * pre);
+}
+
+// Sets the scores of keys a row does not see to -inf. row0: the query row of (m-tile 0, g);
+// key0: the key of column 0 of this tile. Only tiles on the mask's boundary come here.
+template <int kMTiles, int kNTiles>
+__device__ __forceinline__ void mask_scores(float (&s)[kMTiles][kNTiles][4], const Mask& mask, int row0, int key0) {
+  const int t = threadIdx.x % 4;
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = row0 + mt * 16 + half * 8;
+      const int begin = mask.begin_key(row), end = mask.end_key(row);
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int key = key0 + nt * 8 + 2 * t + e;
+          if (key < begin || key >= end) s[mt][nt][half * 2 + e] = -INFINITY;
+        }
+    }
+}
+
+// Running statistics of the rows a thread holds: max in the log2 domain and this lane's share
+// of the row sum (the quad's shares are added once, at the end).
+template <int kMTiles>
+struct RowStats {
+  float max_log2[kMTiles][2];
+  float sum[kMTiles][2];
+
+  __device__ __forceinline__ void init() {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) max_log2[mt][half] = -INFINITY, sum[mt][half] = 0.0f;
+  }
+
+  // Folds one tile of raw scores in: turns s into P = exp2(s * scale_log2 - max) in place and
+  // gives, per row, the factor by which the output accumulated so far must shrink (rescale).
+  // Apart, so that a pipelined kernel can fold tile j while the products of tile j - 1 still
+  // write the accumulator.
+  template <int kNTiles>
+  __device__ __forceinline__ void fold(float (&s)[kMTiles][kNTiles][4], float scale_log2, float (&alpha)[kMTiles][2]) {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float m = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt) m = fmaxf(m, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+        const float m_new = fmaxf(max_log2[mt][half], m * scale_log2);
+        alpha[mt][half] = rescale_factor(max_log2[mt][half], m_new);
+        max_log2[mt][half] = m_new;
+        const float base = safe_row_max(m_new);
+        float row_sum = 0.0f;
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float& x = s[mt][nt][2 * half + e];
+            x = exp2_fast(fmaf(x, scale_log2, -base));
+            row_sum += x;
+          }
+        sum[mt][half] = sum[mt][half] * alpha[mt][half] + row_sum;
+      }
+  }
+
+  template <int kOTiles>
+  static __device__ __forceinline__ void rescale(float (&o)[kMTiles][kOTiles][4], const float (&alpha)[kMTiles][2]) {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+#pragma unroll
+        for (int ot = 0; ot < kOTiles; ++ot) {
+          o[mt][ot][2 * half] *= alpha[mt][half];
+          o[mt][ot][2 * half + 1] *= alpha[mt][half];
+        }
+  }
+
+  // fold, then rescale at once: for kernels whose products of the previous tile have completed.
+  template <int kNTiles, int kOTiles>
+  __device__ __forceinline__ void update(float (&s)[kMTiles][kNTiles][4], float (&o)[kMTiles][kOTiles][4],
+                                         float scale_log2) {
+    float alpha[kMTiles][2];
+    fold(s, scale_log2, alpha);
+    rescale(o, alpha);
+  }
+
+  // Adds the quad's shares of each row sum; afterwards every lane of the quad holds the total.
+  __device__ __forceinline__ void reduce_sums() {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float x = sum[mt][half];
+        x += __shfl_xor_sync(0xffffffffu, x, 1);
+        x += __shfl_xor_sync(0xffffffffu, x, 2);
+        sum[mt][half] = x;
+      }
+  }
+};
+
+}  // namespace tileattn::cuda

@@ -1,0 +1,350 @@
+#pragma once
+// fp32 attention forward, fast mode (TF32), on Hopper: one block per (128 query rows, head,
+// sequence), three warpgroups, the shape of the 16-bit sm90 forward.
+//
+//   warpgroup 0      producer: one thread loads Q once and K(j), V(j) with TMA (K through two
+//                    stages, V through two or, at head dim 128, one); all four warps rewrite each
+//                    V tile K-major (the only B layout TF32 wgmma reads) into one of two
+//                    transposed buffers.
+//   warpgroups 1, 2  consumers, 64 query rows each: S = Q K^T (wgmma, both from shared memory),
+//                    the online softmax, O += P V (wgmma, P from registers).
+//
+// P goes to the A fragment without moving between lanes: the S accumulator gives thread (g, t)
+// keys 2t and 2t+1 of every 8-key column tile, and the A fragment wants positions t and t+4 of
+// a k-step, so position t holds key 2t and position t+4 key 2t+1; the transposed V is written
+// in that order.
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/mask.hpp"
+#include "common/online_softmax.hpp"
+#include "common/varlen.hpp"
+#include "cuda/arch/ptx_sm80.cuh"
+#include "cuda/fp32/forward_fp32_kernel.cuh"
+#include "cuda/arch/mma_fp32.cuh"
+#include "cuda/arch/ptx_sm90.cuh"
+#include "cuda/arch/smm_ptx.cuh"
+#include "cuda/arch/wgmma_ops.cuh"
+
+namespace tileattn::cuda::fp32 {
+
+struct FwdSm90Params {
+  FwdParams fwd;
+  CUtensorMap q, k, v;  // (dim, rows, heads, batch); varlen: (dim, total rows, heads, 1)
+};
+
+template <int kD>
+struct FwdSm90Tile {
+  static constexpr int kConsumers = 2;
+  static constexpr int kThreads = 128 * (kConsumers + 1);
+  static constexpr int kBlockM = 64 * kConsumers;
+  // Head dim 128 takes 64-key tiles and one raw V stage: Q alone is 64 KB there, and two K
+  // stages, one V stage and two transposed buffers fill the rest of shared memory.
+  static constexpr int kBlockN = kD <= 64 ? 128 : 64;
+  static constexpr int kVStages = kD <= 64 ? 2 : 1;
+  static constexpr int kPanels = kD / 32;  // 128-byte panels of 32 fp32 columns
+  static constexpr int kQBytes = kPanels * kBlockM * 128;
+  static constexpr int kKVPanelBytes = kBlockN * 128;
+  static constexpr int kKVBytes = kPanels * kKVPanelBytes;
+  static constexpr int kTPanelBytes = kD * 128;  // transposed V: kD rows x 32 keys per panel
+  static constexpr int kTBytes = (kBlockN / 32) * kTPanelBytes;
+  static constexpr int kBarrierOffset = kQBytes + (2 + kVStages) * kKVBytes + 2 * kTBytes;
+  static constexpr int kSmemBytes = kBarrierOffset + 128 + 1024;
+  // Head dim 128's transpose (four column panels) spills at 40. setmaxnreg moves registers only
+  // inside the launch allocation, 168 a thread at 384 threads.
+  static constexpr int kProducerRegisters = kD <= 64 ? 40 : 56;
+  static constexpr int kConsumerRegisters = kD <= 64 ? 232 : 224;
+  static_assert(kProducerRegisters + kConsumers * kConsumerRegisters <= (kConsumers + 1) * 168,
+                "fp32 sm90 forward: register split exceeds the launch allocation");
+  static_assert(kD == 32 || kD == 64 || kD == 128, "fp32 sm90 forward: head dims 32, 64 or 128");
+  static_assert(kSmemBytes <= 227 * 1024, "fp32 sm90 forward: stages exceed shared memory");
+};
+
+template <int kD>
+__global__ void __launch_bounds__(FwdSm90Tile<kD>::kThreads, 1)
+    forward_fp32_kernel_sm90(const __grid_constant__ FwdSm90Params params) {
+#if defined(TILEATTN_SM90_ENABLED)
+  using Tile = FwdSm90Tile<kD>;
+  constexpr int kBM = Tile::kBlockM, kBN = Tile::kBlockN;
+  const FwdParams& p = params.fwd;
+
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024 - smem_address(smem_raw) % 1024) % 1024);
+  unsigned char* sQ = smem;
+  unsigned char* sK = sQ + Tile::kQBytes;
+  unsigned char* sV = sK + 2 * Tile::kKVBytes;
+  unsigned char* sT = sV + Tile::kVStages * Tile::kKVBytes;
+  uint64_t* q_full = reinterpret_cast<uint64_t*>(smem + Tile::kBarrierOffset);
+  uint64_t* k_full = q_full + 1;   // [2]
+  uint64_t* k_empty = k_full + 2;  // [2]
+  uint64_t* v_full = k_empty + 2;  // [kVStages], raw V; the producer itself frees it
+  uint64_t* t_full = v_full + 2;   // [2], transposed V
+  uint64_t* t_empty = t_full + 2;  // [2]
+
+  const int m_block = int(gridDim.x) - 1 - int(blockIdx.x);  // long causal rows first
+  const int h = int(blockIdx.y), b = int(blockIdx.z);
+  const int hk = h / p.group;
+  int sq = p.seqlen_q, sk = p.seqlen_k, q_row0 = 0, k_row0 = 0, map_batch = b;
+  int64_t o_off, lse_off;
+  if (p.cu_seqlens_q != nullptr) {
+    const SeqRange qr = varlen_range(p.cu_seqlens_q, b, p.total_q, p.seqlen_q);
+    const SeqRange kr = varlen_range(p.cu_seqlens_k, b, p.total_k, p.seqlen_k);
+    q_row0 = qr.begin, k_row0 = kr.begin, map_batch = 0;
+    sq = qr.len;
+    sk = kr.len;
+    o_off = q_row0 * p.o_seq_stride;
+    lse_off = int64_t(h) * p.total_q + q_row0;
+  } else {
+    o_off = b * p.o_batch_stride;
+    lse_off = (int64_t(b) * p.heads_q + h) * sq;
+  }
+  const int i0 = m_block * kBM;
+  if (i0 >= sq) return;
+  const Mask mask{sq, sk, p.window_left, p.window_right};
+  const int i1 = min(i0 + kBM, sq);
+  const int n_begin = mask.tile_begin_key(i0), n_end = mask.tile_end_key(i1);
+  const int full_begin = mask.full_begin_key(i1), full_end = mask.full_end_key(i0);
+  const int n_tiles = n_begin < n_end ? (n_end - n_begin + kBN - 1) / kBN : 0;
+
+  if (threadIdx.x == 0) {
+    sm90::barrier_init(q_full, 1);
+    for (int s = 0; s < 2; ++s) {
+      sm90::barrier_init(k_full + s, 1);
+      sm90::barrier_init(k_empty + s, 4 * Tile::kConsumers);  // one arrival per consumer warp
+      if (s < Tile::kVStages) sm90::barrier_init(v_full + s, 1);
+      sm90::barrier_init(t_full + s, 4);  // one arrival per producer warp
+      sm90::barrier_init(t_empty + s, 4 * Tile::kConsumers);
+    }
+    sm90::barrier_init_fence();
+  }
+  __syncthreads();
+
+  const int warpgroup = int(threadIdx.x) / 128;
+  const int warp = (int(threadIdx.x) / 32) % 4, lane = int(threadIdx.x) % 32;
+
+  if (warpgroup == 0) {
+    sm90::registers_decrease<Tile::kProducerRegisters>();
+    if (n_tiles == 0) return;
+    const int tid = int(threadIdx.x);
+    constexpr int kVSt = Tile::kVStages;
+    auto issue_k = [&](int j) {  // K(j) into stage j % 2
+      const int s = j % 2;
+      sm90::barrier_wait(k_empty + s, ((j / 2) & 1) ^ 1);
+      sm90::barrier_arrive_expect_bytes(k_full + s, Tile::kKVBytes);
+#pragma unroll
+      for (int c = 0; c < Tile::kPanels; ++c)
+        sm90::tma_load_4d(sK + s * Tile::kKVBytes + c * Tile::kKVPanelBytes, &params.k, k_full + s, 32 * c,
+                          k_row0 + n_begin + j * kBN, hk, map_batch);
+    };
+    // V(j) into raw stage j % kVSt, which every producer thread has read before the named
+    // barrier that ends the transpose of tile j - kVSt.
+    auto issue_v = [&](int j) {
+      const int s = j % kVSt;
+      sm90::barrier_arrive_expect_bytes(v_full + s, Tile::kKVBytes);
+#pragma unroll
+      for (int c = 0; c < Tile::kPanels; ++c)
+        sm90::tma_load_4d(sV + s * Tile::kKVBytes + c * Tile::kKVPanelBytes, &params.v, v_full + s, 32 * c,
+                          k_row0 + n_begin + j * kBN, hk, map_batch);
+    };
+    if (tid == 0) {
+      sm90::barrier_arrive_expect_bytes(q_full, Tile::kQBytes);
+#pragma unroll
+      for (int c = 0; c < Tile::kPanels; ++c)
+        sm90::tma_load_4d(sQ + c * Tile::kBlockM * 128, &params.q, q_full, 32 * c, q_row0 + i0, h, map_batch);
+      issue_k(0);
+      issue_v(0);
+    }
+    for (int j = 0; j < n_tiles; ++j) {
+      const int s = j % 2, vs = j % kVSt;
+      if (tid == 0 && j + 1 < n_tiles) {
+        issue_k(j + 1);
+        if constexpr (kVSt == 2) issue_v(j + 1);
+      }
+      sm90::barrier_wait(t_empty + s, ((j / 2) & 1) ^ 1);
+      sm90::barrier_wait(v_full + vs, (j / kVSt) & 1);
+      const unsigned char* src = sV + vs * Tile::kKVBytes;
+      unsigned char* dst = sT + s * Tile::kTBytes;
+      // Unit (position group pgg, column chunk nc): positions 4 pgg .. 4 pgg + 3 of transposed
+      // rows 4 nc .. 4 nc + 3. Position group pgg is half pgg % 2 of k-step pgg / 2: keys
+      // 8 (pgg / 2) + 2i + pgg % 2, i < 4.
+#pragma unroll 1
+      for (int u = tid; u < (kBN / 4) * (kD / 4); u += 128) {
+        const int pgg = u % (kBN / 4), nc = u / (kBN / 4);
+        const int panel = nc / 8, chunk = nc % 8;
+        float4 in[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int key = 8 * (pgg / 2) + 2 * i + pgg % 2;
+          in[i] = *reinterpret_cast<const float4*>(src + panel * Tile::kKVPanelBytes + key * 128 +
+                                                   ((chunk ^ (key % 8)) * 16));
+        }
+        unsigned char* trow = dst + (pgg / 8) * Tile::kTPanelBytes;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int n = 4 * nc + c;
+          const float4 o = sm90::column_of(in, c);
+          *reinterpret_cast<float4*>(trow + n * 128 + (((pgg % 8) ^ (n % 8)) * 16)) = o;
+        }
+      }
+      sm90::fence_shared_to_async();
+      __syncwarp();
+      if (lane == 0) sm90::barrier_arrive(t_full + s);
+      sm90::named_barrier_sync(1, 128);
+      if constexpr (kVSt == 1)
+        if (tid == 0 && j + 1 < n_tiles) issue_v(j + 1);
+    }
+    return;
+  }
+
+  sm90::registers_increase<Tile::kConsumerRegisters>();
+  const int consumer = warpgroup - 1;
+  const int g = lane / 4, t = lane % 4;
+  const int wrow = 64 * consumer + 16 * warp + g;  // block row of (g, e < 2); +8 for e >= 2
+
+  float acc_o[kD / 8][4];
+#pragma unroll
+  for (int dt = 0; dt < kD / 8; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_o[dt][e] = 0.0f;
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
+
+  if (n_tiles > 0) {
+    // Q, read by every key tile, is rounded to TF32 once (each consumer its own 64 rows); K and
+    // V go in as fp32 bits, which the tensor core truncates.
+    sm90::barrier_wait(q_full, 0);
+    {
+      const int ctid = int(threadIdx.x) % 128;
+#pragma unroll
+      for (int c = 0; c < Tile::kPanels; ++c) {
+        float4* rows = reinterpret_cast<float4*>(sQ + c * kBM * 128 + consumer * 64 * 128);
+#pragma unroll
+        for (int idx = ctid; idx < 64 * 8; idx += 128) {
+          float4 v = rows[idx];
+          v.x = __uint_as_float(to_tf32(v.x)), v.y = __uint_as_float(to_tf32(v.y));
+          v.z = __uint_as_float(to_tf32(v.z)), v.w = __uint_as_float(to_tf32(v.w));
+          rows[idx] = v;
+        }
+      }
+      sm90::fence_shared_to_async();
+      sm90::named_barrier_sync(2 + consumer, 128);
+    }
+    const uint32_t q_base = smem_address(sQ) + consumer * 64 * 128;
+    const bool capped = p.softcap > 0.0f;
+    const float to_log2 = capped ? 1.0f : p.scale_log2;
+
+    for (int j = 0; j < n_tiles; ++j) {
+      const int s = j % 2;
+      const uint32_t phase = (j / 2) & 1;
+      const int n0 = n_begin + j * kBN;
+
+      // S = Q K^T; a k-step of 8 columns is 32 bytes along a 128-byte row of one panel.
+      float acc_s[kBN / 8][4];
+      const uint32_t k_base = smem_address(sK + s * Tile::kKVBytes);
+      sm90::barrier_wait(k_full + s, phase);
+      sm90::wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < kD / 8; ++ks) {
+        const uint32_t offset = (ks % 4) * 32;
+        sm90::Wgmma<float, kBN>::ss(acc_s, sm90::k_major_descriptor(q_base + (ks / 4) * kBM * 128 + offset),
+                                    sm90::k_major_descriptor(k_base + (ks / 4) * Tile::kKVPanelBytes + offset),
+                                    ks > 0);
+      }
+      sm90::wgmma_commit();
+      sm90::wgmma_wait<0>();
+      sm90::fence_registers(acc_s);
+      __syncwarp();
+      if (lane == 0) sm90::barrier_arrive(k_empty + s);
+
+      // Scores: soft-capped into the log2 domain, or raw with scale * log2(e) folded into the
+      // exponent; keys past the end or outside the mask (also rows past sq) become -inf.
+      const bool need_mask = n0 < full_begin || n0 + kBN > full_end;
+#pragma unroll
+      for (int nt = 0; nt < kBN / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float x = acc_s[nt][e];
+          if (capped) x = apply_softcap(x * p.scale, p.softcap) * kLog2e;
+          if (need_mask) {
+            const int i = i0 + wrow + (e >= 2 ? 8 : 0);
+            const int key = n0 + nt * 8 + 2 * t + (e & 1);
+            if (!mask.visible(i, key)) x = -INFINITY;
+          }
+          acc_s[nt][e] = x;
+        }
+      float factor[2];
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < kBN / 8; ++nt) mx = fmaxf(mx, fmaxf(acc_s[nt][2 * hf], acc_s[nt][2 * hf + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        mx = fmaxf(row_max[hf], mx * to_log2);
+        factor[hf] = rescale_factor(row_max[hf], mx);
+        row_max[hf] = mx;
+        const float base = safe_row_max(mx);
+        float sum = 0.0f;
+#pragma unroll
+        for (int nt = 0; nt < kBN / 8; ++nt)
+#pragma unroll
+          for (int e = 2 * hf; e < 2 * hf + 2; ++e) {
+            acc_s[nt][e] = exp2_fast(fmaf(acc_s[nt][e], to_log2, -base));
+            sum += acc_s[nt][e];
+          }
+        row_sum[hf] = row_sum[hf] * factor[hf] + sum;
+      }
+#pragma unroll
+      for (int dt = 0; dt < kD / 8; ++dt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_o[dt][e] *= factor[e / 2];
+
+      uint32_t pa[kBN / 8][4];
+#pragma unroll
+      for (int kk = 0; kk < kBN / 8; ++kk) {
+        pa[kk][0] = to_tf32(acc_s[kk][0]), pa[kk][1] = to_tf32(acc_s[kk][2]);
+        pa[kk][2] = to_tf32(acc_s[kk][1]), pa[kk][3] = to_tf32(acc_s[kk][3]);
+      }
+
+      // O += P V; k-step kk is 32 bytes along the rows of transposed panel kk / 4.
+      const uint32_t t_base = smem_address(sT + s * Tile::kTBytes);
+      sm90::barrier_wait(t_full + s, phase);
+      sm90::fence_registers(acc_o);
+      sm90::wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBN / 8; ++kk)
+        sm90::Wgmma<float, kD>::rs(acc_o, pa[kk],
+                                   sm90::k_major_descriptor(t_base + (kk / 4) * Tile::kTPanelBytes + (kk % 4) * 32), 1);
+      sm90::wgmma_commit();
+      sm90::wgmma_wait<0>();
+      sm90::fence_registers(acc_o);
+      __syncwarp();
+      if (lane == 0) sm90::barrier_arrive(t_empty + s);
+    }
+  }
+
+  // Epilogue: O / sum and L; rows that saw no key get O = 0 and L = -inf.
+  float* o = p.o + o_off + int64_t(h) * p.o_head_stride;
+  float* lse = p.lse + lse_off;
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    float sum = row_sum[hf];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const float inv = inverse_row_sum(sum);
+    const int i = i0 + wrow + 8 * hf;
+    if (i >= sq) continue;
+    float* orow = o + int64_t(i) * p.o_seq_stride;
+#pragma unroll
+    for (int dt = 0; dt < kD / 8; ++dt) {
+      const int c = dt * 8 + 2 * t;
+      if (c < p.dv) orow[c] = acc_o[dt][0 + 2 * hf] * inv;
+      if (c + 1 < p.dv) orow[c + 1] = acc_o[dt][1 + 2 * hf] * inv;
+    }
+    if (t == 0) lse[i] = finish_lse(row_max[hf], sum);
+  }
+#endif
+}
+
+}  // namespace tileattn::cuda::fp32
