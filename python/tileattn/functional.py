@@ -65,6 +65,87 @@ def _window(window_size: Sequence[int]) -> tuple[int, int]:
     return _int64(window_size[0], "window_size[0]"), _int64(window_size[1], "window_size[1]")
 
 
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _check_empty_call(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
+                      cu_seqlens_k: Optional[Tensor]) -> None:
+    # An empty problem never reaches the extension, so the rules it would have applied to these
+    # tensors are checked here, with its messages.
+    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+    _ops._check_same_device(dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k))
+    _ops._check_attention_ranks(q, k, v, varlen)
+    if q.dtype not in _KERNEL_DTYPES:
+        raise TypeError(f"q.dtype={_dtype_name(q.dtype)} is not supported (float16, bfloat16 or float32)")
+    for t, name in ((k, "k"), (v, "v")):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name}.dtype={_dtype_name(t.dtype)} must equal q.dtype={_dtype_name(q.dtype)}")
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"k.shape={tuple(k.shape)} must be {(*k.shape[:-1], q.shape[-1])} "
+                         "(its head dim must equal q.shape[-1])")
+    if v.shape[:-1] != k.shape[:-1]:
+        raise ValueError(f"v.shape={tuple(v.shape)} must be {(*k.shape[:-1], v.shape[-1])} "
+                         "(all dimensions but the last must equal k's)")
+    if not varlen and k.shape[0] != q.shape[0]:
+        raise ValueError(f"k.shape[0]={k.shape[0]} must equal q.shape[0]={q.shape[0]} (batch)")
+    heads_q, heads_kv = q.shape[-2], k.shape[-2]
+    if heads_q % heads_kv if heads_kv else heads_q:
+        raise ValueError(f"heads_kv={heads_kv} must divide heads_q={heads_q} (GQA)")
+    if varlen:
+        if cu_seqlens_q is None or cu_seqlens_k is None:
+            raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together (variable length)")
+        for t, name in ((cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k")):
+            if t.dtype != torch.int32:
+                raise TypeError(f"{name}.dtype={_dtype_name(t.dtype)} must be int32")
+            if t.dim() != 1 or t.shape[0] < 1:
+                raise ValueError(f"{name} must be 1-D (batch + 1,) with at least one offset, got shape "
+                                 f"{tuple(t.shape)}")
+        if cu_seqlens_k.shape != cu_seqlens_q.shape:
+            raise ValueError(f"cu_seqlens_k.shape={tuple(cu_seqlens_k.shape)} must be "
+                             f"{tuple(cu_seqlens_q.shape)} (the shape of cu_seqlens_q)")
+
+
+def _is_empty(q: Tensor, k: Tensor, cu_seqlens_q: Optional[Tensor]) -> bool:
+    """No query row sees a key: no rows, no heads, no batch, or no keys at all."""
+    if cu_seqlens_q is not None:
+        return q.shape[0] == 0 or q.shape[1] == 0 or k.shape[0] == 0 or cu_seqlens_q.shape[0] <= 1
+    return q.shape[0] == 0 or q.shape[1] == 0 or q.shape[2] == 0 or k.shape[1] == 0
+
+
+class _EmptyAttention(torch.autograd.Function):
+    """What PyTorch's SDPA returns where nothing is computed: out of zeros (empty when there are
+    no query rows), lse = -inf, and zero gradients."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, varlen: bool):
+        ctx.shapes = (q.shape, k.shape, v.shape)
+        out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
+        lse_shape = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
+        lse = torch.full(lse_shape, -math.inf, dtype=torch.float32, device=q.device)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q_shape, k_shape, v_shape = ctx.shapes
+        zeros = lambda shape: grad_out.new_zeros(shape)  # noqa: E731
+        return zeros(q_shape), zeros(k_shape), zeros(v_shape), None
+
+
+def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, left, right,
+               softcap, deterministic):
+    rank = 3 if cu_seqlens_q is not None else 4
+    if q.dim() == rank and k.dim() == rank and _is_empty(q, k, cu_seqlens_q):
+        _check_empty_call(q, k, v, cu_seqlens_q, cu_seqlens_k)
+        return _EmptyAttention.apply(q, k, v, cu_seqlens_q is not None)
+    return _ops.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                          left, right, softcap, deterministic)
+
+
 def _finish(out: Tensor, lse: Tensor, return_attn_probs: bool):
     if not return_attn_probs:
         return out
@@ -90,7 +171,7 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
     """
     _reject_unsupported(dropout_p, alibi_slopes)
     left, right = _window(window_size)
-    out, lse = _ops.attention(q, k, v, None, None, 0, 0, _scale(softmax_scale, "softmax_scale"), bool(causal), left,
+    out, lse = _attention(q, k, v, None, None, 0, 0, _scale(softmax_scale, "softmax_scale"), bool(causal), left,
                               right, _float32(softcap, "softcap"), bool(deterministic))
     return _finish(out, lse, return_attn_probs)
 
@@ -111,7 +192,7 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     """
     _reject_unsupported(dropout_p, alibi_slopes)
     left, right = _window(window_size)
-    out, lse = _ops.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, _int64(max_seqlen_q, "max_seqlen_q"),
+    out, lse = _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, _int64(max_seqlen_q, "max_seqlen_q"),
                               _int64(max_seqlen_k, "max_seqlen_k"), _scale(softmax_scale, "softmax_scale"),
                               bool(causal), left, right, _float32(softcap, "softcap"), bool(deterministic))
     return _finish(out, lse, return_attn_probs)
@@ -157,8 +238,10 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     if heads_q != heads_kv and not enable_gqa:
         raise ValueError(f"query has {heads_q} heads but key/value have {heads_kv}; pass enable_gqa=True for "
                          "grouped-query attention")
-    causal, right = top_left_causal(query.shape[2], key.shape[2]) if is_causal else (False, -1)
-    out, _ = _ops.attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), None, None, 0, 0,
+    # An empty problem has no mask to draw (and top_left_causal would refuse seqlen_q < seqlen_k).
+    masked = is_causal and query.numel() > 0 and key.numel() > 0
+    causal, right = top_left_causal(query.shape[2], key.shape[2]) if masked else (False, -1)
+    out, _ = _attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), None, None, 0, 0,
                             _scale(scale, "scale"), causal, -1, right, 0.0, False)
     out = out.transpose(1, 2)
     return out.squeeze(1) if rank == 3 else out

@@ -110,3 +110,104 @@ def test_gqa_grads_are_fresh_when_kv_is_expanded_over_heads():
     for name, a, r in zip(("dq", "dk", "dv"), (dq, dk0, dv0), (dq2, dk2, dv2)):
         assert naive.max_error(a, r) < 1e-5, name
 
+
+
+# ---- empty problems: what PyTorch's SDPA returns ------------------------------------------------
+
+# (batch, seqlen_q, seqlen_k, heads_q, heads_kv)
+EMPTY_CASES = {
+    "seqlen_q_0": (2, 0, 7, 4, 2),
+    "seqlen_k_0": (2, 5, 0, 4, 2),
+    "batch_0": (0, 5, 7, 4, 2),
+    "heads_0": (2, 5, 7, 0, 0),
+    "all_0": (0, 0, 0, 2, 2),
+}
+
+
+def _sdpa_reference(q, k, v, is_causal):
+    # torch's SDPA on (batch, heads, seqlen, headdim), run on copies that collect their own gradients.
+    inputs = [t.detach().transpose(1, 2).clone().requires_grad_() for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(*inputs, is_causal=is_causal, enable_gqa=q.shape[2] != k.shape[2])
+    return out.transpose(1, 2), inputs
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", list(EMPTY_CASES), ids=list(EMPTY_CASES))
+def test_empty_flash_attn_func_matches_torch_sdpa(case, causal):
+    batch, sq, sk, hq, hkv = EMPTY_CASES[case]
+    q = torch.randn(batch, sq, hq, 16, requires_grad=True)
+    k = torch.randn(batch, sk, hkv, 16, requires_grad=True)
+    v = torch.randn(batch, sk, hkv, 12, requires_grad=True)
+    out, lse, _ = tileattn.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    assert out.shape == (batch, sq, hq, 12) and out.dtype == q.dtype
+    assert lse.shape == (batch, hq, sq) and lse.dtype == torch.float32 and not lse.requires_grad
+    assert torch.isneginf(lse).all()
+    # torch's top-left causal mask and ours differ only where there are rows and keys to mask.
+    ref, ref_inputs = _sdpa_reference(q, k, v, is_causal=False)
+    assert torch.equal(out, ref) and torch.equal(out, torch.zeros_like(out))
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref_grads = torch.autograd.grad(ref, ref_inputs, dout)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert g.shape == r.transpose(1, 2).shape and torch.equal(g, r.transpose(1, 2)), name
+        assert torch.equal(g, torch.zeros_like(g)), name
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("case", list(EMPTY_CASES), ids=list(EMPTY_CASES))
+def test_empty_sdpa_entry_matches_torch_sdpa(case, is_causal):
+    batch, sq, sk, hq, hkv = EMPTY_CASES[case]
+    q = torch.randn(batch, hq, sq, 16, requires_grad=True)
+    k = torch.randn(batch, hkv, sk, 16, requires_grad=True)
+    v = torch.randn(batch, hkv, sk, 16, requires_grad=True)
+    gqa = hq != hkv
+    out = tileattn.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=gqa)
+    ref_inputs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*ref_inputs, is_causal=is_causal, enable_gqa=gqa)
+    assert out.shape == ref.shape and torch.equal(out, ref)
+    dout = torch.randn_like(out)
+    for name, g, r in zip("qkv", torch.autograd.grad(out, (q, k, v), dout),
+                          torch.autograd.grad(ref, ref_inputs, dout)):
+        assert g.shape == r.shape and torch.equal(g, r), name
+
+
+@pytest.mark.parametrize("lens_q,lens_k", [([], []), ([0, 0], [3, 4]), ([2, 3], [0, 0]), ([0], [0])],
+                         ids=["batch_0", "total_q_0", "total_k_0", "both_0"])
+def test_empty_varlen(lens_q, lens_k):
+    cu_q = torch.tensor([0] + lens_q, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    cu_k = torch.tensor([0] + lens_k, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    q = torch.randn(int(cu_q[-1]), 2, 16, requires_grad=True)
+    k = torch.randn(int(cu_k[-1]), 2, 16, requires_grad=True)
+    v = torch.randn(int(cu_k[-1]), 2, 8, requires_grad=True)
+    out, lse, _ = tileattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q, default=0),
+                                                  max(lens_k, default=0), return_attn_probs=True)
+    assert out.shape == (q.shape[0], 2, 8) and torch.equal(out, torch.zeros_like(out))
+    assert lse.shape == (2, q.shape[0]) and torch.isneginf(lse).all()
+    grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    for t, g in zip((q, k, v), grads):
+        assert g.shape == t.shape and torch.equal(g, torch.zeros_like(g))
+
+
+def test_empty_problems_still_check_their_arguments():
+    q = torch.randn(2, 0, 4, 16)
+    k = torch.randn(2, 7, 2, 16)
+    with pytest.raises(ValueError, match=r"k\.shape=\(2, 7, 2, 8\) must be \(2, 7, 2, 16\)"):
+        tileattn.flash_attn_func(q, k[..., :8], k[..., :8])
+    with pytest.raises(ValueError, match=r"v\.shape=\(2, 6, 2, 16\) must be \(2, 7, 2, 16\)"):
+        tileattn.flash_attn_func(q, k, k[:, :6])
+    with pytest.raises(TypeError, match=r"v\.dtype=float16 must equal q\.dtype=float32"):
+        tileattn.flash_attn_func(q, k, k.half())
+    with pytest.raises(TypeError, match=r"q\.dtype=float64 is not supported"):
+        tileattn.flash_attn_func(q.double(), k.double(), k.double())
+    with pytest.raises(ValueError, match=r"heads_kv=3 must divide heads_q=4 \(GQA\)"):
+        tileattn.flash_attn_func(q, k[:, :, :1].expand(2, 7, 3, 16), k[:, :, :1].expand(2, 7, 3, 16))
+    with pytest.raises(ValueError, match=r"k\.shape\[0\]=1 must equal q\.shape\[0\]=2 \(batch\)"):
+        tileattn.flash_attn_func(q, k[:1], k[:1])
+    with pytest.raises(ValueError, match=r"k is on meta but q is on cpu"):
+        tileattn.flash_attn_func(q, k.to("meta"), k.to("meta"))
+    empty = torch.randn(0, 2, 16)
+    cu = torch.tensor([0], dtype=torch.int32)
+    with pytest.raises(TypeError, match=r"cu_seqlens_k\.dtype=int64 must be int32"):
+        tileattn.flash_attn_varlen_func(empty, empty, empty, cu, cu.long(), 0, 0)
+    with pytest.raises(ValueError, match=r"cu_seqlens_k\.shape=\(2,\) must be \(1,\)"):
+        tileattn.flash_attn_varlen_func(empty, empty, empty, cu, torch.zeros(2, dtype=torch.int32), 0, 0)
