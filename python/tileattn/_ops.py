@@ -52,6 +52,14 @@ def _num_threads(device: torch.device) -> int:
     return torch.get_num_threads() if device.type == "cpu" else 0
 
 
+def _fp32_fast(t: Tensor) -> bool:
+    # PyTorch's own switch for fp32 matmuls, read at each call: "high" or "medium" precision (or
+    # allow_tf32) lets fp32 inputs use tensor cores (TF32); "highest" keeps exact fp32 products.
+    # The CPU backend computes fp32 exactly either way.
+    return t.dtype == torch.float32 and (torch.get_float32_matmul_precision() != "highest"
+                                         or torch.backends.cuda.matmul.allow_tf32)
+
+
 def _workspace(nbytes: int, device: torch.device) -> Optional[Tensor]:
     return torch.empty(nbytes, dtype=torch.uint8, device=device) if nbytes > 0 else None
 
@@ -107,7 +115,7 @@ def _attention(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
         cu_seqlens_q=optional(cu_seqlens_q), cu_seqlens_k=optional(cu_seqlens_k),
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
         window_left=window_left, window_right=window_right, softcap=softcap, deterministic=deterministic,
-        num_threads=_num_threads(q.device))
+        fp32_fast=_fp32_fast(q), num_threads=_num_threads(q.device))
 
 
 def _forward_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
@@ -249,7 +257,8 @@ def softmax_matmul(x: Tensor, v: Tensor) -> Tensor:
     """softmax(x, dim=-1) @ v for x (batch, d1, d2) and v (batch, d2, d3), without materialising softmax(x)."""
     _check_softmax_matmul_inputs(x, v)
     out = torch.empty((x.shape[0], x.shape[1], v.shape[-1]), dtype=x.dtype, device=x.device)
-    call = _ext.SoftmaxMatmul(_capsule(x), _capsule(v), _capsule(out), num_threads=_num_threads(x.device))
+    call = _ext.SoftmaxMatmul(_capsule(x), _capsule(v), _capsule(out), fp32_fast=_fp32_fast(x),
+                              num_threads=_num_threads(x.device))
     with _device_context(x.device):
         call.run(_workspace(call.plan(_stream(x.device)), x.device))
     return out

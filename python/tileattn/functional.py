@@ -4,6 +4,12 @@ Every function goes through ``tileattn._ops`` (its torch.library operators under
 the same computation without the operator dispatch in eager mode; autograd and CUDA graphs
 either way). Options tileattn does not implement raise NotImplementedError naming the
 argument; nothing is silently ignored.
+
+fp32 inputs follow PyTorch's switch for fp32 matmuls, read at every call: with
+``torch.set_float32_matmul_precision("high")`` or ``"medium"`` (or
+``torch.backends.cuda.matmul.allow_tf32 = True``) they run in the tensor-core fast mode (TF32
+products, fp32 accumulation) on the GPU; with ``"highest"`` (PyTorch's default) fp32 stays exact.
+The CPU backend computes fp32 exactly in both cases.
 """
 
 from __future__ import annotations
@@ -167,7 +173,9 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
     flash-attn.
 
     Returns out (batch, seqlen_q, heads, headdim_v); with ``return_attn_probs=True`` returns
-    (out, softmax_lse, None), softmax_lse being (batch, heads, seqlen_q) float32.
+    (out, softmax_lse, None), softmax_lse being (batch, heads, seqlen_q) float32. fp32 inputs are
+    exact unless ``torch.get_float32_matmul_precision()`` is "high" or "medium" (or
+    ``torch.backends.cuda.matmul.allow_tf32``), which selects the TF32 fast mode on the GPU.
     """
     _reject_unsupported(dropout_p, alibi_slopes)
     left, right = _window(window_size)
@@ -221,7 +229,8 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
 
     The tensors are read in place through their strides (no copy); the result is a
     (batch, heads, seqlen_q, headdim_v) view. 3-D inputs (batch, seqlen, headdim) are one head.
-    ``is_causal`` is top-left aligned, as in PyTorch.
+    ``is_causal`` is top-left aligned, as in PyTorch. fp32 follows
+    ``torch.get_float32_matmul_precision()`` as PyTorch's own kernels do (module docstring).
     """
     if attn_mask is not None:
         raise NotImplementedError("attn_mask: explicit masks are not supported; use is_causal, or flash_attn_func's "
@@ -252,6 +261,8 @@ def softmax_matmul(x: Tensor, v: Tensor) -> Tensor:
 
     x is (batch, d1, d2) and v (batch, d2, d3), or (d1, d2) and (d2, d3); returns (batch, d1, d3)
     or (d1, d3). A row of x that is -inf throughout gives a zero row (torch.softmax gives NaN).
+    fp32 inputs use the TF32 fast mode on the GPU when ``torch.get_float32_matmul_precision()`` is
+    "high" or "medium" (or ``torch.backends.cuda.matmul.allow_tf32``), exact fp32 otherwise.
     """
     if x.dim() == 2 and v.dim() == 2:
         return torch.ops.tileattn.softmax_matmul(x.unsqueeze(0), v.unsqueeze(0)).squeeze(0)
