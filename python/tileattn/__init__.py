@@ -1,7 +1,9 @@
 """tileattn: exact, memory-efficient attention (FlashAttention-style) for PyTorch.
 
 - ``flash_attn_func`` / ``flash_attn_varlen_func``: flash-attn's signatures and layout
-  (batch, seqlen, heads, headdim).
+  (batch, seqlen, heads, headdim); their packed forms ``flash_attn_qkvpacked_func``,
+  ``flash_attn_kvpacked_func``, ``flash_attn_varlen_qkvpacked_func`` and
+  ``flash_attn_varlen_kvpacked_func`` read the packed tensor in place.
 - ``scaled_dot_product_attention``: PyTorch SDPA's signature and layout (batch, heads, seqlen, headdim).
 - ``softmax_matmul``: softmax(x, dim=-1) @ v without materialising softmax(x).
 - ``FlashAttentionFunction``: (batch, seqlen, headdim) autograd function on the kernels;
@@ -13,7 +15,9 @@ CUDA stream (CUDA graphs included) or on the CPU.
 
 from . import _ext
 from .autograd import FlashAttentionFunction
-from .functional import flash_attn_func, flash_attn_varlen_func, scaled_dot_product_attention, softmax_matmul
+from .functional import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func, flash_attn_varlen_func,
+                         flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func,
+                         scaled_dot_product_attention, softmax_matmul)
 from . import reference
 
 __version__ = _ext.version()
@@ -35,7 +39,11 @@ __all__ = [
     "attention_forward_flops",
     "cuda_available",
     "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
     "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
     "reference",
     "scaled_dot_product_attention",
     "softmax_matmul",

@@ -24,7 +24,9 @@ from torch import Tensor
 
 from . import _ops
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "scaled_dot_product_attention", "softmax_matmul"]
+__all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
+           "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "scaled_dot_product_attention",
+           "softmax_matmul"]
 
 _INT64_MAX = 2**63 - 1
 _FLOAT32_MAX = 3.4028234663852886e38
@@ -204,6 +206,69 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
                               _int64(max_seqlen_k, "max_seqlen_k"), _scale(softmax_scale, "softmax_scale"),
                               bool(causal), left, right, _float32(softcap, "softcap"), bool(deterministic))
     return _finish(out, lse, return_attn_probs)
+
+
+def _unpack(packed: Tensor, name: str, count: int, rank: int, dims: str) -> tuple[Tensor, ...]:
+    # Views into the packed tensor (its strides carry over, nothing is copied); unbind's gradient
+    # stacks the parts' gradients into one tensor of the packed shape.
+    if packed.dim() != rank or packed.shape[-3] != count:
+        raise ValueError(f"{name} must have {rank} dimensions {dims} with {count} at dimension {rank - 3}, got "
+                         f"shape {tuple(packed.shape)}")
+    return packed.unbind(rank - 3)
+
+
+def flash_attn_qkvpacked_func(qkv: Tensor, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
+                              causal: bool = False, window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
+                              alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
+                              return_attn_probs: bool = False):
+    """``flash_attn.flash_attn_qkvpacked_func``: q, k and v stacked in one (batch, seqlen, 3, heads,
+    headdim) tensor, read in place; the gradient is one tensor of qkv's shape. Options and return
+    values as ``flash_attn_func`` (q, k and v share their head count here; GQA needs the kvpacked
+    or unpacked forms)."""
+    q, k, v = _unpack(qkv, "qkv", 3, 5, "(batch, seqlen, 3, heads, headdim)")
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q: Tensor, kv: Tensor, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
+                             causal: bool = False, window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
+                             alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
+                             return_attn_probs: bool = False):
+    """``flash_attn.flash_attn_kvpacked_func``: q (batch, seqlen_q, heads, headdim) and k, v stacked
+    in one (batch, seqlen_k, 2, heads_kv, headdim) tensor, read in place; heads_kv may divide heads
+    (GQA/MQA). Options and return values as ``flash_attn_func``."""
+    k, v = _unpack(kv, "kv", 2, 5, "(batch, seqlen_k, 2, heads_kv, headdim)")
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p: float = 0.0,
+                                     softmax_scale: Optional[float] = None, causal: bool = False,
+                                     window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
+                                     alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
+                                     return_attn_probs: bool = False):
+    """``flash_attn.flash_attn_varlen_qkvpacked_func``: a variable-length batch with q, k and v
+    stacked in one (total, 3, heads, headdim) tensor, read in place; one ``cu_seqlens`` and
+    ``max_seqlen`` serve queries and keys. Options and return values as ``flash_attn_varlen_func``."""
+    q, k, v = _unpack(qkv, "qkv", 3, 4, "(total, 3, heads, headdim)")
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
+                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(q: Tensor, kv: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                                    max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
+                                    softmax_scale: Optional[float] = None, causal: bool = False,
+                                    window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
+                                    alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
+                                    return_attn_probs: bool = False):
+    """``flash_attn.flash_attn_varlen_kvpacked_func``: q (total_q, heads, headdim) and k, v stacked
+    in one (total_k, 2, heads_kv, headdim) tensor, read in place; heads_kv may divide heads (GQA).
+    Options and return values as ``flash_attn_varlen_func``."""
+    k, v = _unpack(kv, "kv", 2, 4, "(total_k, 2, heads_kv, headdim)")
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs)
 
 
 def top_left_causal(seqlen_q: int, seqlen_k: int) -> tuple[bool, int]:
