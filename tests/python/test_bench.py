@@ -19,6 +19,29 @@ def test_refuses_without_cuda(module, tmp_path):
     assert not (tmp_path / "x.csv").exists()
 
 
+# Runs a benchmark module as `python -m` would, with pandas and matplotlib made unimportable and the
+# CUDA check passed, so that the extras check is what answers (on any machine).
+_WITHOUT_EXTRAS = """
+import runpy, sys
+sys.modules["pandas"] = sys.modules["matplotlib"] = None
+from tileattn.bench import _common
+_common.require_cuda = lambda module: None
+sys.argv = [sys.argv[1], "--passes", "1", "--csv", sys.argv[2]]
+runpy.run_module(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_without_the_bench_extra_names_it(module, tmp_path):
+    csv = tmp_path / "x.csv"
+    result = subprocess.run([sys.executable, "-c", _WITHOUT_EXTRAS, module, str(csv)], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode != 0
+    assert "needs pandas and matplotlib" in result.stderr and "pip install 'tileattn[bench]'" in result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    assert not csv.exists()
+
+
 @pytest.mark.parametrize("module", MODULES)
 def test_help(module):
     result = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
@@ -27,6 +50,7 @@ def test_help(module):
 
 @pytest.mark.gpu
 def test_softmax_matmul_benchmark_writes_csv_and_plot(tmp_path):
+    pytest.importorskip("pandas", reason="the benchmark tables need the bench extra (pandas)")
     from tileattn.bench import softmax_matmul
 
     frame = softmax_matmul.run(warmup=1, passes=2, d2_values=[64, 128])
@@ -37,6 +61,7 @@ def test_softmax_matmul_benchmark_writes_csv_and_plot(tmp_path):
 
 @pytest.mark.gpu
 def test_attention_benchmark_small_grid():
+    pytest.importorskip("pandas", reason="the benchmark tables need the bench extra (pandas)")
     from tileattn.bench import attention
 
     frame = attention.run_course(["tileattn", "pytorch_sdpa"], causal=False, warmup=1, passes=2, seq_lens=[256])

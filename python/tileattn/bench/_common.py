@@ -24,6 +24,21 @@ def require_cuda(module: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+def require_extras(module: str) -> None:
+    """The benchmarks write their tables with pandas and plot with matplotlib, the package's
+    `bench` extra; without them, say which extra to install instead of a bare ModuleNotFoundError."""
+    import importlib
+
+    missing = []
+    for name in ("pandas", "matplotlib"):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    if missing:
+        sys.exit(f"{module}: needs {' and '.join(missing)} (the benchmark extra): pip install 'tileattn[bench]'")
+
+
 def is_oom(error: BaseException) -> bool:
     return isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in str(error).lower()
 

@@ -259,6 +259,8 @@ def main(argv=None):
     parser.add_argument("--csv", help="default outputs/csv/attention_benchmark.csv (attention_h100.csv with "
                                       "--preset h100)")
     args = parser.parse_args(argv)
+    _common.require_cuda(parser.prog)
+    _common.require_extras(parser.prog)
 
     if args.preset == "h100":
         frame = run_h100(args.warmup, args.passes, args.only)

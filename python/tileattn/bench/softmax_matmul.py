@@ -74,6 +74,8 @@ def main(argv=None):
     parser.add_argument("--passes", type=int, default=100)
     parser.add_argument("--csv", default="outputs/softmax_matmul_benchmark.csv")
     args = parser.parse_args(argv)
+    _common.require_cuda(parser.prog)
+    _common.require_extras(parser.prog)
 
     frame = run(args.warmup, args.passes)
     path = _common.output_path(args.csv)
