@@ -5,8 +5,19 @@
     model = AutoModelForCausalLM.from_config(config, attn_implementation="tileattn")
 
 Causal masking is done by the kernel (bottom-right aligned, which is also what a KV cache needs
-when fewer queries than keys are processed), so no mask tensor is built. Padding masks, dropout
-and packed sequences raise NotImplementedError instead of being ignored.
+when fewer queries than keys are processed), so no mask tensor is built. The three batch forms of
+transformers' own flash-attention path are served:
+
+- a padded batch (a 2-D ``attention_mask`` with zeros): the real tokens are gathered into one
+  variable-length batch, attended with ``flash_attn_varlen_func`` and scattered back; padded
+  positions of the output are zeros. As in transformers, fewer queries than keys (decoding with a
+  cache) assume left padding: the queries are the last tokens of each row.
+- packed sequences (one row holding several sequences, from ``DataCollatorWithFlattening``): the
+  ``cu_seq_lens_q/k`` and ``max_length_q/k`` keyword arguments, or else ``position_ids`` that
+  restart at each sequence, give the boundaries, and no token attends across one.
+- everything else: one ``flash_attn_func`` call.
+
+Attention dropout raises NotImplementedError instead of being ignored.
 """
 
 from __future__ import annotations
@@ -16,11 +27,65 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .functional import flash_attn_func
+from .functional import flash_attn_func, flash_attn_varlen_func
 
 __all__ = ["attention_forward", "register"]
 
 NAME = "tileattn"
+
+
+def _offsets(lengths: Tensor) -> Tensor:
+    """cu_seqlens (int32, batch + 1) from per-sequence lengths."""
+    return torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+
+
+def _unpad(x: Tensor, mask: Tensor):
+    """The rows of x (batch, seqlen, heads, d) where mask (batch, seqlen) is set, as one
+    (total, heads, d) tensor, with their flat indices, cu_seqlens and the longest length."""
+    lengths = mask.sum(dim=-1, dtype=torch.int32)
+    indices = mask.flatten().nonzero().flatten()
+    rows = x.reshape(-1, *x.shape[2:]).index_select(0, indices)
+    return rows, indices, _offsets(lengths), int(lengths.max()) if lengths.numel() else 0
+
+
+def _padded(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, **options) -> Tensor:
+    batch, seqlen_q = query.shape[:2]
+    mask = mask.bool()
+    if key.shape[1] > mask.shape[1]:
+        # A static cache holds more key slots than the mask has seen; the rest are unused.
+        key, value = key[:, :mask.shape[1]], value[:, :mask.shape[1]]
+    k, indices_k, cu_k, max_k = _unpad(key, mask)
+    v = value.reshape(-1, *value.shape[2:]).index_select(0, indices_k)
+    # Fewer queries than keys (a cache): the queries are the last positions of each row.
+    q, indices_q, cu_q, max_q = _unpad(query, mask[:, -seqlen_q:])
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, **options)
+    full = out.new_zeros(batch * seqlen_q, *out.shape[1:])
+    return full.index_copy(0, indices_q, out).view(batch, seqlen_q, *out.shape[1:])
+
+
+def _packed_boundaries(position_ids: Optional[Tensor], batch: int, seqlen: int):
+    """cu_seqlens and the longest length when position_ids restart inside one flattened row (the
+    flattening collator's output); None for an ordinary row."""
+    if position_ids is None or batch != 1 or seqlen == 1:
+        return None
+    positions = position_ids.reshape(-1)
+    if positions.shape[0] != seqlen:
+        return None
+    start = positions.min()
+    if bool((positions == torch.arange(seqlen, device=positions.device) + start).all()):
+        return None
+    starts = (positions == start).nonzero().flatten().to(torch.int32)
+    cu = torch.cat([starts, starts.new_tensor([seqlen])])
+    return cu, int(cu.diff().max())
+
+
+def _packed(query: Tensor, key: Tensor, value: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
+            **options) -> Tensor:
+    batch, seqlen_q = query.shape[:2]
+    q, k, v = (x.reshape(-1, *x.shape[2:]) for x in (query, key, value))
+    out = flash_attn_varlen_func(q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k),
+                                 **options)
+    return out.view(batch, seqlen_q, *out.shape[1:])
 
 
 def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
@@ -28,46 +93,58 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
                       sliding_window: Optional[int] = None, softcap: Optional[float] = None,
                       is_causal: Optional[bool] = None, **kwargs):
     """transformers' attention-function contract: (batch, heads, seqlen, headdim) in,
-    (attn_output (batch, seqlen, heads, headdim), attn_weights=None) out."""
-    if attention_mask is not None:
-        raise NotImplementedError("attention_mask: tileattn's transformers integration does not take mask tensors "
-                                  "(padded batches need flash_attn_varlen_func)")
+    (attn_output (batch, seqlen, heads, headdim), attn_weights=None) out. ``attention_mask`` is
+    the 2-D padding mask (batch, kv_length) this module's mask function hands over, or None."""
     if dropout != 0.0:
         raise NotImplementedError(f"dropout={dropout}: tileattn has no attention dropout (use model.eval() or "
                                   "attention_dropout=0)")
-    for packed in ("cu_seq_lens_q", "cu_seq_lens_k"):
-        if kwargs.get(packed) is not None:
-            raise NotImplementedError(f"{packed}: packed sequences are not supported by this integration")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     left = -1
     if sliding_window is not None:
         if not causal:
             raise NotImplementedError("sliding_window without a causal mask is not supported by this integration")
         left = sliding_window - 1  # transformers: query i sees keys i - sliding_window < j <= i
-    out = flash_attn_func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), softmax_scale=scaling,
-                          causal=bool(causal), window_size=(left, -1), softcap=softcap or 0.0)
-    return out, None
+    options = dict(softmax_scale=scaling, causal=bool(causal), window_size=(left, -1), softcap=softcap or 0.0)
+    query, key, value = (x.transpose(1, 2) for x in (query, key, value))
+
+    if attention_mask is not None:
+        if attention_mask.dim() != 2:
+            raise NotImplementedError(f"attention_mask of shape {tuple(attention_mask.shape)}: this integration takes "
+                                      "the 2-D padding mask (batch, kv_length) that its mask function returns")
+        return _padded(query, key, value, attention_mask, **options), None
+    boundaries = [kwargs.get(name) for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")]
+    if all(b is not None for b in boundaries):
+        return _packed(query, key, value, *boundaries, **options), None
+    packed = _packed_boundaries(kwargs.get("position_ids"), query.shape[0], query.shape[1])
+    if packed is not None and query.shape[1] == key.shape[1]:
+        cu, longest = packed
+        return _packed(query, key, value, cu, cu, longest, longest, **options), None
+    return flash_attn_func(query, key, value, **options), None
 
 
-def _no_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None,
-             **kwargs):
-    # The kernel masks causally by itself; a padding mask cannot be honoured, so it is refused.
-    if attention_mask is not None and not bool(attention_mask.all()):
-        raise NotImplementedError("attention_mask with padding: tileattn's transformers integration needs unpadded "
-                                  "batches")
-    return None
+def _padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None,
+                  **kwargs):
+    # The kernel masks causally by itself: a mask is handed over only when there is padding, and
+    # then as the 2-D (batch, kv_length) padding mask that attention_forward unpads with.
+    if attention_mask is None:
+        return None
+    attention_mask = attention_mask[:, -kv_length:]
+    if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
+        return None
+    return attention_mask
 
 
 def register(name: str = NAME) -> str:
     """Registers tileattn with transformers' AttentionInterface (and a mask function that builds no
-    mask) under `name`; returns the name to pass as attn_implementation."""
+    mask, only passing a padding mask on) under `name`; returns the name to pass as
+    attn_implementation."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(name, attention_forward)
     try:
         from transformers.masking_utils import AttentionMaskInterface
     except ImportError:
-        # Versions before the mask interface build a mask tensor, which attention_forward refuses.
+        # Versions before the mask interface build a 4-D mask tensor, which attention_forward refuses.
         return name
-    AttentionMaskInterface.register(name, _no_mask)
+    AttentionMaskInterface.register(name, _padding_mask)
     return name

@@ -1,6 +1,7 @@
 """Drop-in use in a Hugging Face causal LM (random weights from a tiny config, nothing downloaded):
 same logits, loss and parameter gradients as the model's own SDPA attention; greedy generation
-with a KV cache (bottom-right causal with fewer queries than keys) gives the same tokens."""
+with a KV cache (bottom-right causal with fewer queries than keys) gives the same tokens; padded
+batches and packed sequences give the same loss and gradients."""
 
 import copy
 
@@ -74,20 +75,93 @@ def test_llama_greedy_generation_with_kv_cache(device):
     reference = _tiny_llama(torch.float32, device).eval()
     ours = copy.deepcopy(reference)
     _use(ours, name)
-    # Token 0 is the pad id: a prompt holding it (1 in 22 draws of 12 tokens) makes generate()
-    # infer a padding mask, which the integration refuses by design (tested elsewhere).
+    # Token 0 is the pad id: a prompt holding it would make generate() infer a padding mask.
     prompt = torch.randint(1, 256, (1, 12), device=device)
     kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
     with torch.no_grad():
         assert torch.equal(ours.generate(prompt, **kwargs), reference.generate(prompt, **kwargs))
 
 
-def test_padding_mask_is_refused():
+def _run_masked(model, ids, labels, **inputs):
+    model.zero_grad()
+    out = model(input_ids=ids, labels=labels, **inputs)
+    out.loss.backward()
+    return out.logits.detach(), out.loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def _assert_same_training_step(ours, reference, valid, tolerance=1e-5):
+    (our_logits, our_loss, our_grads), (ref_logits, ref_loss, ref_grads) = ours, reference
+    # Padded positions carry no loss (label -100) and their outputs are unspecified in SDPA.
+    torch.testing.assert_close(our_logits[valid], ref_logits[valid], atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(our_loss, ref_loss, atol=tolerance, rtol=tolerance)
+    for a, b in zip(our_grads, ref_grads):
+        torch.testing.assert_close(a, b, atol=tolerance, rtol=tolerance * 10)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_llama_padded_batch_matches_sdpa(side):
     name = tileattn.hf.register()
-    model = _tiny_llama(torch.float32, "cpu")
-    _use(model, name)
-    ids = torch.randint(0, 256, (2, 10))
-    mask = torch.ones_like(ids)
-    mask[0, :3] = 0
-    with pytest.raises(NotImplementedError, match="attention_mask with padding"):
-        model(input_ids=ids, attention_mask=mask)
+    reference = _tiny_llama(torch.float32, "cpu")
+    ours = copy.deepcopy(reference)
+    _use(ours, name)
+    lengths = [40, 23, 1, 33]
+    seqlen = max(lengths)
+    ids = torch.randint(1, 256, (len(lengths), seqlen))
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        if side == "left":
+            mask[row, seqlen - n:] = 1
+        else:
+            mask[row, :n] = 1
+    labels = ids.masked_fill(mask == 0, -100)
+    # Each row's positions count from its first real token, as the tokenizer's padding gives them.
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    inputs = dict(attention_mask=mask, position_ids=position_ids)
+    _assert_same_training_step(_run_masked(ours, ids, labels, **inputs), _run_masked(reference, ids, labels, **inputs),
+                               mask.bool())
+
+
+def _flattened(lengths):
+    """One row holding several sequences, as transformers' DataCollatorWithFlattening returns it."""
+    ids = torch.randint(1, 256, (1, sum(lengths)))
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    labels = ids.clone()
+    starts = torch.tensor([0] + lengths[:-1]).cumsum(0)
+    labels[0, starts] = -100  # no token predicts the first one of the next sequence
+    cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return ids, labels, position_ids, cu
+
+
+@pytest.mark.parametrize("boundaries", ["flash_kwargs", "position_ids"])
+def test_llama_packed_sequences_match_sdpa(boundaries):
+    name = tileattn.hf.register()
+    reference = _tiny_llama(torch.float32, "cpu")
+    ours = copy.deepcopy(reference)
+    _use(ours, name)
+    lengths = [17, 40, 5, 30]
+    ids, labels, position_ids, cu = _flattened(lengths)
+    # SDPA sees the packing through position_ids: without a cache, transformers builds a
+    # block-diagonal mask from them (a training step, as the flattening collator feeds it).
+    expected = _run_masked(reference, ids, labels, position_ids=position_ids, use_cache=False)
+    inputs = dict(position_ids=position_ids, use_cache=False)
+    if boundaries == "flash_kwargs":
+        inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths))
+    got = _run_masked(ours, ids, labels, **inputs)
+    _assert_same_training_step(got, expected, torch.ones_like(ids, dtype=torch.bool))
+    # And the packing matters: one causal sequence over the whole row gives another loss.
+    unpacked = _run_masked(reference, ids, labels, position_ids=torch.arange(ids.shape[1])[None], use_cache=False)
+    assert abs(float(unpacked[1] - expected[1])) > 1e-4
+
+
+def test_padded_generation_matches_sdpa():
+    # Left-padded prompts, then decoding with a cache: queries are the last tokens of each row.
+    name = tileattn.hf.register()
+    reference = _tiny_llama(torch.float32, "cpu").eval()
+    ours = copy.deepcopy(reference)
+    _use(ours, name)
+    prompt = torch.randint(1, 256, (2, 12))
+    mask = torch.ones_like(prompt)
+    mask[1, :5] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        assert torch.equal(ours.generate(prompt, **kwargs), reference.generate(prompt, **kwargs))
