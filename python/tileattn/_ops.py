@@ -40,12 +40,25 @@ def _check_device(t: Tensor, name: str) -> None:
         raise ValueError(f"{name} is on {t.device}; tileattn runs on cpu and cuda tensors")
 
 
+# torch.cuda.current_stream() and torch.cuda.device() build Python objects on every call (about
+# 10 us each on an H100 host, as much as a short sequence's kernel); the raw accessors below, which
+# torch's own compiled code uses, return the same stream handle and device index directly.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_current_device = getattr(torch._C, "_cuda_getDevice", None)
+
+
 def _device_context(device: torch.device):
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    if device.type != "cuda" or (_current_device is not None and device.index == _current_device()):
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
 
 
 def _stream(device: torch.device) -> int:
-    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    if device.type != "cuda":
+        return 0
+    if _raw_stream is not None and device.index is not None:
+        return _raw_stream(device.index)
+    return torch.cuda.current_stream(device).cuda_stream
 
 
 def _num_threads(device: torch.device) -> int:

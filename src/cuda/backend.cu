@@ -14,6 +14,7 @@
 #include "common/backend_plan.hpp"
 #include "cuda/common/check.cuh"
 #include "cuda/common/row_alignment.hpp"
+#include "cuda/common/uncovered_rows.cuh"
 #include "cuda/common/workspace.cuh"
 #include "cuda/cuda_backend.hpp"
 #include "cuda/head_dims_built.hpp"
@@ -159,7 +160,9 @@ bool empty(const AttentionProblem& p) { return p.batch == 0 || p.heads_q == 0 ||
 class ForwardPlan final : public detail::BackendPlan {
  public:
   explicit ForwardPlan(const AttentionProblem& problem)
-      : stream_(static_cast<cudaStream_t>(problem.stream)), empty_(empty(problem)) {
+      : stream_(static_cast<cudaStream_t>(problem.stream)),
+        empty_(empty(problem)),
+        uncovered_(packed_rows(problem, problem.o, false, problem.heads_q, problem.headdim_v, problem.lse)) {
     if (empty_) return;
     params_.fwd = make_params(problem);  // params_.fwd is what the sm80 kernel reads too
     sm90_ = pick_forward_sm90(problem);
@@ -186,11 +189,13 @@ class ForwardPlan final : public detail::BackendPlan {
     }
     if (sm90_) sm90_->run(params, stream_);
     else sm80_.run(params.fwd, stream_);
+    define_uncovered_rows(uncovered_, stream_);
   }
 
  private:
   cudaStream_t stream_;
   bool empty_;
+  PackedRows uncovered_;
   FwdSm90Params params_{};
   FwdKernel sm80_{};
   std::optional<FwdKernelSm90> sm90_;
@@ -199,13 +204,20 @@ class ForwardPlan final : public detail::BackendPlan {
 
 class Fp32ForwardPlan final : public detail::BackendPlan {
  public:
-  explicit Fp32ForwardPlan(const AttentionProblem& problem) : problem_(problem) {}
+  explicit Fp32ForwardPlan(const AttentionProblem& problem)
+      : problem_(problem), uncovered_(packed_rows(problem, problem.o, false, problem.heads_q, problem.headdim_v,
+                                                 problem.lse)) {}
   size_t workspace_size() const override { return 0; }
   const char* kernel_name() const override { return "fp32"; }
-  void run(void*, size_t) const override { forward_fp32(problem_); }
+  void run(void*, size_t) const override {
+    if (empty(problem_)) return;
+    forward_fp32(problem_);
+    define_uncovered_rows(uncovered_, static_cast<cudaStream_t>(problem_.stream));
+  }
 
  private:
   AttentionProblem problem_;
+  PackedRows uncovered_;
 };
 
 }  // namespace

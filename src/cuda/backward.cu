@@ -20,6 +20,7 @@
 #include "common/backend_plan.hpp"
 #include "cuda/common/check.cuh"
 #include "cuda/common/row_alignment.hpp"
+#include "cuda/common/uncovered_rows.cuh"
 #include "cuda/common/workspace.cuh"
 #include "cuda/cuda_backend.hpp"
 #include "cuda/head_dims_built.hpp"
@@ -134,7 +135,12 @@ void dispatch(int bucket, const bwd::BwdParams& params, cudaStream_t stream) {
 // but the workspace pointers, which the run carves from the caller's scratch.
 class BackwardPlan final : public detail::BackendPlan {
  public:
-  explicit BackwardPlan(const AttentionProblem& p) : stream_(static_cast<cudaStream_t>(p.stream)), dtype_(p.dtype) {
+  explicit BackwardPlan(const AttentionProblem& p)
+      : stream_(static_cast<cudaStream_t>(p.stream)),
+        dtype_(p.dtype),
+        uncovered_{packed_rows(p, p.dq, false, p.heads_q, p.headdim_qk),
+                   packed_rows(p, p.dk, true, p.heads_kv, p.headdim_qk),
+                   packed_rows(p, p.dv, true, p.heads_kv, p.headdim_v)} {
     plan_ = pick_kernels(p);
     layout_ = workspace_layout(p, plan_);
     bwd::BwdParams& params = params_;
@@ -188,21 +194,21 @@ class BackwardPlan final : public detail::BackendPlan {
     if (plan_.sm90) {
       BwdSm90Params sm90 = plan_.params;
       sm90.bwd = params;
-      return plan_.sm90->run(sm90, stream_);
+      plan_.sm90->run(sm90, stream_);
+    } else if (dtype_ == DType::f16) {
+      dispatch<__half>(layout_.dim, params, stream_);
+    } else if (dtype_ == DType::bf16) {
+      dispatch<__nv_bfloat16>(layout_.dim, params, stream_);
+    } else {
+      dispatch<float>(layout_.dim, params, stream_);
     }
-    switch (dtype_) {
-      case DType::f16:
-        return dispatch<__half>(layout_.dim, params, stream_);
-      case DType::bf16:
-        return dispatch<__nv_bfloat16>(layout_.dim, params, stream_);
-      case DType::f32:
-        return dispatch<float>(layout_.dim, params, stream_);
-    }
+    for (const PackedRows& rows : uncovered_) define_uncovered_rows(rows, stream_);
   }
 
  private:
   cudaStream_t stream_;
   DType dtype_;
+  PackedRows uncovered_[3];  // dQ, dK, dV
   BwdPlan plan_;
   WorkspaceLayout layout_;
   bwd::BwdParams params_{};

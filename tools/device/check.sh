@@ -21,6 +21,7 @@
 #   --jobs N              build parallelism (default: all cores)
 #   --build-dir DIR       (default build-device; the package builds in DIR/pip)
 #   --python-bench        also `python -m tileattn.bench.attention --preset h100` (needs --pytest)
+#   --overhead            also `python -m tileattn.bench.overhead` (host overhead beside SDPA; needs --pytest)
 #   --profile             also Nsight Compute (full set) on one forward kernel
 #   --profile-smm         also Nsight Compute (full set, SASS stall samples) on the fp32 softmax_matmul
 #                         kernels (exact and fast) at 16 x 2048 x 8192 x 512
@@ -51,6 +52,7 @@ BUILD=build-device
 PROFILE=0
 PROFILE_SMM=0
 PYBENCH=0
+OVERHEAD=0
 DRY=0
 
 while [[ $# -gt 0 ]]; do
@@ -68,8 +70,9 @@ while [[ $# -gt 0 ]]; do
     --profile) PROFILE=1 ;;
     --profile-smm) PROFILE_SMM=1 ;;
     --python-bench) PYBENCH=1 ;;
+    --overhead) OVERHEAD=1 ;;
     --dry-run) DRY=1 ;;
-    -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
     *) echo "check.sh: unknown option $1" >&2; exit 2 ;;
   esac
   shift
@@ -260,6 +263,15 @@ if [[ $PYBENCH -eq 1 && "$PYTEST" != none ]]; then
     run "$LOG/python_preset.log" python3 -m tileattn.bench.attention --preset h100 --passes 20 \
     --csv "$(realpath -m "$LOG")/python_preset.csv"
   note "python preset: rc=$? $(( $(now) - t0 ))s (logs/python_preset.log, .csv)"
+fi
+
+# ---- host overhead of a tiny call, beside SDPA ------------------------------------------------
+if [[ $OVERHEAD -eq 1 && "$PYTEST" != none ]]; then
+  t0=$(now)
+  PYTHONPATH="$(realpath -m "$PYTARGET")${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 \
+    run "$LOG/overhead.log" python3 -m tileattn.bench.overhead --csv "$(realpath -m "$LOG")/overhead.csv"
+  note "overhead: rc=$? $(( $(now) - t0 ))s"
+  cat "$LOG/overhead.log" | tee -a "$SUMMARY"
 fi
 
 # ---- profile ------------------------------------------------------------------------------
