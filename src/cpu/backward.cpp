@@ -29,12 +29,22 @@ namespace {
 // (causal, varlen) tasks; below it the split schedule's finer tasks win.
 constexpr int64_t kFusedTasksPerThread = 2;
 
+// Per (row, head), in L's layout: D, and (compute_delta_consistent only) 1 / rowsum(P), by which
+// every P of the row is multiplied, so that the weights sum to 1 as a softmax's do: the P
+// recomputed from the stored fp32 L carry L's rounding (up to ~|L| 2^-24) as one factor per row,
+// which a D formed from those same P would otherwise turn into an error of D itself.
+struct RowTerms {
+  std::vector<float> delta, norm;
+};
+
 struct BackwardScratch {
-  std::vector<float> q, dout, lse2, delta;  // query tile: rows, dO rows, L * log2(e), D
+  std::vector<float> q, dout, lse, delta;  // query tile: rows, dO rows, L, D
+  std::vector<float> norm;                 // factor on each row's P (RowTerms)
   std::vector<float> kt, vt, k;             // key tile: K^T, V^T, K rows
   std::vector<float> p, ds, th;             // kTileQ x kTileK: P, dP then dS, tanh of capped scores
   std::vector<float> part;                  // one tile product
   std::vector<double> wide, wide2;          // dQ, or dK and dV, summed over tiles
+  std::vector<double> dp_wide;              // dP before rounding
 };
 
 // wide[m x n] += part[m x n]: the tile's fp32 products into the double sum over tiles.
@@ -46,8 +56,9 @@ void add_wide(double* wide, int64_t ldw, const float* part, int64_t ldp, int64_t
 void size_scratch(BackwardScratch& w, int64_t dqk, int64_t dv) {
   w.q.resize(size_t(kTileQ * dqk));
   w.dout.resize(size_t(kTileQ * dv));
-  w.lse2.resize(size_t(kTileQ));
+  w.lse.resize(size_t(kTileQ));
   w.delta.resize(size_t(kTileQ));
+  w.norm.resize(size_t(kTileQ));
   w.kt.resize(size_t(dqk * kTileK));
   w.vt.resize(size_t(dv * kTileK));
   w.k.resize(size_t(kTileK * dqk));
@@ -55,70 +66,151 @@ void size_scratch(BackwardScratch& w, int64_t dqk, int64_t dv) {
   w.ds.resize(size_t(kTileQ * kTileK));
   w.part.resize(size_t(std::max(kTileQ, kTileK) * std::max(dqk, dv)));
   w.th.resize(size_t(kTileQ * kTileK));
+  w.dp_wide.resize(size_t(kTileQ * kTileK));
 }
 
 // Loads the query-side tile: Q, dO, L (to log2), D.
-void load_query_tile(const AttentionProblem& p, const std::vector<float>& delta, const Sequence& s, int64_t h,
+void load_query_tile(const AttentionProblem& p, const RowTerms& terms, const Sequence& s, int64_t h,
                      int64_t i0, int64_t rows, BackwardScratch& w) {
   load_rows(p, p.q, s, true, h, i0, rows, p.headdim_qk, w.q.data(), p.headdim_qk);
   load_rows(p, p.dout, s, true, h, i0, rows, p.headdim_v, w.dout.data(), p.headdim_v);
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t li = lse_index(p, s, i0 + i, h);
-    w.lse2[size_t(i)] = p.lse[li] * kLog2e;
-    w.delta[size_t(i)] = delta[size_t(li)];
+    w.lse[size_t(i)] = p.lse[li];
+    w.delta[size_t(i)] = terms.delta[size_t(li)];
+    w.norm[size_t(i)] = terms.norm.empty() ? 1.0f : terms.norm[size_t(li)];
   }
 }
 
 // From the loaded Q/dO tile (rows) and K^T/V^T tile (n keys from j0) computes
-// P = exp2(S2 - L2) into w.p and dS = P * (dP - D) (through the cap derivative) into w.ds.
-void probabilities_and_ds(const AttentionProblem& p, const ScoreTransform& transform, const Sequence& s, int64_t i0,
+// P = exp2((S - L) log2(e)) into w.p and dP into w.ds; rows that see no key get P = dP = 0.
+void probabilities_and_dp(const AttentionProblem& p, const ScoreTransform& transform, const Sequence& s, int64_t i0,
                           int64_t rows, int64_t j0, int64_t n, BackwardScratch& w) {
   const int64_t dqk = p.headdim_qk, dv = p.headdim_v;
   const bool capped = transform.softcap > 0.0f;
   const bool boundary = j0 < s.mask.full_begin_key(int(i0 + rows)) || j0 + n > s.mask.full_end_key(int(i0));
   // S = Q K^T;  dP = dO V^T
   gemm(w.q.data(), dqk, 1, w.kt.data(), kTileK, w.p.data(), kTileK, rows, n, dqk);
-  gemm(w.dout.data(), dv, 1, w.vt.data(), kTileK, w.ds.data(), kTileK, rows, n, dv);
+  // dP's runs summed in double: dS = P (dP - D) cancels dP against D, so dP's rounding reaches dQ
+  // and dK whole; with headdim_v >> headdim_qk the fp32 sum of the runs alone broke the 2x rule.
+  std::fill(w.dp_wide.begin(), w.dp_wide.begin() + rows * n, 0.0);
+  gemm_accumulate(w.dout.data(), dv, 1, w.vt.data(), kTileK, w.dp_wide.data(), n, rows, n, dv);
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < n; ++j) w.ds[size_t(i * kTileK + j)] = float(w.dp_wide[size_t(i * n + j)]);
   for (int64_t i = 0; i < rows; ++i) {
     float* pi = &w.p[size_t(i * kTileK)];
-    float* dsi = &w.ds[size_t(i * kTileK)];
-    float* thi = &w.th[size_t(i * kTileK)];
-    const float lse2 = w.lse2[size_t(i)];
-    if (lse2 == -INFINITY) {  // the row sees no key: P = 0, and exp2(-inf - -inf) would be NaN
+    const float lse = w.lse[size_t(i)];
+    if (lse == -INFINITY) {  // the row sees no key: P = 0, and exp2(-inf - -inf) would be NaN
       std::fill(pi, pi + n, 0.0f);
-      std::fill(dsi, dsi + n, 0.0f);
+      std::fill(&w.ds[size_t(i * kTileK)], &w.ds[size_t(i * kTileK)] + n, 0.0f);
       continue;
     }
-    transform.apply(pi, n, capped ? thi : nullptr);
+    transform.apply(pi, n, capped ? &w.th[size_t(i * kTileK)] : nullptr);
     if (boundary) mask_row(s.mask, i0 + i, j0, n, pi);
-    const float delta = w.delta[size_t(i)];
-    exp2_row(pi, n, lse2);
-    for (int64_t j = 0; j < n; ++j) dsi[j] = pi[j] * (dsi[j] - delta);
-    if (capped)
-      for (int64_t j = 0; j < n; ++j) dsi[j] *= softcap_grad(thi[j] * transform.softcap, transform.softcap);
+    weights_row(pi, n, lse);
+    const float norm = w.norm[size_t(i)];
+    if (norm != 1.0f)
+      for (int64_t j = 0; j < n; ++j) pi[j] *= norm;
   }
 }
 
-// D = rowsum(O * dO) per (row, head), in L's layout, summed in double: dS = P (dP - D) cancels it
-// against dP, so its rounding would pass into the gradients whole.
+// probabilities_and_dp, then dS = P * (dP - D) (through the cap derivative) into w.ds.
+void probabilities_and_ds(const AttentionProblem& p, const ScoreTransform& transform, const Sequence& s, int64_t i0,
+                          int64_t rows, int64_t j0, int64_t n, BackwardScratch& w) {
+  probabilities_and_dp(p, transform, s, i0, rows, j0, n, w);
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* pi = &w.p[size_t(i * kTileK)];
+    float* dsi = &w.ds[size_t(i * kTileK)];
+    const float delta = w.delta[size_t(i)];
+    for (int64_t j = 0; j < n; ++j) dsi[j] = pi[j] * (dsi[j] - delta);
+    if (transform.softcap > 0.0f) {
+      const float* thi = &w.th[size_t(i * kTileK)];
+      for (int64_t j = 0; j < n; ++j) dsi[j] *= softcap_grad(thi[j] * transform.softcap, transform.softcap);
+    }
+  }
+}
+
+// The first key tile a query tile's passes visit: on the fused schedule's grid (multiples of
+// kTileK), so that every pass sums the same runs of keys; the masked keys a window leaves in the
+// first tile add exact zeros.
+int64_t first_key_tile(const Sequence& s, int64_t i0) { return s.mask.tile_begin_key(int(i0)) / kTileK * kTileK; }
+
+// D = rowsum(O * dO) per (row, head), in L's layout. dS = P (dP - D) cancels D against dP, so D is
+// rounded exactly as dP is (fp32 runs summed in double, then one rounding): with one visible key
+// O = V, and dS is then exactly 0, as in a naive implementation (D = rowsum(P * dP) there); a D
+// rounded differently from dP left dP - D at a few ulp of |dP| and dQ, dK at ~1e-5 instead of 0.
 void compute_delta(const AttentionProblem& p, int64_t tiles, std::vector<float>& delta) {
   parallel_for(p.batch * p.heads_q * tiles, p.num_threads, [&](int64_t task) {
     const int64_t tile = task % tiles, bh = task / tiles, b = bh / p.heads_q, h = bh % p.heads_q;
     const Sequence s = sequence(p, b);
-    const int64_t i0 = tile * kTileQ, i1 = std::min(i0 + kTileQ, s.len_q);
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t oo = row_offset(p, p.o, s, true, i, h), od = row_offset(p, p.dout, s, true, i, h);
-      double sum = 0.0;
-      for (int64_t d = 0; d < p.headdim_v; ++d)
-        sum += double(load_element(p.o.data, oo + d, p.dtype)) * double(load_element(p.dout.data, od + d, p.dtype));
-      delta[size_t(lse_index(p, s, i, h))] = float(sum);
+    const int64_t i0 = tile * kTileQ;
+    if (i0 >= s.len_q) return;
+    const int64_t rows = std::min(kTileQ, s.len_q - i0), dv = p.headdim_v;
+    thread_local std::vector<float> o, dout;
+    o.resize(size_t(rows * dv));
+    dout.resize(size_t(rows * dv));
+    load_rows(p, p.o, s, true, h, i0, rows, dv, o.data(), dv);
+    load_rows(p, p.dout, s, true, h, i0, rows, dv, dout.data(), dv);
+    for (int64_t i = 0; i < rows; ++i)
+      delta[size_t(lse_index(p, s, i0 + i, h))] = dot_chunked<double>(&dout[size_t(i * dv)], &o[size_t(i * dv)], dv);
+  });
+}
+
+// D = rowsum(P * dP) per (row, head) from the very P and dP the gradient passes compute, summed
+// over the key tiles in order (in double): what a naive implementation does, so that dS sums to
+// ~0 over each row whatever the rounding of P and dP. rowsum(O * dO) equals it only up to O's own
+// rounding (a few ulp per element in fp32, the dtype's unit roundoff in fp16/bf16) summed over
+// headdim_v coherently into every dS of the row: with headdim_qk <= 4, or 16-bit O, that broke
+// the 2x rule. It costs one more pass of S and dP (~40% of a backward with headdim_qk =
+// headdim_v), so it runs where that rounding mattered (use_consistent_delta).
+void compute_delta_consistent(const AttentionProblem& p, const ScoreTransform& transform, int64_t tiles,
+                              RowTerms& terms) {
+  parallel_for(p.batch * p.heads_q * tiles, p.num_threads, [&](int64_t task) {
+    thread_local BackwardScratch w;
+    const int64_t tile = task % tiles, bh = task / tiles, b = bh / p.heads_q, h = bh % p.heads_q;
+    const Sequence s = sequence(p, b);
+    const int64_t i0 = tile * kTileQ;
+    if (i0 >= s.len_q) return;
+    const int64_t rows = std::min(kTileQ, s.len_q - i0), i1 = i0 + rows;
+    const int64_t dqk = p.headdim_qk, dv = p.headdim_v, hk = h / (p.heads_q / p.heads_kv);
+    size_scratch(w, dqk, dv);
+    load_rows(p, p.q, s, true, h, i0, rows, dqk, w.q.data(), dqk);
+    load_rows(p, p.dout, s, true, h, i0, rows, dv, w.dout.data(), dv);
+    for (int64_t i = 0; i < rows; ++i) w.lse[size_t(i)] = p.lse[lse_index(p, s, i0 + i, h)];
+    std::fill(w.norm.begin(), w.norm.end(), 1.0f);
+    double sums[kTileQ] = {}, weights[kTileQ] = {};
+    const int64_t key_end = s.mask.tile_end_key(int(i1));
+    for (int64_t j0 = first_key_tile(s, i0); j0 < key_end; j0 += kTileK) {
+      const int64_t n = std::min(kTileK, key_end - j0);
+      load_rows_transposed(p, p.k, s, false, hk, j0, n, dqk, w.kt.data(), kTileK);
+      load_rows_transposed(p, p.v, s, false, hk, j0, n, dv, w.vt.data(), kTileK);
+      probabilities_and_dp(p, transform, s, i0, rows, j0, n, w);
+      for (int64_t i = 0; i < rows; ++i) {
+        const float* pi = &w.p[size_t(i * kTileK)];
+        const float* dpi = &w.ds[size_t(i * kTileK)];
+        for (int64_t j = 0; j < n; ++j) {
+          sums[i] += double(pi[j]) * double(dpi[j]);
+          weights[i] += double(pi[j]);
+        }
+      }
+    }
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t li = lse_index(p, s, i0 + i, h);
+      terms.delta[size_t(li)] = weights[i] > 0.0 ? float(sums[i] / weights[i]) : 0.0f;
+      terms.norm[size_t(li)] = weights[i] > 0.0 ? float(1.0 / weights[i]) : 1.0f;
     }
   });
 }
 
+// Where rowsum(O * dO) is not accurate enough for D (compute_delta_consistent): O rounded to 16
+// bits, or head dims so small that scores are few-term sums and rows are peaky, so a handful of
+// elements carry all of dQ and dK (measured: the 2x rule failed at headdim_qk 1-4 against a naive
+// fp32 implementation, passed at 8 and above with headdim_v up to 256).
+bool use_consistent_delta(const AttentionProblem& p) { return p.dtype != DType::f32 || p.headdim_qk <= 8; }
+
 // dK, dV of one key tile, summed over the GQA group's query heads and the query tiles that see
 // the key tile. With `dq_accum` ((group head, row, dqk) of this sequence) also adds dS K.
-void key_tile(const AttentionProblem& p, const ScoreTransform& transform, const std::vector<float>& delta,
+void key_tile(const AttentionProblem& p, const ScoreTransform& transform, const RowTerms& terms,
               const Sequence& s, int64_t hk, int64_t j0, BackwardScratch& w, double* dq_accum) {
   const int64_t n = std::min(kTileK, s.len_k - j0), j1 = j0 + n;
   const int64_t dqk = p.headdim_qk, dv = p.headdim_v, group = p.heads_q / p.heads_kv;
@@ -134,7 +226,7 @@ void key_tile(const AttentionProblem& p, const ScoreTransform& transform, const 
     const int64_t h = hk * group + g;
     for (int64_t i0 = query_begin; i0 < query_end; i0 += kTileQ) {
       const int64_t rows = std::min(kTileQ, query_end - i0);
-      load_query_tile(p, delta, s, h, i0, rows, w);
+      load_query_tile(p, terms, s, h, i0, rows, w);
       probabilities_and_ds(p, transform, s, i0, rows, j0, n, w);
       // dV += P^T dO;  dK += dS^T Q;  dQ += dS K
       gemm(w.p.data(), 1, kTileK, w.dout.data(), dv, w.part.data(), dv, n, dv, rows);
@@ -154,12 +246,12 @@ void key_tile(const AttentionProblem& p, const ScoreTransform& transform, const 
 
 // Fused schedule: every key tile of one (sequence, kv head), then dQ of the group's heads.
 // The accumulator is allocated per task, not kept per thread: it scales with the sequence.
-void kv_head_fused(const AttentionProblem& p, const ScoreTransform& transform, const std::vector<float>& delta,
+void kv_head_fused(const AttentionProblem& p, const ScoreTransform& transform, const RowTerms& terms,
                    int64_t b, int64_t hk, BackwardScratch& w) {
   const Sequence s = sequence(p, b);
   const int64_t dqk = p.headdim_qk, group = p.heads_q / p.heads_kv;
   std::vector<double> dq_accum(size_t(group * s.len_q * dqk), 0.0);
-  for (int64_t j0 = 0; j0 < s.len_k; j0 += kTileK) key_tile(p, transform, delta, s, hk, j0, w, dq_accum.data());
+  for (int64_t j0 = 0; j0 < s.len_k; j0 += kTileK) key_tile(p, transform, terms, s, hk, j0, w, dq_accum.data());
   const std::vector<float> scale(size_t(s.len_q), *p.softmax_scale);
   for (int64_t g = 0; g < group; ++g)
     store_rows(p, p.dq, s, true, hk * group + g, 0, s.len_q, dqk, dq_accum.data() + g * s.len_q * dqk, dqk,
@@ -167,7 +259,7 @@ void kv_head_fused(const AttentionProblem& p, const ScoreTransform& transform, c
 }
 
 // Split schedule, second pass: dQ of one query tile over the key tiles it sees.
-void dq_tile(const AttentionProblem& p, const ScoreTransform& transform, const std::vector<float>& delta, int64_t b,
+void dq_tile(const AttentionProblem& p, const ScoreTransform& transform, const RowTerms& terms, int64_t b,
              int64_t h, int64_t tile, BackwardScratch& w) {
   const Sequence s = sequence(p, b);
   const int64_t i0 = tile * kTileQ;
@@ -176,11 +268,9 @@ void dq_tile(const AttentionProblem& p, const ScoreTransform& transform, const s
   const int64_t dqk = p.headdim_qk, dv = p.headdim_v, hk = h / (p.heads_q / p.heads_kv);
   size_scratch(w, dqk, dv);
   w.wide.assign(size_t(kTileQ * dqk), 0.0);  // dQ / scale
-  load_query_tile(p, delta, s, h, i0, rows, w);
+  load_query_tile(p, terms, s, h, i0, rows, w);
 
-  // Key tiles on the fused schedule's grid (multiples of kTileK), so that both schedules sum the
-  // same runs of keys; the masked keys a window leaves in the first tile add exact zeros.
-  const int64_t key_begin = s.mask.tile_begin_key(int(i0)) / kTileK * kTileK, key_end = s.mask.tile_end_key(int(i1));
+  const int64_t key_begin = first_key_tile(s, i0), key_end = s.mask.tile_end_key(int(i1));
   for (int64_t j0 = key_begin; j0 < key_end; j0 += kTileK) {
     const int64_t n = std::min(kTileK, key_end - j0);
     load_rows_transposed(p, p.k, s, false, hk, j0, n, dqk, w.kt.data(), kTileK);
@@ -209,13 +299,19 @@ void backward(const AttentionProblem& p) {
   const int64_t q_tiles = ceil_div(max_q, kTileQ), k_tiles = ceil_div(max_k, kTileK);
   const ScoreTransform transform = ScoreTransform::from(p);
   const int64_t rows_q = p.is_varlen() ? p.total_q : p.batch * p.seqlen_q;
-  std::vector<float> delta(size_t(p.heads_q * rows_q));
-  compute_delta(p, q_tiles, delta);
+  RowTerms terms;
+  terms.delta.resize(size_t(p.heads_q * rows_q));
+  if (use_consistent_delta(p)) {
+    terms.norm.resize(terms.delta.size());
+    compute_delta_consistent(p, transform, q_tiles, terms);
+  } else {
+    compute_delta(p, q_tiles, terms.delta);
+  }
 
   if (p.batch * p.heads_kv >= kFusedTasksPerThread * resolve_threads(p.num_threads)) {
     parallel_for(p.batch * p.heads_kv, p.num_threads, [&](int64_t task) {
       thread_local BackwardScratch scratch;
-      kv_head_fused(p, transform, delta, task / p.heads_kv, task % p.heads_kv, scratch);
+      kv_head_fused(p, transform, terms, task / p.heads_kv, task % p.heads_kv, scratch);
     });
     return;
   }
@@ -223,12 +319,12 @@ void backward(const AttentionProblem& p) {
     thread_local BackwardScratch scratch;
     const int64_t tile = task % k_tiles, bh = task / k_tiles, b = bh / p.heads_kv;
     const Sequence s = sequence(p, b);
-    if (tile * kTileK < s.len_k) key_tile(p, transform, delta, s, bh % p.heads_kv, tile * kTileK, scratch, nullptr);
+    if (tile * kTileK < s.len_k) key_tile(p, transform, terms, s, bh % p.heads_kv, tile * kTileK, scratch, nullptr);
   });
   parallel_for(p.batch * p.heads_q * q_tiles, p.num_threads, [&](int64_t task) {
     thread_local BackwardScratch scratch;
     const int64_t tile = task % q_tiles, bh = task / q_tiles;
-    dq_tile(p, transform, delta, bh / p.heads_q, bh % p.heads_q, tile, scratch);
+    dq_tile(p, transform, terms, bh / p.heads_q, bh % p.heads_q, tile, scratch);
   });
 }
 

@@ -18,7 +18,8 @@ namespace {
 // memory, so only Q is transposed (once per task) instead of every K tile for every query tile.
 static_assert(kTileQ % kLanes == 0, "the query columns of a score tile are whole vectors");
 
-// Running state of kTileQ queries: log2-domain max m, sum l, unnormalised output acc (rows x dv).
+// Running state of kTileQ queries: max m and sum l (natural units), unnormalised output acc
+// (rows x dv).
 struct OnlineRows {
   float m[kTileQ], l[kTileQ];
   std::vector<float> acc;
@@ -29,10 +30,10 @@ struct OnlineRows {
   }
 };
 
-// One online-softmax step over a key-major tile of log2-domain scores s (n keys x kTileQ
-// queries; masked entries -inf; columns from `rows` on finite and ignored): rescales the running
-// state to the new max and replaces s by the weights exp2(s - max), which the caller then
-// multiplies into V. Each query's sum adds its keys in order, as a scalar loop would.
+// One online-softmax step over a key-major tile of scores s (n keys x kTileQ queries; masked
+// entries -inf; columns from `rows` on finite and ignored): rescales the running state to the
+// new max and replaces s by the weights (weight_lanes), which the caller then multiplies into V.
+// Each query's sum adds its keys in order, as a scalar loop would.
 void online_step(float* s, int64_t rows, int64_t n, int64_t dv, OnlineRows& st) {
   constexpr int64_t kVecs = kTileQ / kLanes;
   float m_new[kTileQ], ref[kTileQ];
@@ -50,7 +51,7 @@ void online_step(float* s, int64_t rows, int64_t n, int64_t dv, OnlineRows& st) 
   for (int64_t j = 0; j < n; ++j) {
     float* sj = s + j * kTileQ;
     for (int64_t c = 0; c < kVecs; ++c) {
-      const f32xN e = exp2_lanes(load_lanes(sj + c * kLanes) - load_lanes(ref + c * kLanes));
+      const f32xN e = weight_lanes(load_lanes(sj + c * kLanes), load_lanes(ref + c * kLanes));
       store_lanes(sj + c * kLanes, e);
       sum[c] += e;
     }
@@ -58,7 +59,7 @@ void online_step(float* s, int64_t rows, int64_t n, int64_t dv, OnlineRows& st) 
   float tile_sum[kTileQ];
   for (int64_t c = 0; c < kVecs; ++c) store_lanes(tile_sum + c * kLanes, sum[c]);
   for (int64_t i = 0; i < rows; ++i) {
-    const float alpha = rescale_factor(st.m[i], m_new[i]);
+    const float alpha = st.m[i] == -INFINITY ? 0.0f : exp2f((st.m[i] - m_new[i]) * kLog2e);
     st.l[i] = st.l[i] * alpha + tile_sum[i];
     st.m[i] = m_new[i];
     if (alpha != 1.0f) {
@@ -66,6 +67,13 @@ void online_step(float* s, int64_t rows, int64_t n, int64_t dv, OnlineRows& st) 
       for (int64_t d = 0; d < dv; ++d) ai[d] *= alpha;
     }
   }
+}
+
+// L = m + ln(l), rounded once: the backward's weights are exp2((s - L) * log2(e)), so L's error
+// reaches every weight of the row.
+float finish_lse_rounded_once(float m, float row_sum) {
+  if (!(row_sum > 0.0f)) return -INFINITY;
+  return float(double(m) + std::log(double(row_sum)));
 }
 
 struct ForwardScratch {
@@ -93,7 +101,7 @@ void forward_tile(const AttentionProblem& p, const ScoreTransform& transform, in
     const int64_t n = std::min(kTileK, key_end - j0);
     load_rows(p, p.k, s, false, hk, j0, n, dqk, w.k.data(), dqk);
     load_rows(p, p.v, s, false, hk, j0, n, dv, w.v.data(), dv);
-    // S^T = K Q^T in the log2 domain; only tiles straddling the mask edge pay for masking.
+    // S^T = K Q^T; only tiles straddling the mask edge pay for masking.
     gemm(w.k.data(), dqk, 1, w.qt.data(), kTileQ, w.s.data(), kTileQ, n, kTileQ, dqk);
     for (int64_t j = 0; j < n; ++j) transform.apply(&w.s[size_t(j * kTileQ)], rows, nullptr);
     if (j0 < full_begin || j0 + n > full_end) {
@@ -111,7 +119,7 @@ void forward_tile(const AttentionProblem& p, const ScoreTransform& transform, in
 
   float* inv = w.rows.l;  // l is finished: reuse it for 1/l
   for (int64_t i = 0; i < rows; ++i) {
-    p.lse[lse_index(p, s, i0 + i, h)] = finish_lse(w.rows.m[i], inv[i]);
+    p.lse[lse_index(p, s, i0 + i, h)] = finish_lse_rounded_once(w.rows.m[i], inv[i]);
     inv[i] = inverse_row_sum(inv[i]);
   }
   store_rows(p, p.o, s, true, h, i0, rows, dv, w.rows.acc.data(), dv, inv);
@@ -147,11 +155,11 @@ void softmax_matmul(const SoftmaxMatmulProblem& p) {
     w.rows.reset(rows, dv);
     for (int64_t c0 = 0; c0 < p.d2; c0 += kTileK) {
       const int64_t n = std::min(kTileK, p.d2 - c0);
-      // Each element of X is read once, straight into the key-major log2-domain score tile.
+      // Each element of X is read once, straight into the key-major score tile.
       for (int64_t i = 0; i < rows; ++i)
         for (int64_t j = 0; j < n; ++j)
           w.s[size_t(j * kTileQ + i)] =
-              load_element(p.x, b * p.x_batch_stride + (r0 + i) * p.x_row_stride + c0 + j, p.dtype) * kLog2e;
+              load_element(p.x, b * p.x_batch_stride + (r0 + i) * p.x_row_stride + c0 + j, p.dtype);
       for (int64_t j = 0; j < n; ++j)
         for (int64_t d = 0; d < dv; ++d)
           w.v[size_t(j * dv + d)] = load_element(p.v, b * p.v_batch_stride + (c0 + j) * p.v_row_stride + d, p.dtype);

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "common/mask.hpp"
@@ -148,50 +149,124 @@ inline f32xN load_lanes(const float* p) {
 }
 inline void store_lanes(float* p, f32xN v) { std::memcpy(p, &v, sizeof v); }
 
+// a * b + c with one rounding where the target has FMA, spelled out rather than left to the
+// compiler's contraction, so that a vector lane and the scalar loops (edges, dot_chunked) round
+// identically.
+inline f32xN fma_lanes(f32xN a, f32xN b, f32xN c) {
+#if defined(__FMA__) && defined(__AVX__)
+  return __builtin_ia32_vfmaddps256(a, b, c);
+#elif defined(__FMA__)
+  return __builtin_ia32_vfmaddps(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+inline float fma_scalar(float a, float b, float c) {
+#if defined(__FMA__)
+  return __builtin_fmaf(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
+// Products sum their k terms in runs of kGemmChunk, each run from zero, and add the runs into C
+// in order: the rounding error of a length-k sum then grows with kGemmChunk + k / kGemmChunk
+// rather than with k. With headdim_v 256, a plain running sum made dP = dO V^T 2-3x less
+// accurate than a BLAS product, enough to break the 2x-of-naive rule for dQ and dK. C may be
+// double (the runs are then added exactly enough that only the runs' own rounding is left).
+constexpr int64_t kGemmChunk = 16;
+
+using f64xN = double __attribute__((vector_size(8 * kLanes)));
+
+template <class CT>
+inline void add_run(CT* c, f32xN run) {
+  if constexpr (std::is_same_v<CT, float>) {
+    store_lanes(c, load_lanes(c) + run);
+  } else {
+    f64xN w;
+    std::memcpy(&w, c, sizeof w);
+    w += __builtin_convertvector(run, f64xN);
+    std::memcpy(c, &w, sizeof w);
+  }
+}
+
 // C[m x n] += A[m x k] B[k x n] for the small tile products. A is read through two strides
 // (row, column) so that a transposed operand (dS^T) costs nothing; B and C are row-major.
-// Register blocking: an MR x (kLanes * NV) block of C stays in registers for the whole k loop and
-// each B row is loaded once per MR rows, where a row-by-row loop would load and store C on every
-// multiply-add. Blocks and edges both add the k terms to C one by one in order, so an element's
-// value does not depend on where the tiling puts it.
-template <int MR, int NV>
-inline void gemm_block(const float* a, int64_t a_row, int64_t a_col, const float* b, int64_t ldb, float* c,
+// Register blocking: an MR x (kLanes * NV) block of partial sums stays in registers for a whole
+// run of k terms and each B row is loaded once per MR rows, where a row-by-row loop would load
+// and store C on every multiply-add. Blocks, edges and dot_chunked compute every element with
+// the same operations in the same order, so its value does not depend on where the tiling puts
+// it.
+template <int MR, int NV, class CT>
+inline void gemm_block(const float* a, int64_t a_row, int64_t a_col, const float* b, int64_t ldb, CT* c,
                        int64_t ldc, int64_t k) {
-  f32xN acc[MR][NV];
-  for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = load_lanes(c + r * ldc + kLanes * v);
-  for (int64_t d = 0; d < k; ++d) {
-    f32xN bd[NV];
-    for (int v = 0; v < NV; ++v) bd[v] = load_lanes(b + d * ldb + kLanes * v);
-    for (int r = 0; r < MR; ++r) {
-      const float x = a[r * a_row + d * a_col];
-      for (int v = 0; v < NV; ++v) acc[r][v] += x * bd[v];
+  for (int64_t d0 = 0; d0 < k; d0 += kGemmChunk) {
+    const int64_t d1 = std::min(k, d0 + kGemmChunk);
+    f32xN acc[MR][NV] = {};
+    for (int64_t d = d0; d < d1; ++d) {
+      f32xN bd[NV];
+      for (int v = 0; v < NV; ++v) bd[v] = load_lanes(b + d * ldb + kLanes * v);
+      for (int r = 0; r < MR; ++r) {
+        const f32xN x = f32xN{} + a[r * a_row + d * a_col];
+        for (int v = 0; v < NV; ++v) acc[r][v] = fma_lanes(x, bd[v], acc[r][v]);
+      }
     }
+    for (int r = 0; r < MR; ++r)
+      for (int v = 0; v < NV; ++v) add_run(c + r * ldc + kLanes * v, acc[r][v]);
   }
-  for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < NV; ++v) store_lanes(c + r * ldc + kLanes * v, acc[r][v]);
 }
 
-inline void gemm_edge(const float* a, int64_t a_row, int64_t a_col, const float* b, int64_t ldb, float* c, int64_t ldc,
+template <class CT>
+inline void gemm_edge(const float* a, int64_t a_row, int64_t a_col, const float* b, int64_t ldb, CT* c, int64_t ldc,
                       int64_t m, int64_t n, int64_t k) {
+  constexpr int64_t kCols = 64;
+  float run[kCols];
   for (int64_t r = 0; r < m; ++r)
-    for (int64_t d = 0; d < k; ++d) {
-      const float x = a[r * a_row + d * a_col];
-      for (int64_t j = 0; j < n; ++j) c[r * ldc + j] += x * b[d * ldb + j];
+    for (int64_t j0 = 0; j0 < n; j0 += kCols) {
+      const int64_t cols = std::min(kCols, n - j0);
+      for (int64_t d0 = 0; d0 < k; d0 += kGemmChunk) {
+        const int64_t d1 = std::min(k, d0 + kGemmChunk);
+        std::fill(run, run + cols, 0.0f);
+        for (int64_t d = d0; d < d1; ++d) {
+          const float x = a[r * a_row + d * a_col];
+          const float* bd = b + d * ldb + j0;
+          for (int64_t j = 0; j < cols; ++j) run[j] = fma_scalar(x, bd[j], run[j]);
+        }
+        CT* cr = c + r * ldc + j0;
+        for (int64_t j = 0; j < cols; ++j) cr[j] += CT(run[j]);
+      }
     }
 }
 
-inline void gemm_accumulate(const float* a, int64_t a_row, int64_t a_col, const float* b, int64_t ldb, float* c,
+template <class CT>
+inline void gemm_accumulate(const float* a, int64_t a_row, int64_t a_col, const float* b, int64_t ldb, CT* c,
                             int64_t ldc, int64_t m, int64_t n, int64_t k) {
   int64_t i = 0;
   for (; i + kGemmRows <= m; i += kGemmRows) {
     const float* ai = a + i * a_row;
-    float* ci = c + i * ldc;
+    CT* ci = c + i * ldc;
     int64_t j = 0;
-    for (; j + kGemmCols <= n; j += kGemmCols) gemm_block<kGemmRows, kGemmVecs>(ai, a_row, a_col, b + j, ldb, ci + j, ldc, k);
+    for (; j + kGemmCols <= n; j += kGemmCols)
+      gemm_block<kGemmRows, kGemmVecs>(ai, a_row, a_col, b + j, ldb, ci + j, ldc, k);
     if (j < n) gemm_edge(ai, a_row, a_col, b + j, ldb, ci + j, ldc, kGemmRows, n - j, k);
   }
   if (i < m) gemm_edge(a + i * a_row, a_row, a_col, b, ldb, c + i * ldc, ldc, m - i, n, k);
+}
+
+// x . y rounded exactly as an element of gemm(x as a 1 x k row, y as a k x 1 column) into a C of
+// type CT is, then to fp32: the backward forms D = dO . O with it so that D and dP = dO V^T share
+// their rounding (with one visible key O is V, and dP - D must then be exactly 0, as in a naive
+// implementation).
+template <class CT>
+inline float dot_chunked(const float* x, const float* y, int64_t k) {
+  CT sum = 0;
+  for (int64_t d0 = 0; d0 < k; d0 += kGemmChunk) {
+    const int64_t d1 = std::min(k, d0 + kGemmChunk);
+    float run = 0.0f;
+    for (int64_t d = d0; d < d1; ++d) run = fma_scalar(x[d], y[d], run);
+    sum += CT(run);
+  }
+  return float(sum);
 }
 
 // C = A B (overwrites the m x n block of C).
@@ -238,25 +313,28 @@ inline void exp2_row(float* x, int64_t n, float sub) {
   }
 }
 
-// Turns raw dot products q.k into log2-domain scores: s2 = scale * log2(e) * qk, or with
-// soft-capping s2 = log2(e) * softcap * tanh(scale * qk / softcap). `tanh_out` (optional)
-// keeps tanh for the backward's cap derivative. Constants are computed once per call.
+// Turns raw dot products q.k into scores in natural units: s = scale * qk, or with soft-capping
+// s = softcap * tanh(scale * qk / softcap). `tanh_out` (optional) keeps tanh for the backward's
+// cap derivative. Constants are computed once per call.
+//
+// Weights are exp2((s - ref) * log2(e)) with ref the row's max (forward) or its LSE (backward):
+// the one rounding of s is shared by both passes and the difference is taken before the
+// conversion to log2 units. Scores kept as s * log2(e) instead rounded |s2| (up to ~15 in peaky
+// rows) and the LSE once more, several ulp of the exponent in every weight; through
+// dS = P (dP - D) that was 2-3x a naive fp32 implementation's dQ and dK error with head dims 1-4.
+// It also makes the weight of a row's only visible key exactly 1 in both passes (s - max = 0,
+// and the LSE is then s itself), so that dS = P (dP - D) is exactly 0 there, as in a naive
+// implementation.
 struct ScoreTransform {
-  float qk_to_log2 = 0.0f;   // no cap: scale * log2(e)
-  float qk_to_tanh = 0.0f;   // cap: scale / softcap
-  float tanh_to_log2 = 0.0f; // cap: softcap * log2(e)
+  float scale = 1.0f;
+  float qk_to_tanh = 0.0f;  // cap: scale / softcap
   float softcap = 0.0f;
 
   static ScoreTransform from(const AttentionProblem& p) {
     ScoreTransform t;
-    const float scale = *p.softmax_scale;
+    t.scale = *p.softmax_scale;
     t.softcap = p.softcap;
-    if (p.softcap > 0.0f) {
-      t.qk_to_tanh = scale / p.softcap;
-      t.tanh_to_log2 = p.softcap * kLog2e;
-    } else {
-      t.qk_to_log2 = scale * kLog2e;
-    }
+    if (p.softcap > 0.0f) t.qk_to_tanh = t.scale / p.softcap;
     return t;
   }
 
@@ -265,13 +343,30 @@ struct ScoreTransform {
       for (int64_t j = 0; j < n; ++j) {
         const float th = tanhf(s[j] * qk_to_tanh);
         if (tanh_out) tanh_out[j] = th;
-        s[j] = th * tanh_to_log2;
+        s[j] = th * softcap;
       }
     } else {
-      for (int64_t j = 0; j < n; ++j) s[j] *= qk_to_log2;
+      for (int64_t j = 0; j < n; ++j) s[j] *= scale;
     }
   }
 };
+
+// The weight exp2((s - ref) * log2(e)) of scores s; masked (-inf) scores weigh 0.
+inline f32xN weight_lanes(f32xN s, f32xN ref) { return exp2_lanes((s - ref) * kLog2e); }
+
+// x[j] = P = weight of score x[j] for one row whose LSE (natural log) is lse.
+inline void weights_row(float* x, int64_t n, float lse) {
+  const f32xN ref = f32xN{} + lse;
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) store_lanes(x + j, weight_lanes(load_lanes(x + j), ref));
+  if (j < n) {  // the tail through the same lanes, so every element gets the same rounding
+    float tail[kLanes];
+    std::fill(tail, tail + kLanes, -INFINITY);
+    std::copy(x + j, x + n, tail);
+    const f32xN r = weight_lanes(load_lanes(tail), ref);
+    std::memcpy(x + j, &r, size_t(n - j) * sizeof(float));
+  }
+}
 
 // Sets the scores of keys row i cannot see to -inf, for a key tile [j0, j0 + n) that is not
 // entirely visible to the query tile (only boundary tiles pay for this).

@@ -65,6 +65,15 @@ testing::AssertionResult within(const std::vector<double>& got, const std::vecto
                                      << "|want| + " << abs << " (" << e << "); first:" << first.str();
 }
 
+testing::AssertionResult two_x_rule(const std::vector<double>& got, const std::vector<double>& naive,
+                                    const std::vector<double>& oracle, double floor) {
+  const ErrorStats ours = compare(got, oracle), theirs = compare(naive, oracle);
+  const double bound = 2.0 * theirs.max_abs + floor;
+  if (ours.nonfinite == 0 && ours.max_abs <= bound) return testing::AssertionSuccess();
+  return testing::AssertionFailure() << "error " << ours.max_abs << " > 2 x naive " << theirs.max_abs << " + " << floor
+                                     << " = " << bound << " (" << ours << ")";
+}
+
 double unit_roundoff(DType dtype) {
   switch (dtype) {
     case DType::f32: return 0x1p-24;

@@ -33,6 +33,14 @@ std::ostream& operator<<(std::ostream& os, const ErrorStats& e);
 testing::AssertionResult within(const std::vector<double>& got, const std::vector<double>& want, double rel,
                                 double abs);
 
+// flash-attn's accuracy rule (docs/accuracy.md): the error of `got` against the float64 `oracle`
+// is at most twice the error of a same-precision naive implementation (`naive`), plus an
+// absolute `floor`; errors are max |x - oracle| over the whole tensor, equal infinities exact.
+// The floor is the whole allowance where the naive error is ~0 (e.g. gradients that are exactly
+// 0 with one visible key), so it must not be raised to hide an error there.
+testing::AssertionResult two_x_rule(const std::vector<double>& got, const std::vector<double>& naive,
+                                    const std::vector<double>& oracle, double floor);
+
 // Unit roundoff of a dtype: 2^-24 (f32), 2^-11 (f16), 2^-8 (bf16).
 double unit_roundoff(DType dtype);
 

@@ -1,0 +1,89 @@
+// The CPU backward against flash-attn's 2x rule (support/metrics.hpp, docs/accuracy.md) where it
+// used to break: fp32 with headdim_v much larger than headdim_qk (dP = dO V^T is a long sum that
+// dS = P (dP - D) cancels against D), a single visible key (dQ and dK are exactly 0, and so is
+// a naive implementation's), and fp16 at seqlen 2. Each case runs several trials on fresh random
+// inputs: the failures were 6-9 trials in 10.
+#include <gtest/gtest.h>
+
+#include "cpu/reference.hpp"
+#include "support/host_problem.hpp"
+#include "support/metrics.hpp"
+#include "support/naive.hpp"
+#include "tileattn/attention.hpp"
+
+namespace tileattn::test {
+namespace {
+
+constexpr int kTrials = 10;
+
+// The floors of tests/python/test_attention.py (gradients twice the output's).
+double floor_for(DType dtype) { return dtype == DType::f32 ? 1e-6 : dtype == DType::f16 ? 2e-4 : 2e-3; }
+
+struct Case {
+  int64_t seqlen_q, seqlen_k, headdim_qk, headdim_v;
+  DType dtype;
+  bool causal;
+};
+
+void check_trials(const Case& c) {
+  for (int trial = 0; trial < kTrials; ++trial) {
+    ProblemShape shape;
+    shape.seqlen_q = c.seqlen_q;
+    shape.seqlen_k = c.seqlen_k;
+    shape.heads_q = shape.heads_kv = 2;
+    shape.headdim_qk = c.headdim_qk;
+    shape.headdim_v = c.headdim_v;
+    shape.dtype = c.dtype;
+    shape.causal = c.causal;
+    shape.num_threads = 2;
+    HostProblem hp(shape);
+    AttentionProblem& p = hp.problem;
+    p.backend = Backend::cpu;
+    tileattn::forward(p);
+    tileattn::backward(p);
+    const auto oracle_fwd = cpu::reference_forward(p);
+    const auto oracle = cpu::reference_backward(p);
+    const NaiveResult naive = naive_attention(p);
+    const double floor = floor_for(c.dtype);
+    SCOPED_TRACE("trial " + std::to_string(trial));
+    EXPECT_TRUE(two_x_rule(hp.o.gather(), naive.o, oracle_fwd.o, floor)) << "O";
+    EXPECT_TRUE(two_x_rule(hp.dq.gather(), naive.dq, oracle.dq, 2 * floor)) << "dQ";
+    EXPECT_TRUE(two_x_rule(hp.dk.gather(), naive.dk, oracle.dk, 2 * floor)) << "dK";
+    EXPECT_TRUE(two_x_rule(hp.dv.gather(), naive.dv, oracle.dv, 2 * floor)) << "dV";
+    if (::testing::Test::HasFailure()) return;
+  }
+}
+
+TEST(BackwardAccuracy, Fp32SmallHeaddimQkLargeHeaddimV) {
+  for (int64_t d : {1, 2, 3, 4}) {
+    SCOPED_TRACE("headdim_qk " + std::to_string(d));
+    check_trials({33, 33, d, 256, DType::f32, false});
+    check_trials({100, 70, d, 256, DType::f32, d % 2 == 0});
+  }
+}
+
+TEST(BackwardAccuracy, Fp32OneVisibleKeyGivesZeroDqDk) {
+  check_trials({20, 1, 8, 192, DType::f32, false});
+  // One key: P = 1 exactly, and dS = P (dP - D) with D = rowsum(dO * O) = dO . V = dP is exactly 0.
+  for (int trial = 0; trial < kTrials; ++trial) {
+    ProblemShape shape;
+    shape.seqlen_q = 20;
+    shape.seqlen_k = 1;
+    shape.headdim_qk = 8;
+    shape.headdim_v = 192;
+    HostProblem hp(shape);
+    hp.problem.backend = Backend::cpu;
+    tileattn::forward(hp.problem);
+    tileattn::backward(hp.problem);
+    for (double x : hp.dq.gather()) ASSERT_EQ(x, 0.0) << "dQ";
+    for (double x : hp.dk.gather()) ASSERT_EQ(x, 0.0) << "dK";
+  }
+}
+
+TEST(BackwardAccuracy, Fp16SeqlenTwo) {
+  check_trials({2, 2, 16, 16, DType::f16, false});
+  check_trials({2, 2, 64, 64, DType::f16, true});
+}
+
+}  // namespace
+}  // namespace tileattn::test
