@@ -19,6 +19,7 @@ from .functional import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_q
                          flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func,
                          scaled_dot_product_attention, softmax_matmul)
 from . import reference
+from ._ops import check_cu_seqlens
 
 __version__ = _ext.version()
 
@@ -37,6 +38,7 @@ __all__ = [
     "FlashAttentionFunction",
     "attention_backward_flops",
     "attention_forward_flops",
+    "check_cu_seqlens",
     "cuda_available",
     "flash_attn_func",
     "flash_attn_kvpacked_func",

@@ -61,6 +61,21 @@ def _stream(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
+# Device cu_seqlens are checked against their rules only on request: reading them on the host
+# copies them back and synchronises the stream on every call. Unchecked, offsets that break the
+# rules give unspecified values but never an access outside the tensors (the kernels clamp).
+_checks = {"cu_seqlens": False}
+
+
+def check_cu_seqlens(enabled: bool = True) -> None:
+    """Check CUDA ``cu_seqlens`` on the host at every varlen call (one copy and stream sync each).
+
+    Off by default. CPU offsets are always checked (they need no copy); while a CUDA graph is
+    being captured the check is skipped.
+    """
+    _checks["cu_seqlens"] = bool(enabled)
+
+
 def _num_threads(device: torch.device) -> int:
     return torch.get_num_threads() if device.type == "cpu" else 0
 
@@ -128,7 +143,7 @@ def _attention(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
         cu_seqlens_q=optional(cu_seqlens_q), cu_seqlens_k=optional(cu_seqlens_k),
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
         window_left=window_left, window_right=window_right, softcap=softcap, deterministic=deterministic,
-        fp32_fast=_fp32_fast(q), num_threads=_num_threads(q.device))
+        fp32_fast=_fp32_fast(q), num_threads=_num_threads(q.device), check_cu_seqlens=_checks["cu_seqlens"])
 
 
 def _forward_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],

@@ -676,4 +676,10 @@ def test_fuzz_calls_cuda():
 
 @pytest.mark.gpu
 def test_fuzz_refusals_cuda():
-    _run_fuzzer("cuda", default_seconds=10, min_cases=100, one_case=run_invalid_case)
+    # Device offsets are checked only on request (tileattn.check_cu_seqlens); the offset rules are
+    # among the refusals drawn here.
+    tileattn.check_cu_seqlens(True)
+    try:
+        _run_fuzzer("cuda", default_seconds=10, min_cases=100, one_case=run_invalid_case)
+    finally:
+        tileattn.check_cu_seqlens(False)
