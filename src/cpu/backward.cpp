@@ -44,7 +44,6 @@ struct BackwardScratch {
   std::vector<float> p, ds, th;             // kTileQ x kTileK: P, dP then dS, tanh of capped scores
   std::vector<float> part;                  // one tile product
   std::vector<double> wide, wide2;          // dQ, or dK and dV, summed over tiles
-  std::vector<double> dp_wide;              // dP before rounding
 };
 
 // wide[m x n] += part[m x n]: the tile's fp32 products into the double sum over tiles.
@@ -66,7 +65,6 @@ void size_scratch(BackwardScratch& w, int64_t dqk, int64_t dv) {
   w.ds.resize(size_t(kTileQ * kTileK));
   w.part.resize(size_t(std::max(kTileQ, kTileK) * std::max(dqk, dv)));
   w.th.resize(size_t(kTileQ * kTileK));
-  w.dp_wide.resize(size_t(kTileQ * kTileK));
 }
 
 // Loads the query-side tile: Q, dO, L (to log2), D.
@@ -91,12 +89,7 @@ void probabilities_and_dp(const AttentionProblem& p, const ScoreTransform& trans
   const bool boundary = j0 < s.mask.full_begin_key(int(i0 + rows)) || j0 + n > s.mask.full_end_key(int(i0));
   // S = Q K^T;  dP = dO V^T
   gemm(w.q.data(), dqk, 1, w.kt.data(), kTileK, w.p.data(), kTileK, rows, n, dqk);
-  // dP's runs summed in double: dS = P (dP - D) cancels dP against D, so dP's rounding reaches dQ
-  // and dK whole; with headdim_v >> headdim_qk the fp32 sum of the runs alone broke the 2x rule.
-  std::fill(w.dp_wide.begin(), w.dp_wide.begin() + rows * n, 0.0);
-  gemm_accumulate(w.dout.data(), dv, 1, w.vt.data(), kTileK, w.dp_wide.data(), n, rows, n, dv);
-  for (int64_t i = 0; i < rows; ++i)
-    for (int64_t j = 0; j < n; ++j) w.ds[size_t(i * kTileK + j)] = float(w.dp_wide[size_t(i * n + j)]);
+  gemm(w.dout.data(), dv, 1, w.vt.data(), kTileK, w.ds.data(), kTileK, rows, n, dv);
   for (int64_t i = 0; i < rows; ++i) {
     float* pi = &w.p[size_t(i * kTileK)];
     const float lse = w.lse[size_t(i)];
@@ -136,11 +129,11 @@ void probabilities_and_ds(const AttentionProblem& p, const ScoreTransform& trans
 int64_t first_key_tile(const Sequence& s, int64_t i0) { return s.mask.tile_begin_key(int(i0)) / kTileK * kTileK; }
 
 // D = rowsum(O * dO) per (row, head), in L's layout. dS = P (dP - D) cancels D against dP, so D is
-// rounded exactly as dP is (fp32 runs summed in double, then one rounding): with one visible key
+// rounded exactly as an element of dP = dO V^T is (dot_chunked): with one visible key
 // O = V, and dS is then exactly 0, as in a naive implementation (D = rowsum(P * dP) there); a D
 // rounded differently from dP left dP - D at a few ulp of |dP| and dQ, dK at ~1e-5 instead of 0.
-void compute_delta(const AttentionProblem& p, int64_t tiles, std::vector<float>& delta) {
-  parallel_for(p.batch * p.heads_q * tiles, p.num_threads, [&](int64_t task) {
+void compute_delta(const AttentionProblem& p, int threads, int64_t tiles, std::vector<float>& delta) {
+  parallel_for(p.batch * p.heads_q * tiles, threads, [&](int64_t task) {
     const int64_t tile = task % tiles, bh = task / tiles, b = bh / p.heads_q, h = bh % p.heads_q;
     const Sequence s = sequence(p, b);
     const int64_t i0 = tile * kTileQ;
@@ -152,7 +145,7 @@ void compute_delta(const AttentionProblem& p, int64_t tiles, std::vector<float>&
     load_rows(p, p.o, s, true, h, i0, rows, dv, o.data(), dv);
     load_rows(p, p.dout, s, true, h, i0, rows, dv, dout.data(), dv);
     for (int64_t i = 0; i < rows; ++i)
-      delta[size_t(lse_index(p, s, i0 + i, h))] = dot_chunked<double>(&dout[size_t(i * dv)], &o[size_t(i * dv)], dv);
+      delta[size_t(lse_index(p, s, i0 + i, h))] = dot_chunked(&dout[size_t(i * dv)], &o[size_t(i * dv)], dv);
   });
 }
 
@@ -164,8 +157,8 @@ void compute_delta(const AttentionProblem& p, int64_t tiles, std::vector<float>&
 // the 2x rule. It costs one more pass of S and dP (~40% of a backward with headdim_qk =
 // headdim_v), so it runs where that rounding mattered (use_consistent_delta).
 void compute_delta_consistent(const AttentionProblem& p, const ScoreTransform& transform, int64_t tiles,
-                              RowTerms& terms) {
-  parallel_for(p.batch * p.heads_q * tiles, p.num_threads, [&](int64_t task) {
+                              int threads, RowTerms& terms) {
+  parallel_for(p.batch * p.heads_q * tiles, threads, [&](int64_t task) {
     thread_local BackwardScratch w;
     const int64_t tile = task % tiles, bh = task / tiles, b = bh / p.heads_q, h = bh % p.heads_q;
     const Sequence s = sequence(p, b);
@@ -299,29 +292,32 @@ void backward(const AttentionProblem& p) {
   const int64_t q_tiles = ceil_div(max_q, kTileQ), k_tiles = ceil_div(max_k, kTileK);
   const ScoreTransform transform = ScoreTransform::from(p);
   const int64_t rows_q = p.is_varlen() ? p.total_q : p.batch * p.seqlen_q;
+  const double flops = 2.0 * double(p.batch * p.heads_q) * double(max_q) * double(max_k) *
+                       double(3 * p.headdim_qk + 2 * p.headdim_v);
+  const int threads = threads_for(p.num_threads, flops);
   RowTerms terms;
   terms.delta.resize(size_t(p.heads_q * rows_q));
   if (use_consistent_delta(p)) {
     terms.norm.resize(terms.delta.size());
-    compute_delta_consistent(p, transform, q_tiles, terms);
+    compute_delta_consistent(p, transform, q_tiles, threads, terms);
   } else {
-    compute_delta(p, q_tiles, terms.delta);
+    compute_delta(p, threads, q_tiles, terms.delta);
   }
 
-  if (p.batch * p.heads_kv >= kFusedTasksPerThread * resolve_threads(p.num_threads)) {
-    parallel_for(p.batch * p.heads_kv, p.num_threads, [&](int64_t task) {
+  if (p.batch * p.heads_kv >= kFusedTasksPerThread * threads) {
+    parallel_for(p.batch * p.heads_kv, threads, [&](int64_t task) {
       thread_local BackwardScratch scratch;
       kv_head_fused(p, transform, terms, task / p.heads_kv, task % p.heads_kv, scratch);
     });
     return;
   }
-  parallel_for(p.batch * p.heads_kv * k_tiles, p.num_threads, [&](int64_t task) {
+  parallel_for(p.batch * p.heads_kv * k_tiles, threads, [&](int64_t task) {
     thread_local BackwardScratch scratch;
     const int64_t tile = task % k_tiles, bh = task / k_tiles, b = bh / p.heads_kv;
     const Sequence s = sequence(p, b);
     if (tile * kTileK < s.len_k) key_tile(p, transform, terms, s, bh % p.heads_kv, tile * kTileK, scratch, nullptr);
   });
-  parallel_for(p.batch * p.heads_q * q_tiles, p.num_threads, [&](int64_t task) {
+  parallel_for(p.batch * p.heads_q * q_tiles, threads, [&](int64_t task) {
     thread_local BackwardScratch scratch;
     const int64_t tile = task % q_tiles, bh = task / q_tiles;
     dq_tile(p, transform, terms, bh / p.heads_q, bh % p.heads_q, tile, scratch);

@@ -35,9 +35,9 @@ struct OnlineRows {
 // new max and replaces s by the weights (weight_lanes), which the caller then multiplies into V.
 // Each query's sum adds its keys in order, as a scalar loop would.
 void online_step(float* s, int64_t rows, int64_t n, int64_t dv, OnlineRows& st) {
-  constexpr int64_t kVecs = kTileQ / kLanes;
+  const int64_t vecs = ceil_div(rows, kLanes);  // only the columns the products filled
   float m_new[kTileQ], ref[kTileQ];
-  for (int64_t c = 0; c < kVecs; ++c) {
+  for (int64_t c = 0; c < vecs; ++c) {
     f32xN mx = load_lanes(st.m + c * kLanes);
     for (int64_t j = 0; j < n; ++j) {
       const f32xN x = load_lanes(s + j * kTileQ + c * kLanes);
@@ -45,19 +45,19 @@ void online_step(float* s, int64_t rows, int64_t n, int64_t dv, OnlineRows& st) 
     }
     store_lanes(m_new + c * kLanes, mx);
   }
-  for (int64_t i = 0; i < kTileQ; ++i) ref[i] = safe_row_max(m_new[i]);
-  f32xN sum[kVecs];
-  for (int64_t c = 0; c < kVecs; ++c) sum[c] = f32xN{};
+  for (int64_t i = 0; i < vecs * kLanes; ++i) ref[i] = safe_row_max(m_new[i]);
+  f32xN sum[kTileQ / kLanes];
+  for (int64_t c = 0; c < vecs; ++c) sum[c] = f32xN{};
   for (int64_t j = 0; j < n; ++j) {
     float* sj = s + j * kTileQ;
-    for (int64_t c = 0; c < kVecs; ++c) {
+    for (int64_t c = 0; c < vecs; ++c) {
       const f32xN e = weight_lanes(load_lanes(sj + c * kLanes), load_lanes(ref + c * kLanes));
       store_lanes(sj + c * kLanes, e);
       sum[c] += e;
     }
   }
   float tile_sum[kTileQ];
-  for (int64_t c = 0; c < kVecs; ++c) store_lanes(tile_sum + c * kLanes, sum[c]);
+  for (int64_t c = 0; c < vecs; ++c) store_lanes(tile_sum + c * kLanes, sum[c]);
   for (int64_t i = 0; i < rows; ++i) {
     const float alpha = st.m[i] == -INFINITY ? 0.0f : exp2f((st.m[i] - m_new[i]) * kLog2e);
     st.l[i] = st.l[i] * alpha + tile_sum[i];
@@ -88,12 +88,17 @@ void forward_tile(const AttentionProblem& p, const ScoreTransform& transform, in
   if (i0 >= s.len_q) return;
   const int64_t rows = std::min(kTileQ, s.len_q - i0), i1 = i0 + rows;
   const int64_t dqk = p.headdim_qk, dv = p.headdim_v, hk = h / (p.heads_q / p.heads_kv);
-  w.qt.assign(size_t(dqk * kTileQ), 0.0f);  // zero columns past `rows` give finite padding scores
+  // Products and the softmax step run over whole vectors of queries: `cols` columns, those past
+  // `rows` zero so that their padding scores are finite (a short tile then costs its own size,
+  // not a full tile's: a seqlen-1 call spent most of its time clearing 64 columns).
+  const int64_t cols = ceil_div(rows, kLanes) * kLanes;
+  w.qt.resize(size_t(dqk * kTileQ));
   w.k.resize(size_t(kTileK * dqk));
   w.v.resize(size_t(kTileK * dv));
   w.s.resize(size_t(kTileK * kTileQ));
   w.rows.reset(rows, dv);
   load_rows_transposed(p, p.q, s, true, h, i0, rows, dqk, w.qt.data(), kTileQ);
+  for (int64_t d = 0; d < dqk; ++d) std::fill(&w.qt[size_t(d * kTileQ + rows)], &w.qt[size_t(d * kTileQ + cols)], 0.0f);
 
   const int64_t key_begin = s.mask.tile_begin_key(int(i0)), key_end = s.mask.tile_end_key(int(i1));
   const int64_t full_begin = s.mask.full_begin_key(int(i1)), full_end = s.mask.full_end_key(int(i0));
@@ -102,7 +107,7 @@ void forward_tile(const AttentionProblem& p, const ScoreTransform& transform, in
     load_rows(p, p.k, s, false, hk, j0, n, dqk, w.k.data(), dqk);
     load_rows(p, p.v, s, false, hk, j0, n, dv, w.v.data(), dv);
     // S^T = K Q^T; only tiles straddling the mask edge pay for masking.
-    gemm(w.k.data(), dqk, 1, w.qt.data(), kTileQ, w.s.data(), kTileQ, n, kTileQ, dqk);
+    gemm(w.k.data(), dqk, 1, w.qt.data(), kTileQ, w.s.data(), kTileQ, n, cols, dqk);
     for (int64_t j = 0; j < n; ++j) transform.apply(&w.s[size_t(j * kTileQ)], rows, nullptr);
     if (j0 < full_begin || j0 + n > full_end) {
       for (int64_t i = 0; i < rows; ++i) {
@@ -132,7 +137,8 @@ void forward(const AttentionProblem& p) {
   max_lengths(p, max_q, max_k);
   const int64_t tiles = ceil_div(max_q, kTileQ);
   const ScoreTransform transform = ScoreTransform::from(p);
-  parallel_for(p.batch * p.heads_q * tiles, p.num_threads, [&](int64_t task) {
+  const double flops = 2.0 * double(p.batch * p.heads_q) * double(max_q) * double(max_k) * double(p.headdim_qk + p.headdim_v);
+  parallel_for(p.batch * p.heads_q * tiles, threads_for(p.num_threads, flops), [&](int64_t task) {
     thread_local ForwardScratch scratch;
     const int64_t tile = task % tiles, bh = task / tiles;
     forward_tile(p, transform, bh / p.heads_q, bh % p.heads_q, tile, scratch);
@@ -146,7 +152,8 @@ void forward(const AttentionProblem& p) {
 
 void softmax_matmul(const SoftmaxMatmulProblem& p) {
   const int64_t tiles = ceil_div(p.d1, kTileQ);
-  parallel_for(p.batch * tiles, p.num_threads, [&](int64_t task) {
+  const double flops = 2.0 * double(p.batch) * double(p.d1) * double(p.d2) * double(p.d3);
+  parallel_for(p.batch * tiles, threads_for(p.num_threads, flops), [&](int64_t task) {
     thread_local ForwardScratch w;
     const int64_t b = task / tiles, r0 = (task % tiles) * kTileQ;
     const int64_t rows = std::min(kTileQ, p.d1 - r0), dv = p.d3;

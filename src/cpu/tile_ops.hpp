@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <vector>
 
 #include "common/mask.hpp"
@@ -148,6 +147,9 @@ inline f32xN load_lanes(const float* p) {
   return v;
 }
 inline void store_lanes(float* p, f32xN v) { std::memcpy(p, &v, sizeof v); }
+// x in every lane. x - 0 is x for every x, so it folds to a plain broadcast (x + 0 does not:
+// -0 + 0 is +0, and it cost an add before each broadcast in the products).
+inline f32xN broadcast_lanes(float x) { return x - f32xN{}; }
 
 // a * b + c with one rounding where the target has FMA, spelled out rather than left to the
 // compiler's contraction, so that a vector lane and the scalar loops (edges, dot_chunked) round
@@ -172,23 +174,8 @@ inline float fma_scalar(float a, float b, float c) {
 // Products sum their k terms in runs of kGemmChunk, each run from zero, and add the runs into C
 // in order: the rounding error of a length-k sum then grows with kGemmChunk + k / kGemmChunk
 // rather than with k. With headdim_v 256, a plain running sum made dP = dO V^T 2-3x less
-// accurate than a BLAS product, enough to break the 2x-of-naive rule for dQ and dK. C may be
-// double (the runs are then added exactly enough that only the runs' own rounding is left).
+// accurate than a BLAS product, enough to break the 2x-of-naive rule for dQ and dK.
 constexpr int64_t kGemmChunk = 16;
-
-using f64xN = double __attribute__((vector_size(8 * kLanes)));
-
-template <class CT>
-inline void add_run(CT* c, f32xN run) {
-  if constexpr (std::is_same_v<CT, float>) {
-    store_lanes(c, load_lanes(c) + run);
-  } else {
-    f64xN w;
-    std::memcpy(&w, c, sizeof w);
-    w += __builtin_convertvector(run, f64xN);
-    std::memcpy(c, &w, sizeof w);
-  }
-}
 
 // C[m x n] += A[m x k] B[k x n] for the small tile products. A is read through two strides
 // (row, column) so that a transposed operand (dS^T) costs nothing; B and C are row-major.
@@ -197,8 +184,8 @@ inline void add_run(CT* c, f32xN run) {
 // and store C on every multiply-add. Blocks, edges and dot_chunked compute every element with
 // the same operations in the same order, so its value does not depend on where the tiling puts
 // it.
-template <int MR, int NV, class CT>
-inline void gemm_block(const float* a, int64_t a_row, int64_t a_col, const float* b, int64_t ldb, CT* c,
+template <int MR, int NV>
+inline void gemm_block(const float* a, int64_t a_row, int64_t a_col, const float* b, int64_t ldb, float* c,
                        int64_t ldc, int64_t k) {
   for (int64_t d0 = 0; d0 < k; d0 += kGemmChunk) {
     const int64_t d1 = std::min(k, d0 + kGemmChunk);
@@ -207,17 +194,16 @@ inline void gemm_block(const float* a, int64_t a_row, int64_t a_col, const float
       f32xN bd[NV];
       for (int v = 0; v < NV; ++v) bd[v] = load_lanes(b + d * ldb + kLanes * v);
       for (int r = 0; r < MR; ++r) {
-        const f32xN x = f32xN{} + a[r * a_row + d * a_col];
+        const f32xN x = broadcast_lanes(a[r * a_row + d * a_col]);
         for (int v = 0; v < NV; ++v) acc[r][v] = fma_lanes(x, bd[v], acc[r][v]);
       }
     }
     for (int r = 0; r < MR; ++r)
-      for (int v = 0; v < NV; ++v) add_run(c + r * ldc + kLanes * v, acc[r][v]);
+      for (int v = 0; v < NV; ++v) store_lanes(c + r * ldc + kLanes * v, load_lanes(c + r * ldc + kLanes * v) + acc[r][v]);
   }
 }
 
-template <class CT>
-inline void gemm_edge(const float* a, int64_t a_row, int64_t a_col, const float* b, int64_t ldb, CT* c, int64_t ldc,
+inline void gemm_edge(const float* a, int64_t a_row, int64_t a_col, const float* b, int64_t ldb, float* c, int64_t ldc,
                       int64_t m, int64_t n, int64_t k) {
   constexpr int64_t kCols = 64;
   float run[kCols];
@@ -232,19 +218,18 @@ inline void gemm_edge(const float* a, int64_t a_row, int64_t a_col, const float*
           const float* bd = b + d * ldb + j0;
           for (int64_t j = 0; j < cols; ++j) run[j] = fma_scalar(x, bd[j], run[j]);
         }
-        CT* cr = c + r * ldc + j0;
-        for (int64_t j = 0; j < cols; ++j) cr[j] += CT(run[j]);
+        float* cr = c + r * ldc + j0;
+        for (int64_t j = 0; j < cols; ++j) cr[j] += run[j];
       }
     }
 }
 
-template <class CT>
-inline void gemm_accumulate(const float* a, int64_t a_row, int64_t a_col, const float* b, int64_t ldb, CT* c,
+inline void gemm_accumulate(const float* a, int64_t a_row, int64_t a_col, const float* b, int64_t ldb, float* c,
                             int64_t ldc, int64_t m, int64_t n, int64_t k) {
   int64_t i = 0;
   for (; i + kGemmRows <= m; i += kGemmRows) {
     const float* ai = a + i * a_row;
-    CT* ci = c + i * ldc;
+    float* ci = c + i * ldc;
     int64_t j = 0;
     for (; j + kGemmCols <= n; j += kGemmCols)
       gemm_block<kGemmRows, kGemmVecs>(ai, a_row, a_col, b + j, ldb, ci + j, ldc, k);
@@ -253,20 +238,18 @@ inline void gemm_accumulate(const float* a, int64_t a_row, int64_t a_col, const 
   if (i < m) gemm_edge(a + i * a_row, a_row, a_col, b, ldb, c + i * ldc, ldc, m - i, n, k);
 }
 
-// x . y rounded exactly as an element of gemm(x as a 1 x k row, y as a k x 1 column) into a C of
-// type CT is, then to fp32: the backward forms D = dO . O with it so that D and dP = dO V^T share
-// their rounding (with one visible key O is V, and dP - D must then be exactly 0, as in a naive
-// implementation).
-template <class CT>
+// x . y rounded exactly as an element of gemm(x as a 1 x k row, y as a k x 1 column) is: the
+// backward forms D = dO . O with it so that D and dP = dO V^T share their rounding (with one
+// visible key O is V, and dP - D must then be exactly 0, as in a naive implementation).
 inline float dot_chunked(const float* x, const float* y, int64_t k) {
-  CT sum = 0;
+  float sum = 0.0f;
   for (int64_t d0 = 0; d0 < k; d0 += kGemmChunk) {
     const int64_t d1 = std::min(k, d0 + kGemmChunk);
     float run = 0.0f;
     for (int64_t d = d0; d < d1; ++d) run = fma_scalar(x[d], y[d], run);
-    sum += CT(run);
+    sum += run;
   }
-  return float(sum);
+  return sum;
 }
 
 // C = A B (overwrites the m x n block of C).

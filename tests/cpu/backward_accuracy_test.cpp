@@ -62,6 +62,13 @@ TEST(BackwardAccuracy, Fp32SmallHeaddimQkLargeHeaddimV) {
   }
 }
 
+// Head dims where D = rowsum(O * dO) is used (src/cpu/backward.cpp, use_consistent_delta).
+TEST(BackwardAccuracy, Fp32DFromO) {
+  check_trials({64, 80, 16, 256, DType::f32, false});
+  check_trials({50, 50, 64, 64, DType::f32, true});
+  check_trials({33, 33, 128, 32, DType::f32, false});
+}
+
 TEST(BackwardAccuracy, Fp32OneVisibleKeyGivesZeroDqDk) {
   check_trials({20, 1, 8, 192, DType::f32, false});
   // One key: P = 1 exactly, and dS = P (dP - D) with D = rowsum(dO * O) = dO . V = dP is exactly 0.

@@ -48,6 +48,18 @@ TEST(Invariance, BitwiseAcrossRunsAndThreadCounts) {
   EXPECT_TRUE(one == run(hp, 0));  // all hardware threads
 }
 
+// fp32 takes D = rowsum(O * dO) where 16-bit dtypes take rowsum(P * dP); with 3 sequences the
+// backward runs its fused schedule at 1 and 2 threads and its split one at 5.
+TEST(Invariance, BitwiseAcrossThreadCountsFp32BothSchedules) {
+  ProblemShape s = gqa_shape(DType::f32);
+  s.batch = 3;
+  s.seqlen_q = 100;
+  HostProblem hp(s);
+  const Outputs one = run(hp, 1);
+  EXPECT_TRUE(one == run(hp, 2));
+  EXPECT_TRUE(one == run(hp, 5));
+}
+
 TEST(Invariance, BitwiseAcrossLayouts) {
   ProblemShape s = gqa_shape(DType::f16);
   HostProblem a(s);
