@@ -168,16 +168,29 @@ const char* backend_name(tileattn::Backend b) {
 constexpr const char* kFixedDims = "(batch, seqlen, heads, headdim)";
 constexpr const char* kVarlenDims = "(total_tokens, heads, headdim)";
 
+// The scalar options of an attention call, as one object: the Python layer builds one per distinct
+// set of options and reuses it, so a call passes no long argument list.
+struct Options {
+  int64_t max_seqlen_q = 0, max_seqlen_k = 0;
+  std::optional<float> softmax_scale;
+  bool causal = false;
+  int64_t window_left = -1, window_right = -1;
+  float softcap = 0.0f;
+  bool deterministic = false;
+  bool fp32_fast = false;
+  int num_threads = 0;
+  bool check_cu_seqlens = false;
+};
+
 // One attention call (forward, and backward when the gradient tensors are given). Holds the
 // arrays so that the pointers in `problem_` stay valid for the object's lifetime.
 class Attention {
  public:
-  Attention(Array q, Array k, Array v, Array out, Array lse, OptArray dout, OptArray dq, OptArray dk, OptArray dv,
-            OptArray cu_seqlens_q, OptArray cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
-            std::optional<float> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
-            float softcap, bool deterministic, bool fp32_fast, int num_threads, bool check_cu_seqlens)
+  Attention(Array q, Array k, Array v, Array out, Array lse, OptArray cu_seqlens_q, OptArray cu_seqlens_k,
+            const Options& options, OptArray dout, OptArray dq, OptArray dk, OptArray dv)
       : q_(q), k_(k), v_(v), out_(out), lse_(lse), dout_(dout), dq_(dq), dk_(dk), dv_(dv),
         cu_q_(cu_seqlens_q), cu_k_(cu_seqlens_k) {
+    const int64_t max_seqlen_q = options.max_seqlen_q, max_seqlen_k = options.max_seqlen_k;
     if (cu_q_.has_value() != cu_k_.has_value())
       fail(ErrorKind::invalid_argument, "cu_seqlens_q and cu_seqlens_k must be given together (variable length)");
     const bool varlen = cu_q_.has_value();
@@ -263,15 +276,15 @@ class Attention {
       p.dk = view_of(*dk_, varlen);
       p.dv = view_of(*dv_, varlen);
     }
-    p.softmax_scale = softmax_scale;
-    p.causal = causal;
-    p.window_left = window_left;
-    p.window_right = window_right;
-    p.softcap = softcap;
-    p.deterministic = deterministic;
-    p.fp32_mode = fp32_fast ? tileattn::Fp32Mode::fast : tileattn::Fp32Mode::exact;
-    p.num_threads = num_threads;
-    p.check_cu_seqlens = check_cu_seqlens;
+    p.softmax_scale = options.softmax_scale;
+    p.causal = options.causal;
+    p.window_left = options.window_left;
+    p.window_right = options.window_right;
+    p.softcap = options.softcap;
+    p.deterministic = options.deterministic;
+    p.fp32_mode = options.fp32_fast ? tileattn::Fp32Mode::fast : tileattn::Fp32Mode::exact;
+    p.num_threads = options.num_threads;
+    p.check_cu_seqlens = options.check_cu_seqlens;
   }
 
   // Validates and plans the call once (kernel, split count, workspace size, tensor maps) for the
@@ -383,16 +396,26 @@ NB_MODULE(_ext, m) {
     }
   });
 
+  nb::class_<Options>(m, "Options")
+      .def(nb::init<>())
+      .def_rw("max_seqlen_q", &Options::max_seqlen_q)
+      .def_rw("max_seqlen_k", &Options::max_seqlen_k)
+      .def_rw("softmax_scale", &Options::softmax_scale)
+      .def_rw("causal", &Options::causal)
+      .def_rw("window_left", &Options::window_left)
+      .def_rw("window_right", &Options::window_right)
+      .def_rw("softcap", &Options::softcap)
+      .def_rw("deterministic", &Options::deterministic)
+      .def_rw("fp32_fast", &Options::fp32_fast)
+      .def_rw("num_threads", &Options::num_threads)
+      .def_rw("check_cu_seqlens", &Options::check_cu_seqlens);
+
   nb::class_<Attention>(m, "Attention")
-      .def(nb::init<Array, Array, Array, Array, Array, OptArray, OptArray, OptArray, OptArray, OptArray, OptArray,
-                    int64_t, int64_t, std::optional<float>, bool, int64_t, int64_t, float, bool, bool, int, bool>(),
-           nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("lse"), nb::kw_only(),
-           nb::arg("dout").none() = nb::none(), nb::arg("dq").none() = nb::none(), nb::arg("dk").none() = nb::none(),
-           nb::arg("dv").none() = nb::none(), nb::arg("cu_seqlens_q").none() = nb::none(),
-           nb::arg("cu_seqlens_k").none() = nb::none(), nb::arg("max_seqlen_q") = 0, nb::arg("max_seqlen_k") = 0,
-           nb::arg("softmax_scale").none() = nb::none(), nb::arg("causal") = false, nb::arg("window_left") = -1,
-           nb::arg("window_right") = -1, nb::arg("softcap") = 0.0f, nb::arg("deterministic") = false,
-           nb::arg("fp32_fast") = false, nb::arg("num_threads") = 0, nb::arg("check_cu_seqlens") = false)
+      .def(nb::init<Array, Array, Array, Array, Array, OptArray, OptArray, const Options&, OptArray, OptArray, OptArray,
+                    OptArray>(),
+           nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("lse"), nb::arg("cu_seqlens_q").none(),
+           nb::arg("cu_seqlens_k").none(), nb::arg("options"), nb::arg("dout").none() = nb::none(),
+           nb::arg("dq").none() = nb::none(), nb::arg("dk").none() = nb::none(), nb::arg("dv").none() = nb::none())
       .def("plan_forward", &Attention::plan_forward, nb::arg("stream") = 0)
       .def("plan_backward", &Attention::plan_backward, nb::arg("stream") = 0)
       .def("run", &Attention::run, nb::arg("workspace").none() = nb::none())

@@ -15,7 +15,9 @@ caching allocator and CUDA-graph capture see every byte, and kernels run on the 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 from typing import Optional
 
 import torch
@@ -29,10 +31,15 @@ __all__ = ["attention_forward", "attention_backward", "softmax_matmul", "attenti
 _SUPPORTED_DEVICES = ("cpu", "cuda")
 
 
+_to_dlpack = getattr(torch._C, "_to_dlpack", torch.utils.dlpack.to_dlpack)
+
+
 def _capsule(t: Tensor):
     # to_dlpack never synchronises streams: `__dlpack__()` may make the legacy default stream wait
-    # on the current one, which is both a needless dependency and illegal under graph capture.
-    return torch.utils.dlpack.to_dlpack(t.detach())
+    # on the current one, which is both a needless dependency and illegal under graph capture. It
+    # exports a tensor that requires grad as it is (only `__dlpack__` refuses those), so no
+    # detach() -- which costs more than the export itself.
+    return _to_dlpack(t)
 
 
 def _check_device(t: Tensor, name: str) -> None:
@@ -123,27 +130,38 @@ def _check_attention_ranks(q: Tensor, k: Tensor, v: Tensor, varlen: bool) -> Non
         _check_rank(t, name, rank, dims)
 
 
+@functools.lru_cache(maxsize=256)
+def _options(max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, deterministic,
+             fp32_fast, num_threads, check_cu_seqlens):
+    # One options object per distinct set (a model calls attention with a handful), built once and
+    # shared: never modified after it is made.
+    o = _ext.Options()
+    o.max_seqlen_q, o.max_seqlen_k, o.softmax_scale, o.causal = max_seqlen_q, max_seqlen_k, softmax_scale, causal
+    o.window_left, o.window_right, o.softcap, o.deterministic = window_left, window_right, softcap, deterministic
+    o.fp32_fast, o.num_threads, o.check_cu_seqlens = fp32_fast, num_threads, check_cu_seqlens
+    return o
+
+
+# The cached options are extension objects: release them before the extension's own teardown,
+# which otherwise reports them as leaked.
+atexit.register(_options.cache_clear)
+
+
 def _attention(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                causal, window_left, window_right, softcap, deterministic, grads=None):
-    names = ["q", "k", "v", "out", "lse"]
-    tensors = [q, k, v, out, lse]
-    if cu_seqlens_q is not None:
-        names += ["cu_seqlens_q"]
-        tensors += [cu_seqlens_q]
-    if cu_seqlens_k is not None:
-        names += ["cu_seqlens_k"]
-        tensors += [cu_seqlens_k]
-    for t, name in zip(tensors, names):
-        _check_device(t, name)
-    optional = lambda t: None if t is None else _capsule(t)  # noqa: E731
-    dout, dq, dk, dv = grads if grads is not None else (None, None, None, None)
-    return _ext.Attention(
-        _capsule(q), _capsule(k), _capsule(v), _capsule(out), _capsule(lse),
-        dout=optional(dout), dq=optional(dq), dk=optional(dk), dv=optional(dv),
-        cu_seqlens_q=optional(cu_seqlens_q), cu_seqlens_k=optional(cu_seqlens_k),
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
-        window_left=window_left, window_right=window_right, softcap=softcap, deterministic=deterministic,
-        fp32_fast=_fp32_fast(q), num_threads=_num_threads(q.device), check_cu_seqlens=_checks["cu_seqlens"])
+    for t, name in ((q, "q"), (k, "k"), (v, "v"), (cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k")):
+        if t is not None:
+            _check_device(t, name)
+    options = _options(max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
+                       deterministic, _fp32_fast(q), _num_threads(q.device), _checks["cu_seqlens"])
+    cu_q = None if cu_seqlens_q is None else _capsule(cu_seqlens_q)
+    cu_k = None if cu_seqlens_k is None else _capsule(cu_seqlens_k)
+    if grads is None:
+        return _ext.Attention(_capsule(q), _capsule(k), _capsule(v), _capsule(out), _capsule(lse), cu_q, cu_k,
+                              options)
+    dout, dq, dk, dv = grads
+    return _ext.Attention(_capsule(q), _capsule(k), _capsule(v), _capsule(out), _capsule(lse), cu_q, cu_k, options,
+                          _capsule(dout), _capsule(dq), _capsule(dk), _capsule(dv))
 
 
 def _forward_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
@@ -260,6 +278,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], c
         # Meta and fake tensors, tensor subclasses and mixed devices keep the operator's handling
         # (shape inference, its error messages).
         return torch.ops.tileattn.attention_forward(*args)
+    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        # Nothing to differentiate (inference): the autograd Function's bookkeeping is skipped.
+        return _forward_impl(*args)
     return _EagerAttention.apply(*args)
 
 

@@ -46,6 +46,8 @@ def _float32(value, name: str) -> float:
     # The extension takes float32: a value beyond its range would reach the library's rules as inf
     # (or 0), and the message would name a number the caller never passed.
     x = float(value)
+    if x == 0.0:
+        return x
     if math.isfinite(x) and abs(x) > _FLOAT32_MAX:
         raise ValueError(f"{name}={value!r} is outside float32's range (|{name}| <= {_FLOAT32_MAX:.7g})")
     if x != 0.0 and struct.unpack("f", struct.pack("f", x))[0] == 0.0:

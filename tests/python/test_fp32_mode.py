@@ -25,7 +25,7 @@ class _Recorder:
         self._ext, self.attention, self.softmax_matmul = ext, [], []
 
     def Attention(self, *args, **kwargs):  # noqa: N802 (the extension's class name)
-        self.attention.append(kwargs["fp32_fast"])
+        self.attention.append(args[7].fp32_fast)  # the call's Options object
         return self._ext.Attention(*args, **kwargs)
 
     def SoftmaxMatmul(self, *args, **kwargs):  # noqa: N802
