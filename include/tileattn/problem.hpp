@@ -42,7 +42,7 @@ struct AttentionProblem {
   // ---- tensors --------------------------------------------------------------------------
   TensorView q, k, v;     // inputs
   TensorView o;           // forward output, backward input
-  // Log-sum-exp of the scaled (soft-capped) scores, natural log, fp32, contiguous:
+  // Log-sum-exp of the scaled (soft-capped, ALiBi-biased) scores, natural log, fp32, contiguous:
   // (batch, heads_q, seqlen_q), or (heads_q, total_q) for varlen. -inf for rows that see no key.
   float* lse = nullptr;
   TensorView dout;        // backward inputs
@@ -70,6 +70,17 @@ struct AttentionProblem {
   int64_t window_left = -1;
   int64_t window_right = -1;
   float softcap = 0.0f;                // > 0: scores become softcap * tanh(scores / softcap)
+  // ALiBi (flash-attn 2 semantics): fp32 slopes, in the same memory space as the tensors, at
+  // alibi_slopes[b * alibi_batch_stride + h] for sequence b, query head h (alibi_batch_stride 0:
+  // one slope per head for the whole batch, flash-attn's (heads_q,) shape). The (soft-capped)
+  // score of query i and key j gets  -slope * |i + sk - sq - j|  added in natural units, with sq, sk
+  // the lengths of the sequence (bottom-right aligned, per sequence for varlen). Gradients flow to
+  // Q, K, V only. L then is the LSE of the biased scores, except in flash-attn's causal form
+  // (window_right == 0 and no left bound, or one reaching every key), where flash-attn's kernel adds
+  // slope * j instead: the softmax is the same, and L, like its softmax_lse, is that LSE plus
+  // slope * (i + sk - sq). nullptr: no bias.
+  const float* alibi_slopes = nullptr;
+  int64_t alibi_batch_stride = 0;
   bool deterministic = false;          // backward: bitwise identical gradients run to run
   Fp32Mode fp32_mode = Fp32Mode::exact;
   Backend backend = Backend::automatic;

@@ -38,7 +38,8 @@ struct RowTerms {
 };
 
 struct BackwardScratch {
-  std::vector<float> q, dout, lse, delta;  // query tile: rows, dO rows, L, D
+  std::vector<float> q, dout, lse, delta;  // query tile: rows, dO rows, L (less its ALiBi offset), D
+  float slope = 0.0f;                      // ALiBi slope of the tile's head
   std::vector<float> norm;                 // factor on each row's P (RowTerms)
   std::vector<float> kt, vt, k;             // key tile: K^T, V^T, K rows
   std::vector<float> p, ds, th;             // kTileQ x kTileK: P, dP then dS, tanh of capped scores
@@ -67,14 +68,24 @@ void size_scratch(BackwardScratch& w, int64_t dqk, int64_t dv) {
   w.th.resize(size_t(kTileQ * kTileK));
 }
 
-// Loads the query-side tile: Q, dO, L (to log2), D.
-void load_query_tile(const AttentionProblem& p, const RowTerms& terms, const Sequence& s, int64_t h,
-                     int64_t i0, int64_t rows, BackwardScratch& w) {
+// L of row i, head h without what ALiBi's causal form adds to it (ScoreMod::lse_offset), so that
+// the weights are exp2((s - L) log2 e) with the scores the forward used.
+float row_lse(const AttentionProblem& p, const ScoreTransform& transform, const Sequence& s, int64_t i, int64_t h,
+              float slope) {
+  const float l = p.lse[lse_index(p, s, i, h)];
+  if (!transform.mod.alibi_lse_offset || l == -INFINITY) return l;
+  return float(double(l) - double(transform.mod.lse_offset(slope, int(i), int(s.len_q), int(s.len_k))));
+}
+
+// Loads the query-side tile: Q, dO, L, D, and the head's ALiBi slope.
+void load_query_tile(const AttentionProblem& p, const ScoreTransform& transform, const RowTerms& terms,
+                     const Sequence& s, int64_t h, int64_t i0, int64_t rows, BackwardScratch& w) {
+  w.slope = transform.mod.slope(s.b, h);
   load_rows(p, p.q, s, true, h, i0, rows, p.headdim_qk, w.q.data(), p.headdim_qk);
   load_rows(p, p.dout, s, true, h, i0, rows, p.headdim_v, w.dout.data(), p.headdim_v);
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t li = lse_index(p, s, i0 + i, h);
-    w.lse[size_t(i)] = p.lse[li];
+    w.lse[size_t(i)] = row_lse(p, transform, s, i0 + i, h, w.slope);
     w.delta[size_t(i)] = terms.delta[size_t(li)];
     w.norm[size_t(i)] = terms.norm.empty() ? 1.0f : terms.norm[size_t(li)];
   }
@@ -99,6 +110,7 @@ void probabilities_and_dp(const AttentionProblem& p, const ScoreTransform& trans
       continue;
     }
     transform.apply(pi, n, capped ? &w.th[size_t(i * kTileK)] : nullptr);
+    if (transform.mod.has_alibi()) ScoreTransform::add_alibi(pi, n, w.slope, i0 + i + s.len_k - s.len_q - j0, -1);
     if (boundary) mask_row(s.mask, i0 + i, j0, n, pi);
     weights_row(pi, n, lse);
     const float norm = w.norm[size_t(i)];
@@ -169,7 +181,8 @@ void compute_delta_consistent(const AttentionProblem& p, const ScoreTransform& t
     size_scratch(w, dqk, dv);
     load_rows(p, p.q, s, true, h, i0, rows, dqk, w.q.data(), dqk);
     load_rows(p, p.dout, s, true, h, i0, rows, dv, w.dout.data(), dv);
-    for (int64_t i = 0; i < rows; ++i) w.lse[size_t(i)] = p.lse[lse_index(p, s, i0 + i, h)];
+    w.slope = transform.mod.slope(b, h);
+    for (int64_t i = 0; i < rows; ++i) w.lse[size_t(i)] = row_lse(p, transform, s, i0 + i, h, w.slope);
     std::fill(w.norm.begin(), w.norm.end(), 1.0f);
     double sums[kTileQ] = {}, weights[kTileQ] = {};
     const int64_t key_end = s.mask.tile_end_key(int(i1));
@@ -199,7 +212,12 @@ void compute_delta_consistent(const AttentionProblem& p, const ScoreTransform& t
 // bits, or head dims so small that scores are few-term sums and rows are peaky, so a handful of
 // elements carry all of dQ and dK (measured: the 2x rule failed at headdim_qk 1-4 against a naive
 // fp32 implementation, passed at 8 and above with headdim_v up to 256).
-bool use_consistent_delta(const AttentionProblem& p) { return p.dtype != DType::f32 || p.headdim_qk <= 8; }
+// Also ALiBi's causal form: L is stored plus slope * (i + sk - sq), so its rounding (and that of
+// every P) grows with the row, past the 2x rule in fp32 (measured 1.5x the bound at slope 0.5,
+// 120 rows); the per-row factor removes it.
+bool use_consistent_delta(const AttentionProblem& p, const ScoreTransform& transform) {
+  return p.dtype != DType::f32 || p.headdim_qk <= 8 || transform.mod.alibi_lse_offset;
+}
 
 // dK, dV of one key tile, summed over the GQA group's query heads and the query tiles that see
 // the key tile. With `dq_accum` ((group head, row, dqk) of this sequence) also adds dS K.
@@ -219,7 +237,7 @@ void key_tile(const AttentionProblem& p, const ScoreTransform& transform, const 
     const int64_t h = hk * group + g;
     for (int64_t i0 = query_begin; i0 < query_end; i0 += kTileQ) {
       const int64_t rows = std::min(kTileQ, query_end - i0);
-      load_query_tile(p, terms, s, h, i0, rows, w);
+      load_query_tile(p, transform, terms, s, h, i0, rows, w);
       probabilities_and_ds(p, transform, s, i0, rows, j0, n, w);
       // dV += P^T dO;  dK += dS^T Q;  dQ += dS K
       gemm(w.p.data(), 1, kTileK, w.dout.data(), dv, w.part.data(), dv, n, dv, rows);
@@ -261,7 +279,7 @@ void dq_tile(const AttentionProblem& p, const ScoreTransform& transform, const R
   const int64_t dqk = p.headdim_qk, dv = p.headdim_v, hk = h / (p.heads_q / p.heads_kv);
   size_scratch(w, dqk, dv);
   w.wide.assign(size_t(kTileQ * dqk), 0.0);  // dQ / scale
-  load_query_tile(p, terms, s, h, i0, rows, w);
+  load_query_tile(p, transform, terms, s, h, i0, rows, w);
 
   const int64_t key_begin = first_key_tile(s, i0), key_end = s.mask.tile_end_key(int(i1));
   for (int64_t j0 = key_begin; j0 < key_end; j0 += kTileK) {
@@ -297,7 +315,7 @@ void backward(const AttentionProblem& p) {
   const int threads = threads_for(p.num_threads, flops);
   RowTerms terms;
   terms.delta.resize(size_t(p.heads_q * rows_q));
-  if (use_consistent_delta(p)) {
+  if (use_consistent_delta(p, transform)) {
     terms.norm.resize(terms.delta.size());
     compute_delta_consistent(p, transform, q_tiles, threads, terms);
   } else {

@@ -71,9 +71,9 @@ void online_step(float* s, int64_t rows, int64_t n, int64_t dv, OnlineRows& st) 
 
 // L = m + ln(l), rounded once: the backward's weights are exp2((s - L) * log2(e)), so L's error
 // reaches every weight of the row.
-float finish_lse_rounded_once(float m, float row_sum) {
+float finish_lse_rounded_once(float m, float row_sum, float offset) {
   if (!(row_sum > 0.0f)) return -INFINITY;
-  return float(double(m) + std::log(double(row_sum)));
+  return float(double(m) + std::log(double(row_sum)) + double(offset));
 }
 
 struct ForwardScratch {
@@ -101,6 +101,8 @@ void forward_tile(const AttentionProblem& p, const ScoreTransform& transform, in
   for (int64_t d = 0; d < dqk; ++d) std::fill(&w.qt[size_t(d * kTileQ + rows)], &w.qt[size_t(d * kTileQ + cols)], 0.0f);
 
   const int64_t key_begin = s.mask.tile_begin_key(int(i0)), key_end = s.mask.tile_end_key(int(i1));
+  const float slope = transform.mod.slope(b, h);
+  const int64_t shift = s.len_k - s.len_q;
   const int64_t full_begin = s.mask.full_begin_key(int(i1)), full_end = s.mask.full_end_key(int(i0));
   for (int64_t j0 = key_begin; j0 < key_end; j0 += kTileK) {
     const int64_t n = std::min(kTileK, key_end - j0);
@@ -109,6 +111,9 @@ void forward_tile(const AttentionProblem& p, const ScoreTransform& transform, in
     // S^T = K Q^T; only tiles straddling the mask edge pay for masking.
     gemm(w.k.data(), dqk, 1, w.qt.data(), kTileQ, w.s.data(), kTileQ, n, cols, dqk);
     for (int64_t j = 0; j < n; ++j) transform.apply(&w.s[size_t(j * kTileQ)], rows, nullptr);
+    if (transform.mod.has_alibi())
+      for (int64_t j = 0; j < n; ++j)
+        ScoreTransform::add_alibi(&w.s[size_t(j * kTileQ)], rows, slope, i0 + shift - (j0 + j), 1);
     if (j0 < full_begin || j0 + n > full_end) {
       for (int64_t i = 0; i < rows; ++i) {
         const int64_t lo = std::clamp<int64_t>(s.mask.begin_key(int(i0 + i)) - j0, 0, n);
@@ -124,7 +129,8 @@ void forward_tile(const AttentionProblem& p, const ScoreTransform& transform, in
 
   float* inv = w.rows.l;  // l is finished: reuse it for 1/l
   for (int64_t i = 0; i < rows; ++i) {
-    p.lse[lse_index(p, s, i0 + i, h)] = finish_lse_rounded_once(w.rows.m[i], inv[i]);
+    const float offset = transform.mod.lse_offset(slope, int(i0 + i), int(s.len_q), int(s.len_k));
+    p.lse[lse_index(p, s, i0 + i, h)] = finish_lse_rounded_once(w.rows.m[i], inv[i], offset);
     inv[i] = inverse_row_sum(inv[i]);
   }
   store_rows(p, p.o, s, true, h, i0, rows, dv, w.rows.acc.data(), dv, inv);

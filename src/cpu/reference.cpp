@@ -67,6 +67,9 @@ void run_oracle(const AttentionProblem& p, const std::vector<double>& q, const s
   const int64_t dqk = p.headdim_qk, dv = p.headdim_v;
   const double scale = p.softmax_scale ? double(*p.softmax_scale) : 1.0 / std::sqrt(double(dqk));
   const double cap = p.softcap;
+  // ALiBi's causal form (flash-attn's causal kernel adds slope * j): L carries slope * (i + sk - sq).
+  const bool alibi_causal_form =
+      p.alibi_slopes != nullptr && (p.causal || p.window_right == 0) && (p.window_left < 0 || p.window_left >= p.seqlen_k);
   if (fwd) {
     fwd->o.assign(size_t(seq.rows_q * hq * dv), 0.0);
     fwd->lse.assign(size_t(seq.rows_q * hq), -std::numeric_limits<double>::infinity());
@@ -87,11 +90,12 @@ void run_oracle(const AttentionProblem& p, const std::vector<double>& q, const s
     std::vector<double> pre(size_t(sq * sk)), prob(size_t(sq * sk));
     std::vector<char> seen(size_t(sq * sk));
     for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+      const double slope = p.alibi_slopes ? double(p.alibi_slopes[b * p.alibi_batch_stride + h]) : 0.0;
       auto qrow = [&](int64_t i) { return &q[size_t(((q0 + i) * hq + h) * dqk)]; };
       auto krow = [&](int64_t j) { return &k[size_t(((k0 + j) * hkv + hk) * dqk)]; };
       auto vrow = [&](int64_t j) { return &v[size_t(((k0 + j) * hkv + hk) * dv)]; };
       for (int64_t i = 0; i < sq; ++i) {
-        // S = softcap(scale * Q K^T), then P = softmax over the visible keys.
+        // S = softcap(scale * Q K^T) - slope |i + sk - sq - j|, then P = softmax over the visible keys.
         double m = -std::numeric_limits<double>::infinity();
         for (int64_t j = 0; j < sk; ++j) {
           const size_t ij = size_t(i * sk + j);
@@ -101,7 +105,7 @@ void run_oracle(const AttentionProblem& p, const std::vector<double>& q, const s
           s *= scale;
           pre[ij] = s;
           const double capped = cap > 0.0 ? cap * std::tanh(s / cap) : s;
-          prob[ij] = capped;
+          prob[ij] = capped - slope * std::abs(double(i + sk - sq - j));
           if (seen[ij]) m = std::max(m, capped);
         }
         double sum = 0.0;
@@ -113,7 +117,8 @@ void run_oracle(const AttentionProblem& p, const std::vector<double>& q, const s
         for (int64_t j = 0; j < sk; ++j) prob[size_t(i * sk + j)] = sum > 0.0 ? prob[size_t(i * sk + j)] / sum : 0.0;
         if (fwd) {
           const int64_t lse_index = p.is_varlen() ? h * seq.rows_q + q0 + i : (b * hq + h) * p.seqlen_q + i;
-          fwd->lse[size_t(lse_index)] = sum > 0.0 ? m + std::log(sum) : -std::numeric_limits<double>::infinity();
+          fwd->lse[size_t(lse_index)] = sum > 0.0 ? m + std::log(sum) + (alibi_causal_form ? slope * double(i + sk - sq) : 0.0)
+                                                  : -std::numeric_limits<double>::infinity();
           double* o = &fwd->o[size_t(((q0 + i) * hq + h) * dv)];
           for (int64_t j = 0; j < sk; ++j) {
             const double pij = prob[size_t(i * sk + j)];

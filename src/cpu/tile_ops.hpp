@@ -10,6 +10,7 @@
 
 #include "common/mask.hpp"
 #include "common/online_softmax.hpp"
+#include "common/score_mod.hpp"
 #include "cpu/convert.hpp"
 #include "tileattn/problem.hpp"
 
@@ -312,13 +313,25 @@ struct ScoreTransform {
   float scale = 1.0f;
   float qk_to_tanh = 0.0f;  // cap: scale / softcap
   float softcap = 0.0f;
+  ScoreMod mod;             // the problem's one preparation; ALiBi is read from it
 
   static ScoreTransform from(const AttentionProblem& p) {
     ScoreTransform t;
-    t.scale = *p.softmax_scale;
-    t.softcap = p.softcap;
-    if (p.softcap > 0.0f) t.qk_to_tanh = t.scale / p.softcap;
+    t.mod = score_mod(p);
+    t.scale = t.mod.scale;
+    t.softcap = t.mod.softcap;
+    t.qk_to_tanh = t.mod.softcap_pre;
     return t;
+  }
+
+  // ALiBi along n scores whose distances |i + sk - sq - j| are |d0 + step * k| (step +1 down a
+  // key-major column of queries, -1 along a row of keys): the bias is added after the cap, in
+  // natural units, before masking. Only called when the problem has slopes.
+  static void add_alibi(float* s, int64_t n, float slope, int64_t d0, int64_t step) {
+    for (int64_t k = 0; k < n; ++k) {
+      const int64_t d = d0 + step * k;
+      s[k] += -slope * float(d < 0 ? -d : d);
+    }
   }
 
   void apply(float* s, int64_t n, float* tanh_out) const {

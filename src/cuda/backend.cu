@@ -223,6 +223,8 @@ class Fp32ForwardPlan final : public detail::BackendPlan {
 }  // namespace
 
 std::unique_ptr<detail::BackendPlan> plan_forward(const AttentionProblem& problem) {
+  if (problem.alibi_slopes != nullptr)
+    throw Error(ErrorKind::unsupported, "alibi_slopes: ALiBi is not implemented by the CUDA forward yet");
   if (problem.dtype == DType::f32) return std::make_unique<Fp32ForwardPlan>(problem);
   return std::make_unique<ForwardPlan>(problem);
 }

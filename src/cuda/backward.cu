@@ -217,6 +217,8 @@ class BackwardPlan final : public detail::BackendPlan {
 }  // namespace
 
 std::unique_ptr<detail::BackendPlan> plan_backward(const AttentionProblem& problem) {
+  if (problem.alibi_slopes != nullptr)
+    throw Error(ErrorKind::unsupported, "alibi_slopes: ALiBi is not implemented by the CUDA backward yet");
   return std::make_unique<BackwardPlan>(problem);
 }
 

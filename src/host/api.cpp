@@ -78,6 +78,7 @@ void check_memory(const AttentionProblem& p, host::Pass pass, Backend backend) {
   check_memory_space(p.cu_seqlens_q, "cu_seqlens_q", backend);
   check_memory_space(p.cu_seqlens_k, "cu_seqlens_k", backend);
   check_memory_space(p.workspace, "workspace", backend);
+  check_memory_space(p.alibi_slopes, "alibi_slopes", backend);
 }
 
 void check_memory(const SoftmaxMatmulProblem& p, Backend backend) {

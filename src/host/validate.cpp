@@ -280,6 +280,14 @@ AttentionProblem validate_attention(const AttentionProblem& problem, Pass pass, 
   if (!std::isfinite(p.softcap) || p.softcap < 0.0f) {
     invalid("softcap=" + str(p.softcap) + " must be finite and >= 0 (0 disables soft-capping)");
   }
+  if (p.alibi_slopes != nullptr) {
+    check_aligned(p.alibi_slopes, sizeof(float), "alibi_slopes", "an f32 element");
+    if (p.alibi_batch_stride < 0) {
+      invalid("alibi_batch_stride=" + str(p.alibi_batch_stride) +
+              " must be >= 0 (0: one slope per head for the whole batch)");
+    }
+    checked_mul(p.batch - 1, p.alibi_batch_stride, "alibi_slopes");
+  }
   if (p.window_left < -1) invalid("window_left=" + str(p.window_left) + " must be >= -1 (-1 = unbounded)");
   if (p.window_right < -1) invalid("window_right=" + str(p.window_right) + " must be >= -1 (-1 = unbounded)");
   // causal sets the right bound to 0 whatever window_right says, and the left bound stays: the

@@ -141,12 +141,55 @@ std::vector<SweepCase> sweep_cases() {
     s.heads_kv = 1;
     add("varlen_window_mqa", s);
   }
+  // ALiBi: both forms of the LSE (causal, and the symmetric bias), sq != sk either way, GQA,
+  // soft-capping underneath, windows, varlen (bias per sequence) and both slope shapes.
+  {
+    using A = ProblemShape::Alibi;
+    for (auto [sq, sk] : {std::pair<int64_t, int64_t>{200, 200}, {70, 300}, {300, 70}}) {
+      const std::string n = "alibi_q" + std::to_string(sq) + "_k" + std::to_string(sk);
+      auto s = base(sq, sk);
+      s.alibi = A::per_head;
+      add(n, s);
+      s.causal = true;
+      s.alibi = A::per_batch_head;
+      s.batch = 2;
+      add(n + "_causal", s);
+    }
+    auto s = base(100, 150);
+    s.heads_q = 8;
+    s.heads_kv = 2;
+    s.causal = true;
+    s.alibi = A::per_head;
+    add("alibi_gqa8x2_causal", s);
+    s = base(150, 180);
+    s.softcap = 5.0f;
+    s.softmax_scale = 0.5f;
+    s.alibi = A::per_batch_head;
+    add("alibi_softcap", s);
+    s.causal = true;
+    add("alibi_softcap_causal", s);
+    s.window_left = 60;
+    add("alibi_softcap_causal_win", s);
+    s = base(200, 330);
+    s.window_right = 0;  // flash-attn's causal form reached through the window
+    s.alibi = A::per_head;
+    add("alibi_win_inf_0", s);
+    s = base(0, 0);
+    s.seqlens_q = {5, 0, 130, 64, 9};
+    s.seqlens_k = {7, 3, 130, 0, 200};
+    s.alibi = A::per_batch_head;
+    add("alibi_varlen", s);
+    s.causal = true;
+    s.heads_q = 4;
+    s.heads_kv = 1;
+    add("alibi_varlen_causal_mqa", s);
+  }
   // Low precision inputs and strided layouts.
   const std::vector<SweepCase> mixed = c;
   for (DType dt : {DType::f16, DType::bf16}) {
     const std::string tag = dt == DType::f16 ? "_f16" : "_bf16";
     for (const char* n : {"len127_causal", "len1000", "q300_k17_causal", "d256", "d7_dv3", "gqa16x2", "win32_16_q200_k330",
-                          "softcap_causal_win", "varlen_causal"})
+                          "softcap_causal_win", "varlen_causal", "alibi_q70_k300_causal", "alibi_varlen"})
       for (const auto& m : mixed)
         if (m.name == n) {
           auto s = m.shape;

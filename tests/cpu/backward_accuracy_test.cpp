@@ -23,6 +23,7 @@ struct Case {
   int64_t seqlen_q, seqlen_k, headdim_qk, headdim_v;
   DType dtype;
   bool causal;
+  bool alibi = false;
 };
 
 void check_trials(const Case& c) {
@@ -35,6 +36,7 @@ void check_trials(const Case& c) {
     shape.headdim_v = c.headdim_v;
     shape.dtype = c.dtype;
     shape.causal = c.causal;
+    if (c.alibi) shape.alibi = ProblemShape::Alibi::per_head;
     shape.num_threads = 2;
     HostProblem hp(shape);
     AttentionProblem& p = hp.problem;
@@ -67,6 +69,17 @@ TEST(BackwardAccuracy, Fp32DFromO) {
   check_trials({64, 80, 16, 256, DType::f32, false});
   check_trials({50, 50, 64, 64, DType::f32, true});
   check_trials({33, 33, 128, 32, DType::f32, false});
+}
+
+// ALiBi: in the causal form the backward reads L less slope * (i + sk - sq), recovered from a
+// stored fp32 L whose rounding grows with that offset.
+TEST(BackwardAccuracy, Alibi) {
+  for (DType dt : {DType::f32, DType::f16, DType::bf16}) {
+    SCOPED_TRACE(dt == DType::f32 ? "f32" : dt == DType::f16 ? "f16" : "bf16");
+    check_trials({120, 120, 64, 64, dt, true, true});
+    check_trials({70, 200, 32, 64, dt, false, true});
+    check_trials({200, 70, 64, 32, dt, true, true});
+  }
 }
 
 TEST(BackwardAccuracy, Fp32OneVisibleKeyGivesZeroDqDk) {

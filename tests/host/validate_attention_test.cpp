@@ -401,6 +401,29 @@ TEST(ValidateAttention, SoftcapMustBeFiniteAndNonNegative) {
   expect_fwd_error(a.p, ErrorKind::invalid_argument, {"softcap=-0.5 must be"});
 }
 
+TEST(ValidateAttention, AlibiSlopesAlignedWithANonNegativeBatchStride) {
+  alignas(8) float slopes[8] = {};
+  ValidAttention a;
+  a.p.alibi_slopes = reinterpret_cast<const float*>(reinterpret_cast<const char*>(slopes) + 2);
+  expect_fwd_error(a.p, ErrorKind::invalid_argument, {"alibi_slopes is not aligned to 4 bytes"});
+  a.p.alibi_slopes = slopes;
+  a.p.alibi_batch_stride = -1;
+  expect_fwd_error(a.p, ErrorKind::invalid_argument, {"alibi_batch_stride=-1 must be >= 0"});
+  a.p.alibi_batch_stride = int64_t(1) << 62;
+  a.p.batch = 3;
+  expect_fwd_error(a.p, ErrorKind::invalid_argument, {"alibi_slopes addresses more than INT64_MAX"});
+}
+
+TEST(NormaliseAttention, AlibiSlopesPassThrough) {
+  const float slopes[2] = {0.25f, -1.0f};  // any finite value, negative ones included
+  ValidAttention a;
+  a.p.alibi_slopes = slopes;
+  a.p.alibi_batch_stride = 0;
+  const AttentionProblem n = validate_fwd(a.p);
+  EXPECT_EQ(n.alibi_slopes, slopes);
+  EXPECT_EQ(n.alibi_batch_stride, 0);
+}
+
 TEST(ValidateAttention, SoftmaxScaleMustBeFiniteAndPositive) {
   const float inf = std::numeric_limits<float>::infinity();
   const std::vector<std::pair<float, std::string>> cases = {{std::nanf(""), "softmax_scale=nan"},

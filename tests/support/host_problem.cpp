@@ -68,6 +68,7 @@ std::string ProblemShape::describe() const {
   if (causal) os << " causal";
   if (window_left >= 0 || window_right >= 0) os << " window=(" << window_left << "," << window_right << ")";
   if (softcap > 0) os << " softcap=" << softcap;
+  if (alibi != Alibi::none) os << (alibi == Alibi::per_head ? " alibi=(heads)" : " alibi=(batch,heads)");
   if (softmax_scale) os << " scale=" << *softmax_scale;
   return os.str();
 }
@@ -234,6 +235,14 @@ HostProblem::HostProblem(const ProblemShape& shape_)
   problem.window_right = shape.window_right;
   problem.softcap = shape.softcap;
   problem.num_threads = shape.num_threads;
+  if (shape.alibi != ProblemShape::Alibi::none) {
+    const bool per_batch = shape.alibi == ProblemShape::Alibi::per_batch_head;
+    alibi_slopes.resize(size_t((per_batch ? b : 1) * shape.heads_q));
+    std::uniform_real_distribution<float> slope(0.0f, 0.5f);
+    for (float& x : alibi_slopes) x = slope(rng);
+    problem.alibi_slopes = alibi_slopes.data();
+    problem.alibi_batch_stride = per_batch ? shape.heads_q : 0;
+  }
 }
 
 void HostProblem::poison_outputs() {

@@ -49,6 +49,10 @@ struct ProblemShape {
   bool causal = false;
   int64_t window_left = -1, window_right = -1;
   float softcap = 0.0f;
+  // ALiBi slopes, random in [0, 0.5) (flash-attn's tests draw [0, 0.3)): one per query head
+  // (flash-attn's (heads,) shape, alibi_batch_stride 0) or one per (sequence, head).
+  enum class Alibi { none, per_head, per_batch_head };
+  Alibi alibi = Alibi::none;
   std::optional<float> softmax_scale;
   bool with_backward = true;  // allocate dO, dQ, dK, dV
   int num_threads = 0;
@@ -92,6 +96,7 @@ class HostProblem {
   HostTensor q, k, v, o, dout, dq, dk, dv;  // dout/dq/dk/dv empty unless shape.with_backward
   std::vector<float> lse;                   // L plus a poisoned guard tail
   std::vector<int32_t> cu_seqlens_q, cu_seqlens_k;
+  std::vector<float> alibi_slopes;  // empty without ALiBi
   AttentionProblem problem;  // points at the buffers above; options from the shape
 
   int64_t rows_q() const { return q.batch * q.seqlen; }  // batch * seqlen_q, or total_q

@@ -64,7 +64,12 @@ NaiveResult naive_attention(const AttentionProblem& p) {
         float* pi = &prob[size_t(i * sk)];
         float m = -INFINITY;
         for (int64_t j = 0; j < sk; ++j) {
-          const float s = round_to_dtype(round_to_dtype(dot(qb + i * qs, 1, kb + j * ks, 1, dqk), dt) * scale, dt);
+          float s = round_to_dtype(round_to_dtype(dot(qb + i * qs, 1, kb + j * ks, 1, dqk), dt) * scale, dt);
+          // ALiBi as an additive bias tensor in the dtype, as a framework adds attn_bias.
+          if (p.alibi_slopes != nullptr) {
+            const float slope = p.alibi_slopes[b * p.alibi_batch_stride + h];
+            s = round_to_dtype(s + round_to_dtype(-slope * float(std::abs(i + sk - sq - j)), dt), dt);
+          }
           pi[j] = mask.visible(int(i), int(j)) ? s : -INFINITY;
           m = std::max(m, pi[j]);
         }
