@@ -187,9 +187,9 @@ struct Options {
 class Attention {
  public:
   Attention(Array q, Array k, Array v, Array out, Array lse, OptArray cu_seqlens_q, OptArray cu_seqlens_k,
-            const Options& options, OptArray dout, OptArray dq, OptArray dk, OptArray dv)
+            const Options& options, OptArray dout, OptArray dq, OptArray dk, OptArray dv, OptArray alibi_slopes)
       : q_(q), k_(k), v_(v), out_(out), lse_(lse), dout_(dout), dq_(dq), dk_(dk), dv_(dv),
-        cu_q_(cu_seqlens_q), cu_k_(cu_seqlens_k) {
+        cu_q_(cu_seqlens_q), cu_k_(cu_seqlens_k), alibi_(alibi_slopes) {
     const int64_t max_seqlen_q = options.max_seqlen_q, max_seqlen_k = options.max_seqlen_k;
     if (cu_q_.has_value() != cu_k_.has_value())
       fail(ErrorKind::invalid_argument, "cu_seqlens_q and cu_seqlens_k must be given together (variable length)");
@@ -276,6 +276,7 @@ class Attention {
       p.dk = view_of(*dk_, varlen);
       p.dv = view_of(*dv_, varlen);
     }
+    if (alibi_) set_alibi(*alibi_);
     p.softmax_scale = options.softmax_scale;
     p.causal = options.causal;
     p.window_left = options.window_left;
@@ -310,6 +311,29 @@ class Attention {
   std::string backend() const { return backend_name(problem_.backend); }
 
  private:
+  // flash-attn's alibi_slopes: fp32, (heads_q,) or (batch, heads_q), last dim contiguous; a batch
+  // stride of 0 (expand) shares one row of slopes.
+  void set_alibi(const Array& a) {
+    auto& p = problem_;
+    if (a.dtype() != nb::dtype<float>())
+      fail(ErrorKind::invalid_type, "alibi_slopes.dtype=" + dtype_name(a.dtype()) + " must be float32");
+    if (!same_device(a, q_))
+      fail(ErrorKind::invalid_argument, "alibi_slopes is on " + device_name(a) + " but q is on " + device_name(q_) +
+                                            "; all tensors must share one device");
+    const bool per_batch = a.ndim() == 2;
+    if (!(a.ndim() == 1 && int64_t(a.shape(0)) == p.heads_q) &&
+        !(per_batch && int64_t(a.shape(0)) == p.batch && int64_t(a.shape(1)) == p.heads_q))
+      fail(ErrorKind::invalid_argument, "alibi_slopes.shape=" + shape_of(a) + " must be (heads,)=(" +
+                                            std::to_string(p.heads_q) + ",) or (batch, heads)=(" +
+                                            std::to_string(p.batch) + ", " + std::to_string(p.heads_q) + ")");
+    const size_t last = a.ndim() - 1;
+    if (a.shape(last) > 1 && a.stride(last) != 1)
+      fail(ErrorKind::invalid_argument, "alibi_slopes.stride(-1)=" + std::to_string(a.stride(last)) +
+                                            " must be 1 (the last dimension must be contiguous)");
+    p.alibi_slopes = static_cast<const float*>(a.data());
+    p.alibi_batch_stride = per_batch && a.shape(0) > 1 ? int64_t(a.stride(0)) : 0;
+  }
+
   void require_grads() const {
     if (!dout_) fail(ErrorKind::invalid_argument, "backward needs dout, dq, dk and dv");
   }
@@ -321,7 +345,7 @@ class Attention {
   }
 
   Array q_, k_, v_, out_, lse_;
-  OptArray dout_, dq_, dk_, dv_, cu_q_, cu_k_;
+  OptArray dout_, dq_, dk_, dv_, cu_q_, cu_k_, alibi_;
   tileattn::AttentionProblem problem_;
   std::optional<tileattn::Plan> plan_;
 };
@@ -412,10 +436,11 @@ NB_MODULE(_ext, m) {
 
   nb::class_<Attention>(m, "Attention")
       .def(nb::init<Array, Array, Array, Array, Array, OptArray, OptArray, const Options&, OptArray, OptArray, OptArray,
-                    OptArray>(),
+                    OptArray, OptArray>(),
            nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("lse"), nb::arg("cu_seqlens_q").none(),
            nb::arg("cu_seqlens_k").none(), nb::arg("options"), nb::arg("dout").none() = nb::none(),
-           nb::arg("dq").none() = nb::none(), nb::arg("dk").none() = nb::none(), nb::arg("dv").none() = nb::none())
+           nb::arg("dq").none() = nb::none(), nb::arg("dk").none() = nb::none(), nb::arg("dv").none() = nb::none(),
+           nb::kw_only(), nb::arg("alibi_slopes").none() = nb::none())
       .def("plan_forward", &Attention::plan_forward, nb::arg("stream") = 0)
       .def("plan_backward", &Attention::plan_backward, nb::arg("stream") = 0)
       .def("run", &Attention::run, nb::arg("workspace").none() = nb::none())

@@ -148,26 +148,29 @@ atexit.register(_options.cache_clear)
 
 
 def _attention(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-               causal, window_left, window_right, softcap, deterministic, grads=None):
-    for t, name in ((q, "q"), (k, "k"), (v, "v"), (cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k")):
+               causal, window_left, window_right, softcap, deterministic, grads=None, alibi_slopes=None):
+    for t, name in ((q, "q"), (k, "k"), (v, "v"), (cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k"),
+                    (alibi_slopes, "alibi_slopes")):
         if t is not None:
             _check_device(t, name)
     options = _options(max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
                        deterministic, _fp32_fast(q), _num_threads(q.device), _checks["cu_seqlens"])
     cu_q = None if cu_seqlens_q is None else _capsule(cu_seqlens_q)
     cu_k = None if cu_seqlens_k is None else _capsule(cu_seqlens_k)
+    alibi = None if alibi_slopes is None else _capsule(alibi_slopes)
     if grads is None:
         return _ext.Attention(_capsule(q), _capsule(k), _capsule(v), _capsule(out), _capsule(lse), cu_q, cu_k,
-                              options)
+                              options, alibi_slopes=alibi)
     dout, dq, dk, dv = grads
     return _ext.Attention(_capsule(q), _capsule(k), _capsule(v), _capsule(out), _capsule(lse), cu_q, cu_k, options,
-                          _capsule(dout), _capsule(dq), _capsule(dk), _capsule(dv))
+                          _capsule(dout), _capsule(dq), _capsule(dk), _capsule(dv), alibi_slopes=alibi)
 
 
 def _forward_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
                   cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
                   softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int,
-                  softcap: float, deterministic: bool) -> tuple[Tensor, Tensor]:
+                  softcap: float, deterministic: bool,
+                  alibi_slopes: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Forward: returns (out, lse). ``deterministic`` is only carried to the backward."""
     _check_device(q, "q")
     varlen = cu_seqlens_q is not None
@@ -175,7 +178,7 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor
     out = torch.empty(_out_shape(q, v), dtype=q.dtype, device=q.device)
     lse = torch.empty(_lse_shape(q, varlen), dtype=torch.float32, device=q.device)
     call = _attention(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                      causal, window_left, window_right, softcap, deterministic)
+                      causal, window_left, window_right, softcap, deterministic, alibi_slopes=alibi_slopes)
     with _device_context(q.device):
         call.run(_workspace(call.plan_forward(_stream(q.device)), q.device))
     return out, lse
@@ -186,9 +189,10 @@ attention_forward = torch.library.custom_op("tileattn::attention_forward", mutat
 
 @attention_forward.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
-      window_right, softcap, deterministic):
+      window_right, softcap, deterministic, alibi_slopes=None):
     varlen = cu_seqlens_q is not None
-    _check_same_device(dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k))
+    _check_same_device(dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                            alibi_slopes=alibi_slopes))
     _check_attention_ranks(q, k, v, varlen)
     out = q.new_empty(_out_shape(q, v))
     lse = q.new_empty(_lse_shape(q, varlen), dtype=torch.float32)
@@ -198,7 +202,8 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_s
 def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                    cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int,
                    max_seqlen_k: int, softmax_scale: Optional[float], causal: bool, window_left: int,
-                   window_right: int, softcap: float, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+                   window_right: int, softcap: float, deterministic: bool,
+                   alibi_slopes: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """Backward: returns (dq, dk, dv) from the forward's inputs, its out and lse, and dout."""
     _check_device(q, "q")
     _check_device(dout, "dout")
@@ -210,7 +215,8 @@ def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     call = _attention(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                      causal, window_left, window_right, softcap, deterministic, grads=(dout, dq, dk, dv))
+                      causal, window_left, window_right, softcap, deterministic, grads=(dout, dq, dk, dv),
+                      alibi_slopes=alibi_slopes)
     with _device_context(q.device):
         call.run(_workspace(call.plan_backward(_stream(q.device)), q.device))
     return dq, dk, dv
@@ -221,13 +227,13 @@ attention_backward = torch.library.custom_op("tileattn::attention_backward", mut
 
 @attention_backward.register_fake
 def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-      window_left, window_right, softcap, deterministic):
-    _check_same_device(dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse))
+      window_left, window_right, softcap, deterministic, alibi_slopes=None):
+    _check_same_device(dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, alibi_slopes=alibi_slopes))
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 _FORWARD_OPTIONS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal",
-                    "window_left", "window_right", "softcap", "deterministic")
+                    "window_left", "window_right", "softcap", "deterministic", "alibi_slopes")
 
 
 def _forward_setup_context(ctx, inputs, output):
@@ -268,13 +274,14 @@ class _EagerAttention(torch.autograd.Function):
 
 def attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
               max_seqlen_q: int, max_seqlen_k: int, softmax_scale: Optional[float], causal: bool, window_left: int,
-              window_right: int, softcap: float, deterministic: bool) -> tuple[Tensor, Tensor]:
+              window_right: int, softcap: float, deterministic: bool,
+              alibi_slopes: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(out, lse), differentiable in q, k, v: what the public functions call. Under torch.compile
     it is the ``tileattn::attention_forward`` operator (traced, no graph break), in eager mode the
     same computation without the operator dispatch."""
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
-            window_right, softcap, deterministic)
-    if torch.compiler.is_compiling() or not _plain_on_one_device(q, k, v, cu_seqlens_q, cu_seqlens_k):
+            window_right, softcap, deterministic, alibi_slopes)
+    if torch.compiler.is_compiling() or not _plain_on_one_device(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes):
         # Meta and fake tensors, tensor subclasses and mixed devices keep the operator's handling
         # (shape inference, its error messages).
         return torch.ops.tileattn.attention_forward(*args)

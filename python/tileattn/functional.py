@@ -32,14 +32,12 @@ _INT64_MAX = 2**63 - 1
 _FLOAT32_MAX = 3.4028234663852886e38
 
 
-def _reject_unsupported(dropout_p: float, alibi_slopes: Optional[Tensor]) -> None:
+def _reject_unsupported(dropout_p: float) -> None:
     p = float(dropout_p)
     if not 0.0 <= p <= 1.0:  # NaN fails too
         raise ValueError(f"dropout_p={dropout_p!r} must be in [0, 1]")
     if p != 0.0:
         raise NotImplementedError(f"dropout_p={dropout_p}: tileattn has no attention dropout; pass dropout_p=0.0")
-    if alibi_slopes is not None:
-        raise NotImplementedError("alibi_slopes: ALiBi biases are not supported; pass alibi_slopes=None")
 
 
 def _float32(value, name: str) -> float:
@@ -147,13 +145,13 @@ class _EmptyAttention(torch.autograd.Function):
 
 
 def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, left, right,
-               softcap, deterministic):
+               softcap, deterministic, alibi_slopes=None):
     rank = 3 if cu_seqlens_q is not None else 4
     if q.dim() == rank and k.dim() == rank and _is_empty(q, k, cu_seqlens_q):
         _check_empty_call(q, k, v, cu_seqlens_q, cu_seqlens_k)
         return _EmptyAttention.apply(q, k, v, cu_seqlens_q is not None)
     return _ops.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                          left, right, softcap, deterministic)
+                          left, right, softcap, deterministic, alibi_slopes)
 
 
 def _finish(out: Tensor, lse: Tensor, return_attn_probs: bool):
@@ -174,17 +172,20 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
     aligned to the bottom-right corner when seqlen_q != seqlen_k; ``window_size=(left, right)``
     limits query i to keys [i + sk - sq - left, i + sk - sq + right] (-1 = unbounded). With
     ``causal=True`` the right bound is 0 whatever ``right`` says and the left bound stays, as in
-    flash-attn.
+    flash-attn. ``alibi_slopes`` (float32, (heads,) or (batch, heads), on q's device) adds
+    ``-slope * |i + seqlen_k - seqlen_q - j|`` to the scaled (soft-capped) score, as flash-attn;
+    in its causal form softmax_lse carries ``slope * (i + seqlen_k - seqlen_q)`` as flash-attn's
+    does (docs/python.md).
 
     Returns out (batch, seqlen_q, heads, headdim_v); with ``return_attn_probs=True`` returns
     (out, softmax_lse, None), softmax_lse being (batch, heads, seqlen_q) float32. fp32 inputs are
     exact unless ``torch.get_float32_matmul_precision()`` is "high" or "medium" (or
     ``torch.backends.cuda.matmul.allow_tf32``), which selects the TF32 fast mode on the GPU.
     """
-    _reject_unsupported(dropout_p, alibi_slopes)
+    _reject_unsupported(dropout_p)
     left, right = _window(window_size)
     out, lse = _attention(q, k, v, None, None, 0, 0, _scale(softmax_scale, "softmax_scale"), bool(causal), left,
-                              right, _float32(softcap, "softcap"), bool(deterministic))
+                              right, _float32(softcap, "softcap"), bool(deterministic), alibi_slopes)
     return _finish(out, lse, return_attn_probs)
 
 
@@ -202,11 +203,12 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     sequence as in ``flash_attn_func``. With ``return_attn_probs=True`` returns
     (out, softmax_lse, None), softmax_lse being (heads, total_q) float32.
     """
-    _reject_unsupported(dropout_p, alibi_slopes)
+    _reject_unsupported(dropout_p)
     left, right = _window(window_size)
     out, lse = _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, _int64(max_seqlen_q, "max_seqlen_q"),
                               _int64(max_seqlen_k, "max_seqlen_k"), _scale(softmax_scale, "softmax_scale"),
-                              bool(causal), left, right, _float32(softcap, "softcap"), bool(deterministic))
+                              bool(causal), left, right, _float32(softcap, "softcap"), bool(deterministic),
+                              alibi_slopes)
     return _finish(out, lse, return_attn_probs)
 
 
@@ -302,7 +304,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     if attn_mask is not None:
         raise NotImplementedError("attn_mask: explicit masks are not supported; use is_causal, or flash_attn_func's "
                                   "window_size, or flash_attn_varlen_func for padded batches")
-    _reject_unsupported(dropout_p, None)
+    _reject_unsupported(dropout_p)
     rank = query.dim()
     if rank not in (3, 4) or key.dim() != rank or value.dim() != rank:
         raise ValueError("query, key and value must all be 4-D (batch, heads, seqlen, headdim) or all 3-D "

@@ -590,8 +590,8 @@ def run_invalid_case(rng, device: str) -> str:
         kwargs[name] = float(_pick(rng, [0.0, -1.0, -0.5, math.nan, math.inf]))
         expect = (ValueError, r"softmax_scale=.* must be finite and > 0")
     elif rule == "alibi":
-        kwargs["alibi_slopes"] = torch.ones(hq, device=device)
-        expect = (NotImplementedError, r"alibi_slopes")
+        kwargs["alibi_slopes"] = torch.ones(hq + 1, device=device)  # one slope too many
+        expect = (ValueError, r"alibi_slopes\.shape=\(%d,\) must be" % (hq + 1))
     elif rule == "attn_mask":
         kwargs["attn_mask"] = torch.ones(sq, sk, dtype=torch.bool, device=device)
         expect = (NotImplementedError, r"attn_mask")
