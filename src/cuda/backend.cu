@@ -11,6 +11,7 @@
 #include <string>
 
 #include "common/online_softmax.hpp"
+#include "common/score_mod.hpp"
 #include "common/backend_plan.hpp"
 #include "cuda/common/check.cuh"
 #include "cuda/common/row_alignment.hpp"
@@ -135,9 +136,9 @@ FwdParams make_params(const AttentionProblem& p) {
   f.seqlen_q = int(p.seqlen_q), f.seqlen_k = int(p.seqlen_k);
   f.headdim_qk = int(p.headdim_qk), f.headdim_v = int(p.headdim_v);
   f.window_left = int(p.window_left), f.window_right = int(p.window_right);
-  const float scale = *p.softmax_scale;
-  f.scale_log2 = scale * kLog2e;
-  if (p.softcap > 0.0f) f.softcap_pre = scale / p.softcap, f.softcap_post = p.softcap / scale;
+  f.mod = score_mod(p);
+  f.scale_log2 = f.mod.scale_log2;
+  f.softcap_pre = f.mod.softcap_pre, f.softcap_post = f.mod.softcap_post;
   f.vec_q = vectorizable(p.q, p.headdim_qk, varlen);
   f.vec_k = vectorizable(p.k, p.headdim_qk, varlen);
   f.vec_v = vectorizable(p.v, p.headdim_v, varlen);

@@ -17,6 +17,7 @@
 #include <string>
 
 #include "common/online_softmax.hpp"
+#include "common/score_mod.hpp"
 #include "common/backend_plan.hpp"
 #include "cuda/common/check.cuh"
 #include "cuda/common/row_alignment.hpp"
@@ -167,10 +168,11 @@ class BackwardPlan final : public detail::BackendPlan {
     params.headdim_v = int(p.headdim_v);
     params.window_left = window_side(p.window_left);
     params.window_right = window_side(p.window_right);
-    params.scale = *p.softmax_scale;
-    params.scale_log2 = params.scale * kLog2e;
-    params.softcap = p.softcap;
-    params.scale_over_cap = p.softcap > 0.0f ? params.scale / p.softcap : 0.0f;
+    params.mod = score_mod(p);
+    params.scale = params.mod.scale;
+    params.scale_log2 = params.mod.scale_log2;
+    params.softcap = params.mod.softcap;
+    params.scale_over_cap = params.mod.softcap_pre;
     params.vec_io = vector_io_ok(p);
     params.pair_grads = pair_stores_ok(p);
     params.seqlen_q_rounded = int(layout_.rows / (p.batch * p.heads_q));

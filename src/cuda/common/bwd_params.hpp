@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "common/mask.hpp"
+#include "common/score_mod.hpp"
 #include "common/varlen.hpp"
 #include "tileattn/problem.hpp"
 
@@ -29,6 +30,7 @@ struct BwdParams {
   float scale_log2;      // scale * log2(e): P = exp2(s * scale_log2 - lse2)
   float softcap;         // 0 = off
   float scale_over_cap;  // scale / softcap: capped = softcap * tanh(s * scale_over_cap)
+  ScoreMod mod;          // the one preparation the four fields above are copied from; ALiBi
 
   // 16-byte copies are legal for every tensor (head dims and strides multiples of 8 elements,
   // 16-byte aligned bases); otherwise tiles are gathered element by element.

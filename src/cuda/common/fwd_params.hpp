@@ -3,6 +3,8 @@
 // Plain data (no CUDA types) so that the dispatcher needs no kernel headers.
 #include <cstdint>
 
+#include "common/score_mod.hpp"
+
 namespace tileattn::cuda {
 
 struct FwdParams {
@@ -34,6 +36,9 @@ struct FwdParams {
   // Soft-capping in raw units: s -> softcap_post * tanh(s * softcap_pre), with
   // softcap_pre = scale / softcap and softcap_post = softcap / scale (0: off).
   float softcap_pre = 0.0f, softcap_post = 0.0f;
+  // The problem's one preparation (src/common/score_mod.hpp): the fields above are copied from it,
+  // and ALiBi's slopes and LSE form are read from it.
+  ScoreMod mod;
 
   // 16-byte loads are legal: 16-byte aligned base, strides multiple of 8, dim multiple of 8.
   bool vec_q = false, vec_k = false, vec_v = false;

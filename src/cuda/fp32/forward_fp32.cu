@@ -7,6 +7,7 @@
 #include <string>
 
 #include "common/online_softmax.hpp"
+#include "common/score_mod.hpp"
 #include "cuda/common/check.cuh"
 #include "cuda/common/row_alignment.hpp"
 #include "cuda/arch/hopper_available.hpp"
@@ -52,9 +53,10 @@ void forward_fp32(const AttentionProblem& pr) {
   const int64_t reach = pr.seqlen_q + pr.seqlen_k;
   p.window_left = clamp_window(pr.window_left, reach);
   p.window_right = clamp_window(pr.window_right, reach);
-  p.scale = *pr.softmax_scale;
-  p.scale_log2 = p.scale * kLog2e;
-  p.softcap = pr.softcap;
+  p.mod = score_mod(pr);
+  p.scale = p.mod.scale;
+  p.scale_log2 = p.mod.scale_log2;
+  p.softcap = p.mod.softcap;
   p.vec16 = pr.headdim_qk % 4 == 0 && pr.headdim_v % 4 == 0 && rows_aligned(pr.q, 4, 16, varlen) &&
             rows_aligned(pr.k, 4, 16, varlen) && rows_aligned(pr.v, 4, 16, varlen);
 

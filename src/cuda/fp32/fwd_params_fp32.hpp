@@ -3,6 +3,8 @@
 // score constants.
 #include <cstdint>
 
+#include "common/score_mod.hpp"
+
 namespace tileattn::cuda::fp32 {
 
 struct FwdParams {
@@ -25,6 +27,7 @@ struct FwdParams {
   float scale;                    // natural-domain softmax scale (soft-capping works there)
   float scale_log2;               // scale * log2(e)
   float softcap;
+  ScoreMod mod;  // the one preparation the three fields above are copied from; ALiBi
   bool vec16;  // every tensor row 16-byte aligned and head dims % 4 == 0
 };
 
