@@ -166,7 +166,8 @@ class ForwardPlan final : public detail::BackendPlan {
         uncovered_(packed_rows(problem, problem.o, false, problem.heads_q, problem.headdim_v, problem.lse)) {
     if (empty_) return;
     params_.fwd = make_params(problem);  // params_.fwd is what the sm80 kernel reads too
-    sm90_ = pick_forward_sm90(problem);
+    // ALiBi runs on the portable kernels only (the Hopper forward has no bias yet).
+    if (problem.alibi_slopes == nullptr) sm90_ = pick_forward_sm90(problem);
     if (sm90_ && !sm90_->make_maps(problem, params_)) sm90_.reset();
     if (sm90_) {
       params_.fwd.num_splits = sm90_->num_splits(params_);
@@ -224,9 +225,11 @@ class Fp32ForwardPlan final : public detail::BackendPlan {
 }  // namespace
 
 std::unique_ptr<detail::BackendPlan> plan_forward(const AttentionProblem& problem) {
-  if (problem.alibi_slopes != nullptr)
-    throw Error(ErrorKind::unsupported, "alibi_slopes: ALiBi is not implemented by the CUDA forward yet");
-  if (problem.dtype == DType::f32) return std::make_unique<Fp32ForwardPlan>(problem);
+  if (problem.dtype == DType::f32) {
+    if (problem.alibi_slopes != nullptr)
+      throw Error(ErrorKind::unsupported, "alibi_slopes: ALiBi is not implemented by the CUDA fp32 forward yet");
+    return std::make_unique<Fp32ForwardPlan>(problem);
+  }
   return std::make_unique<ForwardPlan>(problem);
 }
 

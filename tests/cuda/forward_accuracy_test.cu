@@ -150,6 +150,34 @@ std::vector<ForwardCase> base_cases() {
     d.softcap = 5.0f;
     c.push_back({"split_d80_softcap", d, true});
   }
+  // ALiBi: both LSE forms, sq != sk, GQA, softcap underneath, varlen per sequence, split-KV, both
+  // slope shapes.
+  {
+    using A = ProblemShape::Alibi;
+    ProblemShape s = shape(200, 300, 64, 4, 2);
+    s.alibi = A::per_head;
+    c.push_back({"alibi_gqa", s});
+    s.causal = true;
+    s.batch = 2;
+    s.alibi = A::per_batch_head;
+    c.push_back({"alibi_gqa_causal", s});
+    ProblemShape t = shape(300, 120, 64);
+    t.causal = true;
+    t.softcap = 2.0f;
+    t.alibi = A::per_head;
+    c.push_back({"alibi_softcap_causal_sq_gt_sk", t});
+    ProblemShape v = shape(0, 0, 64, 4, 2);
+    v.seqlens_q = {5, 0, 130, 64, 200};
+    v.seqlens_k = {7, 3, 130, 0, 260};
+    v.alibi = A::per_batch_head;
+    c.push_back({"alibi_varlen", v});
+    v.causal = true;
+    c.push_back({"alibi_varlen_causal", v});
+    ProblemShape d = shape(16, 4096, 64, 8, 2);
+    d.causal = true;
+    d.alibi = A::per_head;
+    c.push_back({"alibi_split_causal", d, true});
+  }
   // Strided layouts: SDPA's (batch, heads, seqlen, dim) and padded rows/heads/batches.
   {
     ProblemShape s = shape(129, 200, 64);

@@ -114,6 +114,10 @@ class DeviceProblem {
       problem.cu_seqlens_q = cu_q_.get<int32_t>();
       problem.cu_seqlens_k = cu_k_.get<int32_t>();
     }
+    if (!hp.alibi_slopes.empty()) {
+      alibi_ = DeviceBuffer(hp.alibi_slopes.data(), hp.alibi_slopes.size() * sizeof(float));
+      problem.alibi_slopes = alibi_.get<float>();
+    }
     problem.backend = Backend::cuda;
   }
   DeviceProblem(const DeviceProblem&) = delete;
@@ -146,7 +150,7 @@ class DeviceProblem {
   }
 
   HostProblem& hp_;
-  DeviceBuffer q_, k_, v_, o_, dout_, dq_, dk_, dv_, lse_, cu_q_, cu_k_;
+  DeviceBuffer q_, k_, v_, o_, dout_, dq_, dk_, dv_, lse_, cu_q_, cu_k_, alibi_;
 
  public:
   AttentionProblem problem;
@@ -223,6 +227,7 @@ __global__ void __launch_bounds__(kThreads) naive_forward_kernel(AttentionProble
     for (int64_t d = 0; d < p.headdim_qk; ++d)
       acc += load<T>(p.q.data, q_off + d) * load<T>(p.k.data, k_off + j * p.k.seq_stride + d);
     float x = apply_softcap(acc * scale, p.softcap);
+    if (p.alibi_slopes) x -= p.alibi_slopes[b * p.alibi_batch_stride + h] * fabsf(float(i + sk - sq - j));
     if (!mask.visible(int(i), int(j))) x = -INFINITY;
     s[j] = x;
     row_max = fmaxf(row_max, x);
@@ -245,7 +250,11 @@ __global__ void __launch_bounds__(kThreads) naive_forward_kernel(AttentionProble
     for (int64_t j = 0; j < sk; ++j) acc += s[j] * load<T>(p.v.data, v_off + j * p.v.seq_stride + d);
     o[d] = round_to<T>(acc);
   }
-  if (threadIdx.x == 0) lse_out[lse_index] = row_max + logf(sum);
+  // ALiBi's causal form: L carries slope * (i + sk - sq), as flash-attn's softmax_lse does.
+  const bool alibi_offset = p.alibi_slopes && (p.causal || p.window_right == 0) &&
+                            (p.window_left < 0 || p.window_left >= p.seqlen_k);
+  const float offset = alibi_offset ? p.alibi_slopes[b * p.alibi_batch_stride + h] * float(i + sk - sq) : 0.0f;
+  if (threadIdx.x == 0) lse_out[lse_index] = row_max + logf(sum) + offset;
 }
 
 }  // namespace naive_detail

@@ -91,7 +91,11 @@ __device__ __forceinline__ void store_fwd_output(const FwdParams& p, const FwdBl
       const int row = row0 + mt * 16 + half * 8;
       if (row >= blk.seqlen_q) continue;
       const float inv = inverse_row_sum(stats.sum[mt][half]);
-      const float lse = finish_lse(stats.max_log2[mt][half], stats.sum[mt][half]);
+      float lse = finish_lse(stats.max_log2[mt][half], stats.sum[mt][half]);
+      // ALiBi's causal form: L as flash-attn returns it (ScoreMod::lse_offset); split partials
+      // carry it too, and the combine's logsumexp keeps it once.
+      if (p.mod.alibi_lse_offset && lse != -INFINITY)
+        lse += p.mod.lse_offset(p.mod.slope(blk.batch, blk.head), row, blk.seqlen_q, blk.seqlen_k);
       if (p.num_splits > 1) {
         const int64_t r = ((int64_t(blk.split) * p.batch + blk.batch) * p.heads_q + blk.head) * p.seqlen_q + row;
         float* out = p.o_partial + r * p.headdim_v;

@@ -73,6 +73,9 @@ __global__ void __launch_bounds__(FwdTraits<T, kHeadDim>::kThreads)
       for (int e = 0; e < 4; ++e) acc_o[mt][ot][e] = 0.0f;
   RowStats<kMTiles> stats;
   stats.init();
+  // One branch per tile decides the bias: without slopes the loop does no ALiBi work.
+  const bool alibi = p.mod.has_alibi();
+  const float slope_raw = alibi ? p.mod.slope(blk.batch, blk.head) / p.mod.scale : 0.0f;
 
   if (n_begin < n_end) {
     const int kv_head = blk.head / (p.heads_q / p.heads_kv);
@@ -138,6 +141,7 @@ __global__ void __launch_bounds__(FwdTraits<T, kHeadDim>::kThreads)
 
       if (p.softcap_pre > 0.0f) softcap_scores(s, p.softcap_pre, p.softcap_post);
       const int key0 = n * kBlockN;
+      if (alibi) alibi_scores(s, slope_raw, row0, key0, blk.seqlen_q, blk.seqlen_k);
       const bool interior = key0 >= full_begin && key0 + kBlockN <= full_end;
       if (!interior) mask_scores(s, mask, row0, key0);
 

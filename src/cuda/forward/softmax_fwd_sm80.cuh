@@ -5,6 +5,7 @@
 #include <math.h>
 
 #include "common/mask.hpp"
+#include "common/score_mod.hpp"
 #include "common/online_softmax.hpp"
 #include "cuda/arch/ptx_sm80.cuh"
 
@@ -39,6 +40,25 @@ __device__ __forceinline__ void mask_scores(float (&s)[kMTiles][kNTiles][4], con
           const int key = key0 + nt * 8 + 2 * t + e;
           if (key < begin || key >= end) s[mt][nt][half * 2 + e] = -INFINITY;
         }
+    }
+}
+
+// ALiBi in raw score units (slope_raw = slope / scale, see ScoreMod), after the cap and before
+// the mask, at the row/key indices mask_scores uses; sq, sk: the sequence's lengths.
+template <int kMTiles, int kNTiles>
+__device__ __forceinline__ void alibi_scores(float (&s)[kMTiles][kNTiles][4], float slope_raw, int row0, int key0,
+                                             int sq, int sk) {
+  const int t = threadIdx.x % 4;
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = row0 + mt * 16 + half * 8;
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          s[mt][nt][half * 2 + e] += ScoreMod::alibi_bias(slope_raw, row, key0 + nt * 8 + 2 * t + e, sq, sk);
     }
 }
 
