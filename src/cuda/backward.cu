@@ -5,7 +5,7 @@
 // The sm80 kernels sum dQ either by fp32 atomics from the dK/dV kernel into a workspace
 // accumulator (then scaled and converted), or by its own pass over key tiles (the deterministic
 // mode). The sm90 kernels always give dQ its own pass, so they are deterministic as they stand;
-// docs/perf.md ("CUDA backward") records the measured cost of each.
+// docs/perf.md ("Design decisions") gives the measured cost of each.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>

@@ -48,7 +48,7 @@ __global__ void __launch_bounds__(kRowKernelThreads) preprocess_kernel(const Bwd
   // fp32 sums in double: dS = P (dP - D) cancels, so whatever D, dP and P round differently goes
   // straight into dS. The fp32 backward also sums S and dP wide (warp_gemm's kWideSum). With all
   // three in fp32, dQ broke the 2x rule in 6 of 80 checks of a causal GQA d128 case (H100, up to
-  // 1.19 of the bound); see docs/perf.md for the variants measured.
+  // 1.19 of the bound); see docs/perf-log.md for the variants measured.
   using Acc = std::conditional_t<std::is_same_v<T, float>, double, float>;
   Acc acc = 0;
   for (int c = lane; c < p.headdim_v; c += 32) acc = fma(Acc(to_float(o[c])), Acc(to_float(d[c])), acc);

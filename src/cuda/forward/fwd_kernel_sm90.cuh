@@ -13,9 +13,8 @@
 //                    with S(j + 1) issued beside P V(j), so that the softmax of j + 1 runs while
 //                    P V(j) is on the tensor cores, and the two consumers issue their products
 //                    in turn (ping-pong), so that one's softmax runs beside the other's products.
-// Registers move from the producer (which needs few) to the consumers. H100, bf16, N = 16k: both
-// overlaps together took D = 128 from 541-545 to 613-616 TFLOP/s and D = 64 from 423-428 to 459;
-// the intra-warpgroup overlap alone gave 563 and 395-396.
+// Registers move from the producer (which needs few) to the consumers. The two overlaps together
+// gain 13% at D = 128 and 8% at D = 64 (H100, bf16, N = 16k; docs/perf.md).
 // Key tiles are visited from the last to the first, as in the sm80 kernel (mask work first).
 // O leaves through the consumers' rows of Q and TMA stores (epilogue_fwd_sm90.cuh).
 #include <cuda_runtime.h>

@@ -14,16 +14,12 @@
 //                    any layout), so nothing is transposed through shared memory.
 //
 // The loads have a warpgroup of their own, at 24 registers, because any wait on a product
-// warp's path idles the tensor cores. H100, 16 x 2048 x 8192 x 512: issued by a thread of each
-// product warpgroup, the whole kernel ran 1.08-1.10 ms; from their own warps, 0.96-0.98. (Issued
-// by the softmax warpgroup, V arrived late. On a product warp's loading thread, a few integer
-// divisions per tile lost a fifth of the speed, and putting a load off while its stage was busy,
-// rather than waiting for it, lost a fifth too.)
+// warp's path idles the tensor cores (H100: 0.96-0.98 ms against 1.08-1.10 with the loads issued
+// from a product warpgroup; docs/perf.md).
 //
 // CTAs run in pairs on neighbouring row bands of the same column slice, each loading half of
-// every V tile into both (multicast): a third less L2 traffic per tile. H100, 16 x 2048 x 8192 x
-// 512: with only the loads and barriers left in, pairs ran 0.87 ms against 0.98 unpaired, and
-// the whole kernel 1.08 against 1.25.
+// every V tile into both (multicast): a third less L2 traffic per tile (whole kernel 1.08 ms
+// against 1.25 unpaired).
 //
 // Orders inside a tile are free where both operands agree:
 // - columns (M): accumulator rows g and g + 8 of a warp's 16 are output columns 2g and 2g + 1,
@@ -57,13 +53,11 @@ struct Sm90FastF32Tile {
   static constexpr int kBlockCols = 256;   // output columns: 128 per product warpgroup (2 x M = 64)
   static constexpr int kBlockK = 32;       // keys per stage: one 128-byte row of X
   static constexpr int kKSteps = kBlockK / 8;
-  // (H100, loads from their own warpgroup: X/V stages 6/3 ran 0.944-0.945 ms, 4/4 0.940-0.960,
-  // 5/4 0.953-0.958, 7/3 0.950-0.958, 3/5 1.04-1.06.)
+  // (Depths from 4/4 to 7/3 ran within their spread, 3/5 about 10% slower: docs/perf-log.md.)
   static constexpr int kXStages = 6;
   static constexpr int kVStages = 3;
-  // CTAs on neighbouring row bands that share V tiles. (H100: clusters of 4 ran 1.32-1.39 ms
-  // against 1.08-1.10 for pairs, and 1.07-1.18 against 0.87 with only the loads left in. Only 30
-  // clusters of four fit at once, against 66 pairs, so 512 blocks take five waves, not four.)
+  // CTAs on neighbouring row bands that share V tiles: pairs, because only 30 clusters of four
+  // fit at once against 66 pairs, so 512 blocks would take five waves, not four.
   static constexpr int kCluster = 2;
   static constexpr int kXBytes = kBlockRows * 128;
   static constexpr int kVPanelBytes = kBlockK * 128;  // 32 keys x 32 columns

@@ -58,10 +58,8 @@ struct Sm90Tile {
   static constexpr int kBlockK = 128 / int(sizeof(T));  // keys per stage: one 128-byte row of X
   static constexpr int kKSteps = kBlockK / (kF32 ? 8 : 16);
   static constexpr int kVals = kBlockK / 4;  // X values per thread per row and stage
-  // Stage counts of X tiles, V tiles as loaded, and (fp32) transposed V tiles. (H100, 16 x 2048 x
-  // 8192 x 512, fast mode on the 256-column fp32 instance since replaced by the transposed
-  // kernel: X/V/T = 3/2/3, 2/3/3 and 3/3/2 all ran in 1.24 to 1.33 ms, within their spread: the
-  // depth of the rings does not set the pace.)
+  // Stage counts of X tiles, V tiles as loaded, and (fp32) transposed V tiles; the depth of the
+  // rings does not set the pace (the depths tried ran within their spread: docs/perf-log.md).
   static constexpr int kXStages = kF32 ? 3 : 4;
   static constexpr int kVStages = kF32 ? (kSplit ? 3 : 2) : 4;
   static constexpr int kTStages = kF32 ? (kSplit ? 4 : 3) : 0;
