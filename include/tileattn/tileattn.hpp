@@ -2,4 +2,5 @@
 #include "tileattn/attention.hpp"
 #include "tileattn/error.hpp"
 #include "tileattn/flops.hpp"
+#include "tileattn/merge.hpp"
 #include "tileattn/problem.hpp"

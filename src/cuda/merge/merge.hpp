@@ -1,0 +1,10 @@
+#pragma once
+// The CUDA merge of partial attention results (include/tileattn/merge.hpp), declared in plain C++
+// for src/host/merge.cpp. Takes a problem validated there, with every pointer device memory.
+#include "tileattn/merge.hpp"
+
+namespace tileattn::cuda {
+
+void merge_attention(const MergeProblem& problem);
+
+}  // namespace tileattn::cuda
