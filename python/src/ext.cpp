@@ -465,4 +465,67 @@ NB_MODULE(_ext, m) {
 #else
   m.attr("built_with_cuda") = false;
 #endif
+
+  // merge_attention(out, lse, out_b, lse_b): (out_b, lse_b) merged into (out, lse) in place
+  // (include/tileattn/merge.hpp). out/out_b (batch, seqlen, heads, headdim) with lse (batch, heads,
+  // seqlen), or (total, heads, headdim) with lse (heads, total); out float32 over any dtype, or
+  // out_b's dtype. L views need a contiguous last dimension; the library checks the rest.
+  m.def(
+      "merge_attention",
+      [](Array out, Array lse, Array out_b, Array lse_b, uintptr_t stream, int num_threads) {
+        const bool varlen = out.ndim() == 3;
+        const size_t rank = varlen ? 3 : 4;
+        const char* dims = varlen ? kVarlenDims : kFixedDims;
+        if (out.ndim() != 3 && out.ndim() != 4)
+          fail(ErrorKind::invalid_argument, std::string("out must have 4 dimensions ") + kFixedDims + " or 3 " +
+                                                kVarlenDims + ", got shape " + shape_of(out));
+        check_operand(out, "out", rank, dims, out, "out");
+        if (!dtype_of(out_b))
+          fail(ErrorKind::invalid_type, "out_b.dtype=" + dtype_name(out_b.dtype()) +
+                                            " is not supported (float16, bfloat16 or float32)");
+        check_shape(out_b, "out_b", std::vector<int64_t>(out.shape_ptr(), out.shape_ptr() + rank), "(the shape of out)");
+        if (!same_device(out_b, out))
+          fail(ErrorKind::invalid_argument, "out_b is on " + device_name(out_b) + " but out is on " +
+                                                device_name(out) + "; all tensors must share one device");
+        if (out_b.shape(rank - 1) > 1 && out_b.stride(rank - 1) != 1)
+          fail(ErrorKind::invalid_argument, "out_b.stride(-1)=" + std::to_string(out_b.stride(rank - 1)) +
+                                                " must be 1 (the last dimension must be contiguous)");
+        tileattn::MergeProblem p;
+        const int64_t b = varlen ? 1 : int64_t(out.shape(0)), n = int64_t(out.shape(rank - 3));
+        p.batch = b, p.seqlen = n, p.heads = int64_t(out.shape(rank - 2)), p.headdim = int64_t(out.shape(rank - 1));
+        const std::vector<int64_t> l_shape = varlen ? std::vector<int64_t>{p.heads, n} : std::vector<int64_t>{b, p.heads, n};
+        const char* l_why = varlen ? "(heads, total)" : "(batch, heads, seqlen)";
+        for (auto [l, name] : {std::pair<Array*, const char*>{&lse, "lse"}, {&lse_b, "lse_b"}}) {
+          if (l->dtype() != nb::dtype<float>())
+            fail(ErrorKind::invalid_type, std::string(name) + ".dtype=" + dtype_name(l->dtype()) + " must be float32");
+          if (!same_device(*l, out))
+            fail(ErrorKind::invalid_argument, std::string(name) + " is on " + device_name(*l) + " but out is on " +
+                                                  device_name(out) + "; all tensors must share one device");
+          check_shape(*l, name, l_shape, l_why);
+          if (n > 1 && l->stride(l->ndim() - 1) != 1)
+            fail(ErrorKind::invalid_argument, std::string(name) + ".stride(-1)=" +
+                                                  std::to_string(l->stride(l->ndim() - 1)) +
+                                                  " must be 1 (the last dimension must be contiguous)");
+        }
+        const auto view = [&](const Array& a) {
+          tileattn::TensorView t = view_of(a, varlen);
+          if (varlen) t.batch_stride = 0;
+          return t;
+        };
+        p.out = view(out), p.out_dtype = *dtype_of(out);
+        p.out_b = view(out_b), p.out_b_dtype = *dtype_of(out_b);
+        p.lse = static_cast<float*>(lse.data());
+        p.lse_b = static_cast<const float*>(lse_b.data());
+        p.lse_head_stride = int64_t(lse.stride(varlen ? 0 : 1));
+        p.lse_b_head_stride = int64_t(lse_b.stride(varlen ? 0 : 1));
+        p.lse_batch_stride = varlen ? 0 : int64_t(lse.stride(0));
+        p.lse_b_batch_stride = varlen ? 0 : int64_t(lse_b.stride(0));
+        p.backend = backend_for(out, "out");
+        p.stream = reinterpret_cast<void*>(stream);
+        p.num_threads = num_threads;
+        nb::gil_scoped_release release;
+        tileattn::merge_attention(p);
+      },
+      nb::arg("out"), nb::arg("lse"), nb::arg("out_b"), nb::arg("lse_b"), nb::kw_only(), nb::arg("stream") = 0,
+      nb::arg("num_threads") = 0);
 }

@@ -6,6 +6,8 @@
   ``flash_attn_varlen_kvpacked_func`` read the packed tensor in place.
 - ``scaled_dot_product_attention``: PyTorch SDPA's signature and layout (batch, heads, seqlen, headdim).
 - ``softmax_matmul``: softmax(x, dim=-1) @ v without materialising softmax(x).
+- ``merge_attention``: merges two partial results (out, lse) over disjoint keys, in place;
+  ``tileattn.distributed`` builds context-parallel attention on it.
 - ``FlashAttentionFunction``: (batch, seqlen, headdim) autograd function on the kernels;
   ``tileattn.reference.FlashAttentionPytorch`` is its readable pure-PyTorch counterpart.
 
@@ -20,6 +22,7 @@ from .functional import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_q
                          scaled_dot_product_attention, softmax_matmul)
 from . import reference
 from ._ops import check_cu_seqlens
+from .distributed.merge import merge_attention
 
 __version__ = _ext.version()
 
@@ -46,6 +49,7 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
+    "merge_attention",
     "reference",
     "scaled_dot_product_attention",
     "softmax_matmul",

@@ -1,0 +1,421 @@
+"""Context-parallel attention over a torch.distributed process group.
+
+A sequence of N tokens is split along its length over the P ranks of a group; each rank holds
+n = N / P rows of Q, K and V and computes its n rows of the output. Without ``causal`` rank r holds
+the contiguous rows [r n, (r + 1) n). With ``causal`` the sequence is cut into 2P chunks of
+m = N / (2P) rows and rank r holds chunks r and 2P - 1 - r, in that order (the "zig-zag" split of
+ring-flash-attention and Llama 3): under a causal mask the early chunk sees few keys and the late
+one many, so every rank gets the same work.
+
+Two ways to see every key:
+
+- ``mode="ring"``: the K/V shards travel round the ring (rank r sends to r + 1), one step per rank;
+  the transfer of the next shard is posted before the attention of the current one, so it runs
+  under it. Each step is one or a few tileattn calls on the (query segment, key segment) pairs the
+  mask leaves visible (a full block, a causal diagonal, or nothing), merged into an fp32
+  accumulator with ``merge_attention``. The backward walks the ring again with the global out and
+  lse: dQ accumulates locally in fp32, dK/dV in fp32 buffers that travel with their K/V shard and
+  arrive at its owner after the last step.
+- ``mode="allgather"``: K and V are gathered whole first (Llama 3's recipe), then each local query
+  segment is one call on the key range it can see; the backward reduce-scatters dK/dV (fp32) to
+  their owners. More memory (the full K/V), fewer and larger calls, no overlap.
+
+Windows are exact in both modes: each call takes only the queries and keys the window leaves
+visible between the two segments and re-expresses the window in that block's bottom-right
+aligned coordinates.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .. import _ops
+from .merge import merge_attention
+
+__all__ = ["shard", "unshard", "context_parallel_attn"]
+
+_MODES = ("ring", "allgather")
+
+
+# ---- the process group and the split ----------------------------------------------------------
+
+def _group_rank_size(group) -> tuple[int, int]:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("tileattn.distributed needs an initialised torch.distributed process group "
+                           "(torch.distributed.init_process_group, e.g. under torchrun)")
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _global_rank(group, rank: int) -> int:
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def _segments(rank: int, world: int, local_len: int, causal: bool) -> list[tuple[int, int, int]]:
+    """(local start, global start, length) of the runs of the sequence a rank holds."""
+    if not causal:
+        return [(0, rank * local_len, local_len)]
+    m = local_len // 2
+    return [(0, rank * m, m), (m, (2 * world - 1 - rank) * m, m)]
+
+
+def _check_split(length: int, world: int, causal: bool, what: str) -> None:
+    parts = 2 * world if causal else world
+    if length % parts != 0:
+        why = f"2 * world_size={parts} (causal: two chunks per rank)" if causal else f"world_size={parts}"
+        raise ValueError(f"{what}={length} must be divisible by {why}")
+
+
+def shard(x: Tensor, group=None, dim: int = 1, causal: bool = False) -> Tensor:
+    """This rank's part of the full tensor ``x`` along ``dim`` (the sequence axis of (batch, seqlen,
+    heads, headdim) by default): the contiguous rows [r n, (r + 1) n) (a view) or, with ``causal``,
+    the zig-zag pair of chunks r and 2P - 1 - r (a copy). Differentiable."""
+    rank, world = _group_rank_size(group)
+    dim = dim % x.dim()
+    _check_split(x.shape[dim], world, causal, f"x.shape[{dim}]")
+    n = x.shape[dim] // world
+    parts = [x.narrow(dim, g, length) for _, g, length in _segments(rank, world, n, causal)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
+def unshard(x_local: Tensor, group=None, dim: int = 1, causal: bool = False) -> Tensor:
+    """The full tensor from every rank's ``shard`` (the inverse of ``shard``, on every rank).
+    Gathers with ``all_gather``; not differentiable."""
+    rank, world = _group_rank_size(group)
+    dim = dim % x_local.dim()
+    n = x_local.shape[dim]
+    if causal and n % 2 != 0:
+        raise ValueError(f"x_local.shape[{dim}]={n} must be even (causal: two chunks per rank)")
+    pieces = [torch.empty_like(x_local) for _ in range(world)]
+    dist.all_gather(pieces, x_local.contiguous(), group=group)
+    shape = list(x_local.shape)
+    shape[dim] = n * world
+    full = x_local.new_empty(shape)
+    for s, piece in enumerate(pieces):
+        for local, g, length in _segments(s, world, n, causal):
+            full.narrow(dim, g, length).copy_(piece.narrow(dim, local, length))
+    return full
+
+
+# ---- blocks: which queries see which keys between two segments --------------------------------
+
+@dataclass(frozen=True)
+class _Block:
+    q0: int  # query rows [q0, q1) and key rows [k0, k1), relative to their segments' starts
+    q1: int
+    k0: int
+    k1: int
+    causal: bool
+    left: int  # the window in the block's own bottom-right aligned coordinates (-1: none)
+    right: int
+
+
+def _block(qg: int, sq: int, kg: int, sk: int, causal: bool, left: int, right: int) -> Optional[_Block]:
+    """The call that gives queries [qg, qg + sq) their attention over keys [kg, kg + sk) (global
+    positions), or None when the mask hides the whole block. Query x sees key y when
+    x - left <= y <= x + right (a bound of -1 is absent; causal is right = 0). Only queries that see
+    a key of the block take part, and only keys some query sees, so the window re-expressed in the
+    block's own coordinates has both bounds >= 0 (tileattn's rule) and no row of it is empty."""
+    if causal:
+        right = 0
+    qa, qb = qg, qg + sq
+    if right >= 0:
+        qa = max(qa, kg - right)
+    if left >= 0:
+        qb = min(qb, kg + sk + left)
+    if qb <= qa:
+        return None
+    lo, hi = kg, kg + sk
+    if left >= 0:
+        lo = max(lo, qa - left)
+    if right >= 0:
+        hi = min(hi, qb + right)
+    nq, nk = qb - qa, hi - lo
+    shift = nk - nq  # tileattn aligns the block bottom-right: query i sits at key i + shift
+    wl = left + hi - qb if left >= 0 else -1
+    wr = right + qb - hi if right >= 0 else -1
+    if wl >= nk - 1:  # not even the last query's lower bound reaches past the block's first key
+        wl = -1
+    if wr >= 0 and shift + wr >= nk - 1:  # nor its upper bound before the last
+        wr = -1
+    return _Block(qa - qg, qb - qg, lo - kg, hi - kg, wr == 0, wl, wr)
+
+
+# ---- one block's forward and backward on tileattn ----------------------------------------------
+
+@dataclass(frozen=True)
+class _Config:
+    group: object
+    causal: bool
+    mode: str
+    scale: float
+    left: int
+    right: int
+    softcap: float
+
+
+def _block_forward(q: Tensor, k: Tensor, v: Tensor, b: _Block, cfg: _Config) -> tuple[Tensor, Tensor]:
+    return _ops._forward_impl(q[:, b.q0:b.q1], k[:, b.k0:b.k1], v[:, b.k0:b.k1], None, None, 0, 0, cfg.scale,
+                              b.causal, b.left, b.right, cfg.softcap, False)
+
+
+def _block_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, b: _Block,
+                    cfg: _Config) -> tuple[Tensor, Tensor, Tensor]:
+    qs, ks = slice(b.q0, b.q1), slice(b.k0, b.k1)
+    args = [dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs]]
+    if q.device.type == "cpu":
+        # The CPU backward forms D and renormalises P from the call's own keys for 16-bit inputs
+        # and head dims <= 8 (src/cpu/backward.cpp, use_consistent_delta): right for a whole
+        # problem, wrong for one block of a larger one. In fp32 with head dim > 8 it uses the given
+        # global out and lse as the recipe needs; zero columns appended to q and k change no score.
+        args = [t.float() for t in args]
+        if q.shape[-1] <= 8:
+            pad = 9 - q.shape[-1]
+            args[1] = torch.nn.functional.pad(args[1], (0, pad))
+            args[2] = torch.nn.functional.pad(args[2], (0, pad))
+    dq, dk, dv = _ops._backward_impl(*args, lse[:, :, qs].contiguous(), None, None, 0, 0, cfg.scale, b.causal,
+                                     b.left, b.right, cfg.softcap, False)
+    return dq[..., :q.shape[-1]], dk[..., :k.shape[-1]], dv
+
+
+# ---- packing several tensors into one message --------------------------------------------------
+
+def _pack(*tensors: Tensor) -> Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _unpack(buf: Tensor, *likes: Tensor) -> list[Tensor]:
+    out, offset = [], 0
+    for t in likes:
+        out.append(buf[offset:offset + t.numel()].view(t.shape))
+        offset += t.numel()
+    return out
+
+
+def _ring_exchange(send: list[Tensor], group, rank: int, world: int) -> tuple[list[Tensor], list]:
+    """Posts the send of each tensor to rank + 1 and a receive of its like from rank - 1; returns the
+    receive buffers and the requests to wait on."""
+    nxt, prv = _global_rank(group, (rank + 1) % world), _global_rank(group, (rank - 1) % world)
+    recv = [torch.empty_like(t) for t in send]
+    ops = []
+    for tag, (s, r) in enumerate(zip(send, recv)):
+        ops.append(dist.P2POp(dist.isend, s, nxt, group, tag))
+        ops.append(dist.P2POp(dist.irecv, r, prv, group, tag))
+    return recv, (dist.batch_isend_irecv(ops) if ops else [])
+
+
+def _wait(reqs) -> None:
+    for req in reqs:
+        req.wait()
+
+
+# ---- ring --------------------------------------------------------------------------------------
+
+def _pairs(rank: int, src: int, world: int, n: int, cfg: _Config):
+    """(q segment, k segment, block) for this rank's queries against rank `src`'s keys."""
+    for qseg in _segments(rank, world, n, cfg.causal):
+        for kseg in _segments(src, world, n, cfg.causal):
+            b = _block(qseg[1], qseg[2], kseg[1], kseg[2], cfg.causal, cfg.left, cfg.right)
+            if b is not None:
+                yield qseg, kseg, b
+
+
+def _shift(b: _Block, qseg, kseg) -> _Block:
+    """The block in the local tensors' rows (segments start at qseg[0] and kseg[0])."""
+    return _Block(b.q0 + qseg[0], b.q1 + qseg[0], b.k0 + kseg[0], b.k1 + kseg[0], b.causal, b.left, b.right)
+
+
+def _ring_forward(q: Tensor, k: Tensor, v: Tensor, cfg: _Config) -> tuple[Tensor, Tensor]:
+    rank, world = _group_rank_size(cfg.group)
+    batch, n, heads = q.shape[0], q.shape[1], q.shape[2]
+    out = torch.empty((batch, n, heads, v.shape[-1]), dtype=torch.float32, device=q.device)
+    lse = torch.full((batch, heads, n), -math.inf, dtype=torch.float32, device=q.device)
+    kv = _pack(k, v)
+    for step in range(world):
+        nxt, reqs = _ring_exchange([kv], cfg.group, rank, world) if step < world - 1 else (None, [])
+        k_cur, v_cur = _unpack(kv, k, v)
+        for qseg, kseg, b in _pairs(rank, (rank - step) % world, world, n, cfg):
+            b = _shift(b, qseg, kseg)
+            o_b, l_b = _block_forward(q, k_cur, v_cur, b, cfg)
+            merge_attention(out[:, b.q0:b.q1], lse[:, :, b.q0:b.q1], o_b, l_b)
+        _wait(reqs)
+        if nxt is not None:
+            kv = nxt[0]
+    return out.to(q.dtype), lse
+
+
+def _ring_backward(dout, q, k, v, out, lse, cfg: _Config) -> tuple[Tensor, Tensor, Tensor]:
+    rank, world = _group_rank_size(cfg.group)
+    n = q.shape[1]
+    f32 = dict(dtype=torch.float32, device=q.device)
+    dq = torch.zeros(q.shape, **f32)
+    dk_like, dv_like = torch.empty(k.shape, **f32), torch.empty(v.shape, **f32)
+    kv = _pack(k, v)
+    carried = None  # fp32 dK/dV of the shard held last step, summed over the ranks it has visited
+    for step in range(world):
+        send = ([kv] if step < world - 1 else []) + ([carried] if carried is not None else [])
+        recv, reqs = _ring_exchange(send, cfg.group, rank, world)
+        k_cur, v_cur = _unpack(kv, k, v)
+        dkv = torch.zeros(k.numel() + v.numel(), **f32)
+        dk_cur, dv_cur = _unpack(dkv, dk_like, dv_like)
+        for qseg, kseg, b in _pairs(rank, (rank - step) % world, world, n, cfg):
+            b = _shift(b, qseg, kseg)
+            dq_b, dk_b, dv_b = _block_backward(dout, q, k_cur, v_cur, out, lse, b, cfg)
+            dq[:, b.q0:b.q1] += dq_b
+            dk_cur[:, b.k0:b.k1] += dk_b
+            dv_cur[:, b.k0:b.k1] += dv_b
+        _wait(reqs)
+        if carried is not None:
+            dkv += recv[-1]  # what the ranks before this one added to this shard's gradient
+        carried = dkv
+        if step < world - 1:
+            kv = recv[0]
+    if world > 1:
+        recv, reqs = _ring_exchange([carried], cfg.group, rank, world)
+        _wait(reqs)
+        carried = recv[0]
+    dk, dv = _unpack(carried, dk_like, dv_like)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+# ---- all-gather --------------------------------------------------------------------------------
+
+def _is_nccl(group) -> bool:
+    return dist.get_backend(group) == "nccl"
+
+
+def _gather_full(k: Tensor, v: Tensor, cfg: _Config) -> tuple[Tensor, Tensor]:
+    rank, world = _group_rank_size(cfg.group)
+    n = k.shape[1]
+    local = _pack(k, v)
+    if _is_nccl(cfg.group):
+        flat = local.new_empty(world * local.numel())
+        dist.all_gather_into_tensor(flat, local, group=cfg.group)
+        pieces = list(flat.split(local.numel()))
+    else:  # gloo gathers into a list
+        pieces = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(pieces, local, group=cfg.group)
+    k_full = k.new_empty((k.shape[0], n * world, *k.shape[2:]))
+    v_full = v.new_empty((v.shape[0], n * world, *v.shape[2:]))
+    for s, piece in enumerate(pieces):
+        k_s, v_s = _unpack(piece, k, v)
+        for local_start, g, length in _segments(s, world, n, cfg.causal):
+            k_full[:, g:g + length] = k_s[:, local_start:local_start + length]
+            v_full[:, g:g + length] = v_s[:, local_start:local_start + length]
+    return k_full, v_full
+
+
+def _allgather_blocks(rank: int, world: int, n: int, cfg: _Config):
+    for qseg in _segments(rank, world, n, cfg.causal):
+        b = _block(qseg[1], qseg[2], 0, n * world, cfg.causal, cfg.left, cfg.right)
+        if b is not None:
+            yield _Block(b.q0 + qseg[0], b.q1 + qseg[0], b.k0, b.k1, b.causal, b.left, b.right)
+
+
+def _allgather_forward(q, k, v, cfg: _Config):
+    rank, world = _group_rank_size(cfg.group)
+    k_full, v_full = _gather_full(k, v, cfg)
+    n = q.shape[1]
+    out = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device=q.device)
+    lse = torch.full((q.shape[0], q.shape[2], n), -math.inf, dtype=torch.float32, device=q.device)
+    for b in _allgather_blocks(rank, world, n, cfg):
+        out[:, b.q0:b.q1], lse[:, :, b.q0:b.q1] = _block_forward(q, k_full, v_full, b, cfg)
+    return out, lse
+
+
+def _allgather_backward(dout, q, k, v, out, lse, cfg: _Config):
+    rank, world = _group_rank_size(cfg.group)
+    k_full, v_full = _gather_full(k, v, cfg)
+    n = q.shape[1]
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk_full = torch.zeros(k_full.shape, dtype=torch.float32, device=q.device)
+    dv_full = torch.zeros(v_full.shape, dtype=torch.float32, device=q.device)
+    for b in _allgather_blocks(rank, world, n, cfg):
+        dq_b, dk_b, dv_b = _block_backward(dout, q, k_full, v_full, out, lse, b, cfg)
+        dq[:, b.q0:b.q1] = dq_b
+        dk_full[:, b.k0:b.k1] += dk_b
+        dv_full[:, b.k0:b.k1] += dv_b
+    # Each rank's shard of the summed dK/dV, in rank order, then one reduce-scatter (fp32).
+    f32 = dict(dtype=torch.float32, device=q.device)
+    dk_like, dv_like = torch.empty(k.shape, **f32), torch.empty(v.shape, **f32)
+    by_rank = []
+    for s in range(world):
+        segs = _segments(s, world, n, cfg.causal)
+        by_rank.append(torch.cat([dk_full[:, g:g + length] for _, g, length in segs], 1))
+        by_rank.append(torch.cat([dv_full[:, g:g + length] for _, g, length in segs], 1))
+    flat = _pack(*by_rank)
+    size = k.numel() + v.numel()
+    if _is_nccl(cfg.group):
+        mine = flat.new_empty(size)
+        dist.reduce_scatter_tensor(mine, flat, group=cfg.group)
+    else:  # gloo has no reduce-scatter: sum everything, keep this rank's part
+        dist.all_reduce(flat, group=cfg.group)
+        mine = flat[rank * size:(rank + 1) * size]
+    dk, dv = _unpack(mine, dk_like, dv_like)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+# ---- the autograd function and the public call -------------------------------------------------
+
+class _ContextParallelAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cfg: _Config):
+        fwd = _ring_forward if cfg.mode == "ring" else _allgather_forward
+        out, lse = fwd(q, k, v, cfg)
+        # The global out and lse: all any block's backward needs besides Q, K, V and dO.
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cfg = cfg
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        cfg = ctx.cfg
+        bwd = _ring_backward if cfg.mode == "ring" else _allgather_backward
+        dq, dk, dv = bwd(dout.contiguous(), q, k, v, out, lse, cfg)
+        return dq, dk, dv, None
+
+
+def context_parallel_attn(q: Tensor, k: Tensor, v: Tensor, group=None, causal: bool = False, mode: str = "ring",
+                          softmax_scale: Optional[float] = None, window_size: tuple[int, int] = (-1, -1),
+                          softcap: float = 0.0) -> Tensor:
+    """Attention of a sequence split over the ranks of ``group``; returns this rank's output shard.
+
+    ``q``, ``k``, ``v`` are this rank's shards, (batch, seqlen_local, heads, headdim), as ``shard``
+    cuts them with the same ``causal`` (zig-zag chunks when causal). The options mean what they do in
+    ``flash_attn_func`` for the whole sequence (causal aligned at the diagonal, since Q and K are the
+    same sequence); GQA/MQA take fewer K/V heads. Differentiable in q, k and v; every rank of the
+    group must call it with the same shapes and options.
+    """
+    if mode not in _MODES:
+        raise ValueError(f"mode={mode!r} must be one of {_MODES}")
+    for t, name in ((q, "q"), (k, "k"), (v, "v")):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have 4 dimensions (batch, seqlen_local, heads, headdim), "
+                             f"got shape {tuple(t.shape)}")
+    if k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]:
+        raise ValueError(f"k.shape[1]={k.shape[1]} and v.shape[1]={v.shape[1]} must equal q.shape[1]={q.shape[1]} "
+                         "(q, k and v are shards of one sequence)")
+    if causal and q.shape[1] % 2 != 0:
+        raise ValueError(f"q.shape[1]={q.shape[1]} must be even (causal: two zig-zag chunks per rank)")
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or any(not isinstance(w, int) or w < -1 for w in window_size)):
+        raise ValueError(f"window_size={window_size!r} must be two ints >= -1 (-1 = unbounded)")
+    _, world = _group_rank_size(group)
+    if q.is_cuda and q.dtype == torch.float32:
+        # The CUDA fp32 backward rebuilds each row's softmax statistics from the call's own keys, so
+        # a block of a larger problem gets its local normalisation instead of the global lse.
+        raise NotImplementedError("q.dtype=float32 on CUDA is not supported by context_parallel_attn: the fp32 "
+                                  "backward normalises each key block on its own; use bfloat16 or float16")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    cfg = _Config(group, bool(causal), mode, scale, int(window_size[0]), int(window_size[1]), float(softcap))
+    if world == 1:
+        cfg = _Config(group, bool(causal), "allgather", *(scale, cfg.left, cfg.right, cfg.softcap))
+    return _ContextParallelAttention.apply(q, k, v, cfg)

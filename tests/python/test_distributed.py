@@ -1,0 +1,302 @@
+"""merge_attention, and context-parallel attention over torch.distributed.
+
+The merge is checked against a float64 formula. The distributed layer runs in 2 and 4 CPU
+processes over gloo (torch.multiprocessing, a free localhost port): each rank builds the same full
+inputs from a shared seed, runs its shard through context_parallel_attn, and compares its output
+and gradient shards with the single-process tileattn result and with a float64 reference under
+the 2x rule (naive.py). NCCL variants are marked gpu and need two GPUs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import naive
+import tileattn
+from tileattn.distributed import context_parallel_attn, shard, unshard
+
+FLOOR = {torch.float32: 1e-6, torch.float16: 2e-4, torch.bfloat16: 2e-3}
+
+
+# ---- merge_attention ---------------------------------------------------------------------------
+
+def _merge_reference(out, lse, out_b, lse_b):
+    l64, lb64 = lse.double(), lse_b.double()
+    both = torch.logaddexp(l64, lb64)
+    safe = torch.where(torch.isinf(both), 0.0, both)
+    wa = torch.where(torch.isinf(l64), 0.0, torch.exp(l64 - safe))
+    wb = torch.where(torch.isinf(lb64), 0.0, torch.exp(lb64 - safe))
+    # lse (batch, heads, seqlen) -> weights on out's (batch, seqlen, heads, 1)
+    wa, wb = wa.transpose(-1, -2)[..., None], wb.transpose(-1, -2)[..., None]
+    a = torch.where(wa > 0, out.double(), 0.0)
+    b = torch.where(wb > 0, out_b.double(), 0.0)
+    return wa * a + wb * b, both
+
+
+@pytest.mark.parametrize("out_dtype,b_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                               (torch.float32, torch.float16), (torch.bfloat16, torch.bfloat16),
+                                               (torch.float16, torch.float16)])
+def test_merge_matches_float64_with_empty_rows(out_dtype, b_dtype):
+    B, N, H, D = 2, 33, 3, 24
+    # Strided views: out is a slice of a wider buffer, lse a slice of longer rows.
+    out_buf = torch.randn(B, N + 4, H, D + 8).to(out_dtype)
+    out = out_buf[:, 2:N + 2, :, :D]
+    lse_buf = torch.randn(B, H, N + 5) * 4
+    lse = lse_buf[:, :, 3:N + 3]
+    out_b = torch.randn(B, N, H, D).to(b_dtype)
+    lse_b = torch.randn(B, H, N) * 4
+    lse[0, 0, :5] = -math.inf
+    lse_b[0, 0, 3:8] = -math.inf  # rows 3, 4: both sides empty
+    lse_b[1, 2, 7] = lse[1, 2, 7] - 50  # one side far below fp32's resolution
+    out[0, :5, 0] = math.nan  # an empty side's O must not leak
+    out_b[0, 3:8, 0] = math.nan
+    want_o, want_l = _merge_reference(out, lse, out_b, lse_b)
+    # Same-precision naive: the plain formula in fp32 (finite rows only), rounded to out's dtype.
+    l32 = torch.logaddexp(lse, lse_b)
+    naive_o = (torch.exp(lse - l32).transpose(-1, -2)[..., None] * out.float()
+               + torch.exp(lse_b - l32).transpose(-1, -2)[..., None] * out_b.float()).to(out_dtype)
+    finite = ~torch.isinf(want_l).transpose(-1, -2)[..., None].expand_as(want_o)
+    finite &= ~(torch.isinf(lse) | torch.isinf(lse_b)).transpose(-1, -2)[..., None]
+    out_before, lse_b_before, out_b_before = out.clone(), lse_b.clone(), out_b.clone()
+    out_buf_before, lse_buf_before = out_buf.clone(), lse_buf.clone()
+    tileattn.merge_attention(out, lse, out_b, lse_b)
+
+    torch.testing.assert_close(out_b, out_b_before, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(lse_b, lse_b_before, rtol=0, atol=0)
+    assert not torch.isnan(out).any()
+    naive.assert_2x_rule(out[finite], naive_o[finite], want_o[finite], FLOOR[out_dtype], "out")
+    naive.assert_2x_rule(lse, l32, want_l, 1e-6, "lse")
+    # Exact rows: both empty -> 0 / -inf; one side empty -> the other side unchanged.
+    assert torch.equal(out[0, 3:5, 0], torch.zeros_like(out[0, 3:5, 0]))
+    assert torch.isinf(lse[0, 0, 3:5]).all() and (lse[0, 0, 3:5] < 0).all()
+    assert torch.equal(out[0, :3, 0].float(), out_b_before[0, :3, 0].to(out_dtype).float())
+    assert torch.equal(lse[0, 0, :3], lse_b_before[0, 0, :3])
+    assert torch.equal(out[0, 5:8, 0], out_before[0, 5:8, 0])
+    # The buffers around the views are untouched.
+    inside = torch.zeros(out_buf.shape, dtype=torch.bool)
+    inside[:, 2:N + 2, :, :D] = True
+    assert torch.equal(out_buf[~inside], out_buf_before[~inside])
+    assert torch.equal(lse_buf[:, :, :3], lse_buf_before[:, :, :3])
+
+
+def test_merge_varlen_layout():
+    T, H, D = 50, 4, 16
+    out, out_b = torch.randn(T, H, D), torch.randn(T, H, D)
+    lse, lse_b = torch.randn(H, T), torch.randn(H, T)
+    want_o, want_l = _merge_reference(out[None], lse[None], out_b[None], lse_b[None])
+    tileattn.merge_attention(out, lse, out_b, lse_b)
+    assert naive.max_error(out, want_o[0]) < 1e-6
+    assert naive.max_error(lse, want_l[0]) < 1e-6
+
+
+def test_merge_errors_name_the_argument():
+    out, lse = torch.zeros(1, 4, 2, 8), torch.zeros(1, 2, 4)
+    with pytest.raises(ValueError, match=r"out_b.shape=\(1, 3, 2, 8\) must be \(1, 4, 2, 8\)"):
+        tileattn.merge_attention(out, lse, torch.zeros(1, 3, 2, 8), lse.clone())
+    with pytest.raises(TypeError, match="lse_b.dtype=float64 must be float32"):
+        tileattn.merge_attention(out, lse, out.clone(), lse.double())
+    with pytest.raises(TypeError, match="out_b_dtype=f16 must equal out_dtype=bf16"):
+        tileattn.merge_attention(out.bfloat16(), lse, out.half(), lse.clone())
+    with pytest.raises(ValueError, match="out_b overlaps out"):
+        tileattn.merge_attention(out, lse, out, lse.clone())
+    with pytest.raises(ValueError, match=r"lse.shape=\(1, 4, 2\) must be \(1, 2, 4\)"):
+        tileattn.merge_attention(out, lse.transpose(1, 2), out.clone(), lse.clone())
+
+
+# ---- the block decomposition: each call's mask is the global mask restricted to it ------------
+
+def test_block_masks_match_the_global_mask():
+    from tileattn.distributed.context_parallel import _block
+
+    def mask(nq, nk, left, right, shift=None):
+        i, j = torch.arange(nq)[:, None], torch.arange(nk)[None, :]
+        shift = nk - nq if shift is None else shift
+        m = torch.ones(nq, nk, dtype=torch.bool)
+        if left >= 0:
+            m &= j >= i + shift - left
+        if right >= 0:
+            m &= j <= i + shift + right
+        return m
+
+    for qg in range(0, 30, 3):
+        for kg in range(0, 30, 3):
+            for causal in (False, True):
+                for left, right in [(-1, -1), (5, -1), (3, 9), (0, 0), (11, 2), (-1, 3), (4, 4), (20, 20)]:
+                    for sq, sk in [(8, 8), (6, 10), (10, 6), (1, 1), (1, 5)]:
+                        # Global positions: query x sees key y when x - left <= y <= x + right.
+                        want = mask(sq, sk, left, 0 if causal else right, shift=qg - kg)
+                        got = torch.zeros(sq, sk, dtype=torch.bool)
+                        b = _block(qg, sq, kg, sk, causal, left, right)
+                        if b is not None:
+                            assert b.left >= -1 and b.right >= -1
+                            m = mask(b.q1 - b.q0, b.k1 - b.k0, b.left, 0 if b.causal else b.right)
+                            assert m.any(dim=1).all(), f"a row of {b} sees no key"
+                            got[b.q0:b.q1, b.k0:b.k1] = m
+                        assert torch.equal(got, want), (qg, sq, kg, sk, causal, left, right, b)
+
+
+# ---- the multi-process harness -----------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, seed: int, cases: list, backend: str) -> None:
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    try:
+        for i, case in enumerate(cases):
+            try:
+                _check_case(seed + i, **case)
+            except Exception as e:
+                raise AssertionError(f"rank {rank}/{world}, case {case}, seed {seed + i}:\n"
+                                     f"{traceback.format_exc()}") from e
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(world: int, cases: list, seed: int, backend: str = "gloo") -> None:
+    mp.spawn(_worker, args=(world, _free_port(), seed, cases, backend), nprocs=world, join=True)
+
+
+def _check_case(seed: int, mode="ring", causal=False, dtype=torch.float32, B=2, N=32, H=4, Hkv=2, D=16,
+                window=(-1, -1), softcap=0.0, device="cpu") -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, N, h, D, generator=g) for h in (H, Hkv, Hkv))
+    dout = torch.randn(B, N, H, D, generator=g)
+    opts = dict(causal=causal, window=window, softcap=softcap)
+
+    def grads(fn, *ts, dout=dout):
+        ts = [t.detach().clone().requires_grad_() for t in ts]
+        out = fn(*ts)
+        out.backward(dout.to(out.dtype).to(out.device))
+        return [out.detach().cpu()] + [t.grad.cpu() for t in ts]
+
+    inputs = [t.to(dtype) for t in (q, k, v)]
+    oracle = grads(lambda a, b, c: naive.attention(a, b, c, **opts)[0], *(t.double() for t in inputs))
+    same = grads(lambda a, b, c: naive.attention(a, b, c, **opts)[0], *inputs)
+    single = grads(lambda a, b, c: tileattn.flash_attn_func(a, b, c, causal=causal, window_size=window,
+                                                            softcap=softcap), *(t.to(device) for t in inputs))
+    local = [shard(t, causal=causal).to(device) for t in inputs]
+    mine = grads(lambda a, b, c: context_parallel_attn(a, b, c, causal=causal, mode=mode, window_size=window,
+                                                       softcap=softcap), *local,
+                 dout=shard(dout, causal=causal))
+    # The local gradient shards of dK/dV hold the whole gradient of this rank's K/V rows.
+    for name, ours, one, ref, nv in zip(("out", "dq", "dk", "dv"), mine, single, oracle, same):
+        floor = FLOOR[dtype] * (1 if name == "out" else 2)
+        ref_s, nv_s, one_s = (shard(t, causal=causal) for t in (ref, nv, one))
+        naive.assert_2x_rule(ours, nv_s, ref_s, floor, f"{name} (context parallel)")
+        bound = 2 * naive.max_error(nv_s, ref_s) + floor
+        assert naive.max_error(ours, one_s) <= bound + naive.max_error(one_s, ref_s), \
+            f"{name}: context parallel differs from the single-process result"
+    assert rank < world
+
+
+# 2 processes: every mode x causal, GQA throughout, a bf16 pair, windows and softcap.
+CASES_2 = [
+    dict(mode="ring", causal=False),
+    dict(mode="ring", causal=True),
+    dict(mode="allgather", causal=False),
+    dict(mode="allgather", causal=True),
+    dict(mode="ring", causal=True, dtype=torch.bfloat16),
+    dict(mode="allgather", causal=True, dtype=torch.float16),
+    dict(mode="ring", causal=True, window=(5, -1), softcap=3.0),
+    dict(mode="ring", causal=False, window=(3, 9), Hkv=1),
+    dict(mode="allgather", causal=False, window=(11, 2), softcap=2.0),
+    dict(mode="ring", causal=False, D=8, N=16),  # head dim <= 8 (the CPU block backward pads it)
+]
+
+# 4 processes: the zig-zag with every kind of step (skipped, full, diagonal).
+CASES_4 = [
+    dict(mode="ring", causal=True, N=48),
+    dict(mode="allgather", causal=True, N=48, dtype=torch.bfloat16),
+    dict(mode="ring", causal=False, N=24, window=(4, 4)),
+]
+
+
+def test_context_parallel_two_processes(fresh_seed):
+    _run(2, CASES_2, fresh_seed)
+
+
+def test_context_parallel_four_processes(fresh_seed):
+    _run(4, CASES_4, fresh_seed)
+
+
+def _shard_roundtrip_worker(rank, world, port, seed, cases, backend):
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        x = torch.randn(3, 24, 2, 5, generator=torch.Generator().manual_seed(seed))
+        for causal in (False, True):
+            s = shard(x, causal=causal)
+            assert s.shape == (3, 24 // world, 2, 5)
+            assert torch.equal(unshard(s, causal=causal), x)
+            # another dim (SDPA's (batch, heads, seqlen, headdim) splits dim 2), negative dims too
+            xt = x.transpose(1, 2)
+            assert torch.equal(unshard(shard(xt, dim=2, causal=causal), dim=-2, causal=causal), xt)
+        m = 24 // (2 * world)
+        z = shard(x, causal=True)
+        assert torch.equal(z[:, :m], x[:, rank * m:(rank + 1) * m])
+        assert torch.equal(z[:, m:], x[:, (2 * world - 1 - rank) * m:(2 * world - rank) * m])
+        with _raises(ValueError, f"x.shape[1]=20 must be divisible by 2 * world_size={2 * world}"):
+            shard(x[:, :20], causal=True)
+        q = shard(x, causal=True)
+        with _raises(ValueError, "mode='tree' must be one of"):
+            context_parallel_attn(q, q, q, mode="tree")
+        with _raises(ValueError, "k.shape[1]=2 and v.shape[1]"):
+            context_parallel_attn(q, q[:, :2], q, causal=True)
+        with _raises(ValueError, "window_size=(-2, 0) must be two ints >= -1"):
+            context_parallel_attn(q, q, q, window_size=(-2, 0))
+    finally:
+        dist.destroy_process_group()
+
+
+class _raises:
+    def __init__(self, kind, text):
+        self.kind, self.text = kind, text
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, value, tb):
+        assert kind is not None, f"expected {self.kind.__name__}: {self.text}"
+        assert issubclass(kind, self.kind) and self.text in str(value), f"got {kind.__name__}: {value}"
+        return True
+
+
+def test_shard_unshard_round_trip_and_errors(fresh_seed):
+    mp.spawn(_shard_roundtrip_worker, args=(4, _free_port(), fresh_seed, None, "gloo"), nprocs=4, join=True)
+
+
+def test_needs_a_process_group():
+    x = torch.zeros(1, 4, 1, 8)
+    with pytest.raises(RuntimeError, match="needs an initialised torch.distributed process group"):
+        shard(x)
+
+
+# ---- NCCL on several GPUs ----------------------------------------------------------------------
+
+GPU_CASES = [
+    dict(mode="ring", causal=True, dtype=torch.bfloat16, N=512, H=8, Hkv=2, D=64, device="cuda"),
+    dict(mode="allgather", causal=True, dtype=torch.bfloat16, N=512, H=8, Hkv=2, D=64, device="cuda"),
+    dict(mode="ring", causal=False, dtype=torch.float16, N=256, H=4, Hkv=4, D=128, device="cuda"),
+    dict(mode="ring", causal=True, dtype=torch.bfloat16, N=512, window=(100, -1), softcap=5.0, device="cuda"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs at least 2 GPUs")
+def test_context_parallel_nccl(fresh_seed):
+    _run(2, [dict(c, device="cuda") for c in GPU_CASES], fresh_seed, backend="nccl")
