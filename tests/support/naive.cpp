@@ -1,5 +1,6 @@
 #include "support/naive.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -23,6 +24,14 @@ float dot(const float* a, int64_t sa, const float* b, int64_t sb, int64_t n) {
   return sum;
 }
 
+// dot in runs of `run` terms (run > 0), each run from zero, the runs added in order.
+float dot_runs(const float* a, const float* b, int64_t n, int64_t run) {
+  if (run <= 0) return dot(a, 1, b, 1, n);
+  float sum = 0.0f;
+  for (int64_t d0 = 0; d0 < n; d0 += run) sum += dot(a + d0, 1, b + d0, 1, std::min(run, n - d0));
+  return sum;
+}
+
 // Dense fp32 (rows, heads, dim) copy of a fixed-length tensor.
 std::vector<float> gather(const AttentionProblem& p, const TensorView& t, int64_t seqlen, int64_t heads, int64_t dim) {
   std::vector<float> out(size_t(p.batch * seqlen * heads * dim));
@@ -37,7 +46,7 @@ std::vector<float> gather(const AttentionProblem& p, const TensorView& t, int64_
 
 }  // namespace
 
-NaiveResult naive_attention(const AttentionProblem& p) {
+NaiveResult naive_attention(const AttentionProblem& p, const NaiveOptions& options) {
   const int64_t sq = p.seqlen_q, sk = p.seqlen_k, hq = p.heads_q, hkv = p.heads_kv, group = hq / hkv;
   const int64_t dqk = p.headdim_qk, dv = p.headdim_v;
   const DType dt = p.dtype;
@@ -64,7 +73,7 @@ NaiveResult naive_attention(const AttentionProblem& p) {
         float* pi = &prob[size_t(i * sk)];
         float m = -INFINITY;
         for (int64_t j = 0; j < sk; ++j) {
-          float s = round_to_dtype(round_to_dtype(dot(qb + i * qs, 1, kb + j * ks, 1, dqk), dt) * scale, dt);
+          float s = round_to_dtype(round_to_dtype(dot_runs(qb + i * qs, kb + j * ks, dqk, options.score_run), dt) * scale, dt);
           // ALiBi as an additive bias tensor in the dtype, as a framework adds attn_bias.
           if (p.alibi_slopes != nullptr) {
             const float slope = p.alibi_slopes[b * p.alibi_batch_stride + h];
