@@ -106,10 +106,10 @@ void forward_tile(const AttentionProblem& p, const ScoreTransform& transform, in
   const int64_t full_begin = s.mask.full_begin_key(int(i1)), full_end = s.mask.full_end_key(int(i0));
   for (int64_t j0 = key_begin; j0 < key_end; j0 += kTileK) {
     const int64_t n = std::min(kTileK, key_end - j0);
-    load_rows(p, p.k, s, false, hk, j0, n, dqk, w.k.data(), dqk);
-    load_rows(p, p.v, s, false, hk, j0, n, dv, w.v.data(), dv);
+    const RowsView k = view_rows(p, p.k, s, false, hk, j0, n, dqk, w.k.data());
+    const RowsView v = view_rows(p, p.v, s, false, hk, j0, n, dv, w.v.data());
     // S^T = K Q^T; only tiles straddling the mask edge pay for masking.
-    gemm(w.k.data(), dqk, 1, w.qt.data(), kTileQ, w.s.data(), kTileQ, n, cols, dqk);
+    gemm(k.data, k.ld, 1, w.qt.data(), kTileQ, w.s.data(), kTileQ, n, cols, dqk);
     for (int64_t j = 0; j < n; ++j) transform.apply(&w.s[size_t(j * kTileQ)], rows, nullptr);
     if (transform.mod.has_alibi())
       for (int64_t j = 0; j < n; ++j)
@@ -124,7 +124,7 @@ void forward_tile(const AttentionProblem& p, const ScoreTransform& transform, in
     }
     online_step(w.s.data(), rows, n, dv, w.rows);
     // O += P V, P read through its transpose
-    gemm_accumulate(w.s.data(), 1, kTileQ, w.v.data(), dv, w.rows.acc.data(), dv, rows, dv, n);
+    gemm_accumulate(w.s.data(), 1, kTileQ, v.data, v.ld, w.rows.acc.data(), dv, rows, dv, n);
   }
 
   float* inv = w.rows.l;  // l is finished: reuse it for 1/l
