@@ -225,11 +225,7 @@ class Fp32ForwardPlan final : public detail::BackendPlan {
 }  // namespace
 
 std::unique_ptr<detail::BackendPlan> plan_forward(const AttentionProblem& problem) {
-  if (problem.dtype == DType::f32) {
-    if (problem.alibi_slopes != nullptr)
-      throw Error(ErrorKind::unsupported, "alibi_slopes: ALiBi is not implemented by the CUDA fp32 forward yet");
-    return std::make_unique<Fp32ForwardPlan>(problem);
-  }
+  if (problem.dtype == DType::f32) return std::make_unique<Fp32ForwardPlan>(problem);
   return std::make_unique<ForwardPlan>(problem);
 }
 

@@ -72,7 +72,8 @@ struct BwdPlan {
 
 BwdPlan pick_kernels(const AttentionProblem& p) {
   BwdPlan plan;
-  plan.sm90 = pick_backward_sm90(p, headdim_bucket(p));
+  // ALiBi runs on the portable kernels only (the Hopper backward has no bias).
+  if (p.alibi_slopes == nullptr) plan.sm90 = pick_backward_sm90(p, headdim_bucket(p));
   if (plan.sm90 && !plan.sm90->make_maps(p, plan.params)) plan.sm90.reset();
   return plan;
 }
@@ -219,8 +220,6 @@ class BackwardPlan final : public detail::BackendPlan {
 }  // namespace
 
 std::unique_ptr<detail::BackendPlan> plan_backward(const AttentionProblem& problem) {
-  if (problem.alibi_slopes != nullptr)
-    throw Error(ErrorKind::unsupported, "alibi_slopes: ALiBi is not implemented by the CUDA backward yet");
   return std::make_unique<BackwardPlan>(problem);
 }
 

@@ -69,22 +69,25 @@ __global__ void __launch_bounds__(kNaiveThreads)
   const int64_t base = (h * rows_q + r) * p.seqlen_k;
   float *srow = sbuf + base, *prow = pbuf + base, *dsrow = dsbuf + base;
 
+  // ALiBi's bias joins the softmax only: srow keeps the capped score that softcap_grad reads.
+  const float slope = p.alibi_slopes ? p.alibi_slopes[x.b * p.alibi_batch_stride + h] : 0.0f;
+  auto bias = [&](int64_t j) { return -slope * fabsf(float(x.i + x.sk - x.sq - j)); };
   float row_max = -INFINITY;
   for (int64_t j = threadIdx.x; j < x.sk; j += kNaiveThreads) {
     const int64_t k_off = offset(p, p.k, x.b, x.k_row0 + j, g);
     float acc = 0.0f;
     for (int64_t d = 0; d < p.headdim_qk; ++d) acc += load<T>(p.q.data, q_off + d) * load<T>(p.k.data, k_off + d);
     srow[j] = apply_softcap(acc * scale, p.softcap);
-    if (mask.visible(int(x.i), int(j))) row_max = fmaxf(row_max, srow[j]);
+    if (mask.visible(int(x.i), int(j))) row_max = fmaxf(row_max, srow[j] + bias(j));
   }
   row_max = naive_detail::block_reduce<true>(row_max, red);
   float sum = 0.0f;
   for (int64_t j = threadIdx.x; j < x.sk; j += kNaiveThreads)
-    if (mask.visible(int(x.i), int(j))) sum += expf(srow[j] - row_max);
+    if (mask.visible(int(x.i), int(j))) sum += expf(srow[j] + bias(j) - row_max);
   sum = naive_detail::block_reduce<false>(sum, red);
   float pdp = 0.0f;
   for (int64_t j = threadIdx.x; j < x.sk; j += kNaiveThreads) {
-    const float pj = mask.visible(int(x.i), int(j)) ? round_to<T>(expf(srow[j] - row_max) / sum) : 0.0f;
+    const float pj = mask.visible(int(x.i), int(j)) ? round_to<T>(expf(srow[j] + bias(j) - row_max) / sum) : 0.0f;
     const int64_t v_off = offset(p, p.v, x.b, x.k_row0 + j, g);
     float acc = 0.0f;
     for (int64_t d = 0; d < p.headdim_v; ++d) acc += load<T>(p.dout.data, do_off + d) * load<T>(p.v.data, v_off + d);
@@ -287,10 +290,61 @@ void add_half_cases(std::vector<Case>& c, DType t) {
   }
 }
 
+// ALiBi (portable kernels only): both L forms (causal carries the offset the backward removes),
+// GQA, sq != sk both ways, softcap underneath, a window, varlen per sequence, both slope shapes.
+void add_alibi_cases(std::vector<Case>& c, DType t) {
+  using A = ProblemShape::Alibi;
+  const std::string n = dtype_name(t) + "_alibi_";
+  {
+    auto s = base(t, 130, 130, 64);
+    s.heads_q = 4;
+    s.heads_kv = 2;
+    s.alibi = A::per_head;
+    c.push_back({n + "gqa", s});
+    s.causal = true;
+    s.alibi = A::per_batch_head;
+    c.push_back({n + "gqa_causal", s});
+  }
+  {
+    auto s = base(t, 300, 127, 64);  // the first 173 rows see no key
+    s.causal = true;
+    s.softcap = 1.5f;
+    s.softmax_scale = 0.5f;
+    s.alibi = A::per_head;
+    c.push_back({n + "softcap_causal_sq_gt_sk", s});
+  }
+  {
+    auto s = base(t, 90, 400, 64);
+    s.heads_q = 4;
+    s.heads_kv = 1;
+    s.causal = true;
+    s.alibi = A::per_batch_head;
+    c.push_back({n + "mqa_causal_sq_lt_sk", s});
+  }
+  {
+    auto s = base(t, 200, 260, 64);
+    s.window_left = 50;
+    s.window_right = 20;
+    s.alibi = A::per_head;
+    c.push_back({n + "window", s});
+  }
+  {
+    auto s = base(t, 1, 1, 64);
+    s.seqlens_q = {37, 0, 150, 64, 5};
+    s.seqlens_k = {50, 20, 150, 0, 300};
+    s.alibi = A::per_batch_head;
+    c.push_back({n + "varlen", s});
+    s.causal = true;
+    s.alibi = A::per_head;
+    c.push_back({n + "varlen_causal", s});
+  }
+}
+
 std::vector<Case> cases() {
   std::vector<Case> c;
   add_half_cases(c, DType::bf16);
   add_half_cases(c, DType::f16);
+  for (DType t : {DType::bf16, DType::f16, DType::f32}) add_alibi_cases(c, t);
   {
     auto s = base(DType::f32, 127, 127, 64);
     c.push_back({"f32_len127_d64", s});

@@ -128,6 +128,42 @@ std::vector<Case> cases() {
     s.layout = Layout::bhsd;
     c.push_back({"odd_dims", s});
   }
+  // ALiBi (the portable kernel in both modes; the Hopper fast path declines it): both L forms,
+  // GQA, sq != sk both ways, softcap underneath, a window, varlen per sequence, both slope shapes.
+  {
+    using A = ProblemShape::Alibi;
+    auto s = base(130, 170, 64);
+    s.heads_q = 6;
+    s.heads_kv = 2;
+    s.alibi = A::per_head;
+    c.push_back({"alibi_gqa", s});
+    s.causal = true;
+    s.alibi = A::per_batch_head;
+    c.push_back({"alibi_gqa_causal", s});
+    auto t = base(300, 100, 64);  // the first 200 rows see no key
+    t.causal = true;
+    t.softcap = 1.5f;
+    t.softmax_scale = 0.5f;
+    t.alibi = A::per_head;
+    c.push_back({"alibi_softcap_causal_sq_gt_sk", t});
+    auto u = base(100, 300, 64);
+    u.causal = true;
+    u.alibi = A::per_head;
+    c.push_back({"alibi_causal_sq_lt_sk", u});
+    auto w = base(200, 260, 64);
+    w.window_left = 50;
+    w.window_right = 20;
+    w.alibi = A::per_batch_head;
+    c.push_back({"alibi_window", w});
+    auto v = base(1, 1, 64);
+    v.seqlens_q = {37, 0, 150, 64, 5};
+    v.seqlens_k = {50, 20, 150, 0, 300};
+    v.alibi = A::per_batch_head;
+    c.push_back({"alibi_varlen", v});
+    v.causal = true;
+    v.alibi = A::per_head;
+    c.push_back({"alibi_varlen_causal", v});
+  }
   return c;
 }
 

@@ -18,11 +18,7 @@ import naive
 import tileattn
 
 FLOOR = {torch.float32: 1e-6, torch.float16: 2e-4, torch.bfloat16: 2e-3}
-# On CUDA only the fp16/bf16 forward has ALiBi so far: the backward and fp32 raise
-# NotImplementedError, which these cases accept (any other failure still fails them).
-DEVICES = [pytest.param("cpu", id="cpu"),
-           pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, pytest.mark.xfail(
-               raises=NotImplementedError, strict=False, reason="CUDA ALiBi backward and fp32 not implemented")])]
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
 
 
 def reference(q, k, v, slopes, causal=False, window=(-1, -1), softcap=0.0, scale=None):

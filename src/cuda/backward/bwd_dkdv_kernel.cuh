@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const BwdParams p) {
     const int q1 = min(q0 + BM, s.sq);
     const bool masked = !(mask.full_begin_key(q1) <= k0 && mask.full_end_key(q0) >= k0 + BN);
     scores_to_grads<T, true, true>(st, dp, cur.lse2, cur.row_sum, cur.dsum, s_row, s_col, q0, k0, masked, mask, p, sP,
-                                   sdS, LDP);
+                                   sdS, LDP, b, h);
     __syncthreads();
 
     warp_gemm<T, GKV.tm / 16, GKV.tn / 8, BM, true, true>(dv, sP + kv_row * LDP, LDP, cur.dout + kv_col, LD);

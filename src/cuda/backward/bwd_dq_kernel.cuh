@@ -93,7 +93,7 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const BwdParams p) {
     warp_gemm<T, GS.tm / 16, GS.tn / 8, D, true, false, true>(st, sQ + s_row * LD, LD, sK + s_col * LD, LD);
     const bool masked = !(mask.full_begin_key(q1) <= k0 && mask.full_end_key(q0) >= k0 + BN);
     scores_to_grads<T, false, false>(st, dp, sL, sRowSum, sDsum, s_row, s_col, q0, k0, masked, mask, p, nullptr, sdS,
-                                     LDS);
+                                     LDS, b, h);
     __syncthreads();
     warp_gemm<T, GQ.tm / 16, GQ.tn / 8, BN, true, true>(dq, sdS + q_row * LDS, LDS, sK + q_col, LD);
     if (p.dq_stages == 1) {

@@ -14,6 +14,7 @@
 
 #include "common/mask.hpp"
 #include "common/online_softmax.hpp"
+#include "common/score_mod.hpp"
 #include "cuda/arch/warp_mma_sm80.cuh"
 #include "cuda/common/bwd_params.hpp"
 
@@ -25,14 +26,26 @@ __device__ __forceinline__ float scaled_score(float x, const BwdParams& p) {
 }
 
 // P of one raw score x (q.k) of a query whose statistics are l (L * log2(e); fp32: the row max)
-// and row_sum (fp32 only); `cap` receives the capped score that grad_of_prob needs.
-template <class T, bool kCapped>
-__device__ __forceinline__ float prob_of_score(float x, float l, float row_sum, const BwdParams& p, float& cap) {
+// and row_sum (fp32 only); `cap` receives the capped score that grad_of_prob needs. With kAlibi,
+// `bias` is ALiBi's bias in natural units, added after the cap; it is constant in x, so dS needs
+// nothing more from it.
+template <class T, bool kCapped, bool kAlibi = false>
+__device__ __forceinline__ float prob_of_score(float x, float l, float row_sum, const BwdParams& p, float& cap,
+                                               float bias = 0.0f) {
   // The capped score, formed exactly as scaled_score does (fp32 statistics match it).
   cap = kCapped ? p.softcap * tanhf(x * p.scale_over_cap) : 0.0f;
-  if constexpr (std::is_same_v<T, float>) return expf((kCapped ? cap : x * p.scale) - l) / row_sum;
-  else if constexpr (kCapped) return exp2_fast(cap * kLog2e - l);
-  else return exp2_fast(fmaf(x, p.scale_log2, -l));
+  if constexpr (kAlibi) {
+    // The fp32 row statistics add the bias in this order too (bwd_row_stats_fp32.cuh).
+    const float sc = (kCapped ? cap : x * p.scale) + bias;
+    if constexpr (std::is_same_v<T, float>) return expf(sc - l) / row_sum;
+    else return exp2_fast(fmaf(sc, kLog2e, -l));
+  } else if constexpr (std::is_same_v<T, float>) {
+    return expf((kCapped ? cap : x * p.scale) - l) / row_sum;
+  } else if constexpr (kCapped) {
+    return exp2_fast(cap * kLog2e - l);
+  } else {
+    return exp2_fast(fmaf(x, p.scale_log2, -l));
+  }
 }
 
 // dS = P * (dP - D), times d capped / d score under soft-capping.
@@ -48,11 +61,12 @@ __device__ __forceinline__ float grad_of_prob(float pe, float dp, float d, float
 // the tile (fp32: row max and row_sum, see bwd_params.hpp). P goes to sP (when kStoreP) and dS
 // to sdS, both at the same (row, column). Soft-capping and masking are template flags so that
 // the common tile runs neither test per element; scores_to_grads below picks the variant.
-template <class T, bool kRowsAreKeys, bool kStoreP, bool kCapped, bool kMasked, int MT, int NT>
+// kAlibi adds ALiBi's bias of slope `slope` (natural units) at the mask's indices.
+template <class T, bool kRowsAreKeys, bool kStoreP, bool kCapped, bool kMasked, bool kAlibi = false, int MT, int NT>
 __device__ __forceinline__ void scores_to_grads_tile(const float (&s)[MT][NT][4], const float (&dp)[MT][NT][4],
                                                      const float* lse2, const float* row_sum, const float* dsum,
                                                      int row0, int col0, int q0, int k0, const Mask& mask,
-                                                     const BwdParams& p, T* sP, T* sdS, int ld) {
+                                                     const BwdParams& p, T* sP, T* sdS, int ld, float slope = 0.0f) {
   const int lane = threadIdx.x & 31;
 #pragma unroll
   for (int j = 0; j < NT; ++j) {
@@ -81,9 +95,11 @@ __device__ __forceinline__ void scores_to_grads_tile(const float (&s)[MT][NT][4]
           float sum = 1.0f;
           if constexpr (std::is_same_v<T, float>) sum = kRowsAreKeys ? col_sum[e] : row_sum[r];
           float cap;
-          float pe = prob_of_score<T, kCapped>(s[i][j][2 * h + e], l, sum, p, cap);
+          const int qi = kRowsAreKeys ? c + e : r, kj = kRowsAreKeys ? r : c + e;
+          float bias = 0.0f;
+          if constexpr (kAlibi) bias = ScoreMod::alibi_bias(slope, q0 + qi, k0 + kj, mask.seqlen_q, mask.seqlen_k);
+          float pe = prob_of_score<T, kCapped, kAlibi>(s[i][j][2 * h + e], l, sum, p, cap, bias);
           if constexpr (kMasked) {
-            const int qi = kRowsAreKeys ? c + e : r, kj = kRowsAreKeys ? r : c + e;
             if (!mask.visible(q0 + qi, k0 + kj)) pe = 0.0f;
           }
           pv[e] = pe;
@@ -95,14 +111,27 @@ __device__ __forceinline__ void scores_to_grads_tile(const float (&s)[MT][NT][4]
   }
 }
 
+// b, h: the tile's sequence and query head (ALiBi's slope). A problem with ALiBi takes its own
+// two variants (capped or not, masked per element) behind one uniform branch, so the tiles of a
+// problem without it run exactly the code they ran before.
 template <class T, bool kRowsAreKeys, bool kStoreP, int MT, int NT>
 __device__ __forceinline__ void scores_to_grads(const float (&s)[MT][NT][4], const float (&dp)[MT][NT][4],
                                                 const float* lse2, const float* row_sum, const float* dsum, int row0,
                                                 int col0, int q0, int k0, bool masked, const Mask& mask,
-                                                const BwdParams& p, T* sP, T* sdS, int ld) {
+                                                const BwdParams& p, T* sP, T* sdS, int ld, int b, int h) {
 #define TA_BWD_GRADS(capped, msk)                                                                                      \
   scores_to_grads_tile<T, kRowsAreKeys, kStoreP, capped, msk>(s, dp, lse2, row_sum, dsum, row0, col0, q0, k0, mask, p, \
                                                               sP, sdS, ld)
+  if (p.mod.has_alibi()) {
+    const float slope = p.mod.slope(b, h);
+    if (p.softcap > 0.0f)
+      scores_to_grads_tile<T, kRowsAreKeys, kStoreP, true, true, true>(s, dp, lse2, row_sum, dsum, row0, col0, q0, k0,
+                                                                      mask, p, sP, sdS, ld, slope);
+    else
+      scores_to_grads_tile<T, kRowsAreKeys, kStoreP, false, true, true>(s, dp, lse2, row_sum, dsum, row0, col0, q0, k0,
+                                                                       mask, p, sP, sdS, ld, slope);
+    return;
+  }
   if (p.softcap > 0.0f) {
     if (masked)
       TA_BWD_GRADS(true, true);

@@ -8,6 +8,7 @@
 #include <type_traits>
 
 #include "common/online_softmax.hpp"
+#include "common/score_mod.hpp"
 #include "cuda/arch/warp_mma_sm80.cuh"
 #include "cuda/common/bwd_params.hpp"
 
@@ -55,7 +56,10 @@ __global__ void __launch_bounds__(kRowKernelThreads) preprocess_kernel(const Bwd
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
   if (lane == 0) {
-    const float l = p.lse[lse_index(p, s, b, h, i)];
+    float l = p.lse[lse_index(p, s, b, h, i)];
+    // ALiBi's causal form: L carries slope * (i + sk - sq) beyond the LSE of the scores that
+    // P is recomputed from (ScoreMod::lse_offset); it comes off here, once per row.
+    if (p.mod.alibi_lse_offset && l != -INFINITY) l -= p.mod.lse_offset(p.mod.slope(b, h), i, s.sq, s.sk);
     p.lse2[w] = l == -INFINITY ? INFINITY : l * kLog2e;
     p.dsum[w] = float(acc);
   }

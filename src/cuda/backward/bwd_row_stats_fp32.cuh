@@ -13,6 +13,9 @@
 // +inf and 1, so their P is 0.
 #include <math.h>
 
+#include <type_traits>
+
+#include "common/score_mod.hpp"
 #include "cuda/arch/warp_mma_sm80.cuh"
 #include "cuda/backward/bwd_grads.cuh"
 #include "cuda/common/bwd_params.hpp"
@@ -68,6 +71,8 @@ __global__ void __launch_bounds__(kThreads, 1) row_stats_kernel(const BwdParams 
   float m[MT][2], l[MT][2];
 #pragma unroll
   for (int i = 0; i < MT; ++i) m[i][0] = m[i][1] = -INFINITY, l[i][0] = l[i][1] = 0.0f;
+  const bool alibi = p.mod.has_alibi();
+  const float slope = p.mod.slope(b, h);
 
   for (int it = 0; it < n_tiles; ++it) {
     const int k0 = (t0 + it) * BN;
@@ -80,27 +85,38 @@ __global__ void __launch_bounds__(kThreads, 1) row_stats_kernel(const BwdParams 
     // Summed wide, as the passes that form P from these statistics sum S.
     warp_gemm<float, MT, NT, D, true, false, true>(st, sQ + s_row * LD, LD, sK + s_col * LD, LD);
     const bool masked = !(mask.full_begin_key(q1) <= k0 && mask.full_end_key(q0) >= k0 + BN);
+    // kAlibi: ALiBi's bias after the cap, added as prob_of_score adds it, so that P's statistics
+    // are those of the scores it forms. One uniform branch per tile picks the variant.
+    auto tile_stats = [&](auto alibi_c) {
+      constexpr bool kAlibi = decltype(alibi_c)::value;
 #pragma unroll
-    for (int i = 0; i < MT; ++i)
+      for (int i = 0; i < MT; ++i)
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int r = s_row + i * 16 + (lane >> 2) + hh * 8;
-        float v[NT][2];
-        float tile_max = -INFINITY;
+        for (int hh = 0; hh < 2; ++hh) {
+          const int r = s_row + i * 16 + (lane >> 2) + hh * 8;
+          float v[NT][2];
+          float tile_max = -INFINITY;
 #pragma unroll
-        for (int j = 0; j < NT; ++j)
+          for (int j = 0; j < NT; ++j)
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int c = s_col + j * 8 + (lane & 3) * 2 + e;
-            v[j][e] = (masked && !mask.visible(q0 + r, k0 + c)) ? -INFINITY : scaled_score(st[i][j][2 * hh + e], p);
-            tile_max = fmaxf(tile_max, v[j][e]);
-          }
-        float tile_sum = 0.0f;
-        if (tile_max != -INFINITY)
+            for (int e = 0; e < 2; ++e) {
+              const int c = s_col + j * 8 + (lane & 3) * 2 + e;
+              float sc = scaled_score(st[i][j][2 * hh + e], p);
+              if constexpr (kAlibi) sc += ScoreMod::alibi_bias(slope, q0 + r, k0 + c, s.sq, s.sk);
+              v[j][e] = (masked && !mask.visible(q0 + r, k0 + c)) ? -INFINITY : sc;
+              tile_max = fmaxf(tile_max, v[j][e]);
+            }
+          float tile_sum = 0.0f;
+          if (tile_max != -INFINITY)
 #pragma unroll
-          for (int j = 0; j < NT; ++j) tile_sum += expf(v[j][0] - tile_max) + expf(v[j][1] - tile_max);
-        merge_stats(m[i][hh], l[i][hh], tile_max, tile_sum);
-      }
+            for (int j = 0; j < NT; ++j) tile_sum += expf(v[j][0] - tile_max) + expf(v[j][1] - tile_max);
+          merge_stats(m[i][hh], l[i][hh], tile_max, tile_sum);
+        }
+    };
+    if (alibi)
+      tile_stats(std::true_type{});
+    else
+      tile_stats(std::false_type{});
     __syncthreads();  // sK is refilled next
   }
 

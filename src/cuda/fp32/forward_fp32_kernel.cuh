@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "common/mask.hpp"
+#include "common/score_mod.hpp"
 #include "common/online_softmax.hpp"
 #include "common/varlen.hpp"
 #include "cuda/arch/ptx_sm80.cuh"
@@ -88,6 +89,8 @@ __global__ void __launch_bounds__(FwdTile<kD, kExact>::kThreads) forward_fp32_ke
   float* lse = p.lse + lse_off + i0;
 
   const Mask mask{sq, sk, p.window_left, p.window_right};
+  const bool alibi = p.mod.has_alibi();
+  const float slope = p.mod.slope(b, h);  // natural units; 0 without ALiBi
   const int i1 = min(i0 + kBM, sq);
   const int n_begin = mask.tile_begin_key(i0), n_end = mask.tile_end_key(i1);
   const int full_begin = mask.full_begin_key(i1), full_end = mask.full_end_key(i0);
@@ -192,6 +195,21 @@ __global__ void __launch_bounds__(FwdTile<kD, kExact>::kThreads) forward_fp32_ke
           }
           s[mt][nt][e] = x;
         }
+    // ALiBi in the scores' units (raw, or log2 when capped), after the cap; masked scores stay
+    // -inf since the bias is finite, so one pass behind one branch serves every tile.
+    if (alibi) {
+      const float slope_x = capped ? slope * kLog2e : slope / p.scale;
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int i = i0 + wm0 + mt * 16 + g + (e >= 2 ? 8 : 0);
+            const int j = n0 + nt * 8 + 2 * t + (e & 1);
+            s[mt][nt][e] += ScoreMod::alibi_bias(slope_x, i, j, sq, sk);
+          }
+    }
 
     // Online softmax: each row lives in the 4 lanes of a quad; row_max is in the log2 domain.
 #pragma unroll
@@ -297,7 +315,10 @@ __global__ void __launch_bounds__(FwdTile<kD, kExact>::kThreads) forward_fp32_ke
         if (c < p.dv) orow[c] = acc[mt][dt][2 * hf] * inv;
         if (c + 1 < p.dv) orow[c + 1] = acc[mt][dt][2 * hf + 1] * inv;
       }
-      if (t == 0) lse[r] = finish_lse(row_max[mt][hf], sum);
+      float l = finish_lse(row_max[mt][hf], sum);
+      // ALiBi's causal form: L as flash-attn returns it (ScoreMod::lse_offset).
+      if (p.mod.alibi_lse_offset && l != -INFINITY) l += p.mod.lse_offset(slope, i0 + r, sq, sk);
+      if (t == 0) lse[r] = l;
     }
 }
 

@@ -16,6 +16,8 @@ bool FwdFp32Sm90<kD>::run(const AttentionProblem& pr, const FwdParams& params, c
   using sm90::attention_map_shape;
   using Tile = FwdSm90Tile<kD>;
   const auto kernel = forward_fp32_kernel_sm90<kD>;
+  // No ALiBi in this kernel: the portable fp32 forward takes those problems.
+  if (pr.alibi_slopes != nullptr) return false;
   if (!sm90::has_sm90a_code(reinterpret_cast<const void*>(kernel))) return false;
   FwdSm90Params p{};
   p.fwd = params;
