@@ -117,11 +117,27 @@ def _check_empty_call(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Te
                              f"{tuple(cu_seqlens_q.shape)} (the shape of cu_seqlens_q)")
 
 
-def _is_empty(q: Tensor, k: Tensor, cu_seqlens_q: Optional[Tensor]) -> bool:
-    """No query row sees a key: no rows, no heads, no batch, or no keys at all."""
+def _is_empty(q: Tensor, k: Tensor, cu_seqlens_q: Optional[Tensor], max_seqlen_q: int,
+              max_seqlen_k: int) -> bool:
+    """No query row sees a key: no rows, no heads, no batch, or no keys at all (for a
+    variable-length batch also every sequence empty: a maximum length of 0)."""
     if cu_seqlens_q is not None:
-        return q.shape[0] == 0 or q.shape[1] == 0 or k.shape[0] == 0 or cu_seqlens_q.shape[0] <= 1
+        return (q.shape[0] == 0 or q.shape[1] == 0 or k.shape[0] == 0 or cu_seqlens_q.shape[0] <= 1
+                or max_seqlen_q == 0 or max_seqlen_k == 0)
     return q.shape[0] == 0 or q.shape[1] == 0 or q.shape[2] == 0 or k.shape[1] == 0
+
+
+def _check_empty_offsets(cu: Tensor, name: str, max_len: int, max_name: str) -> None:
+    # A maximum length of 0 says every sequence is empty. The library checks that where it reads
+    # the offsets anyway (CPU tensors, or CUDA ones with tileattn.check_cu_seqlens()); the same
+    # rule and message here, since such a call never reaches it.
+    if cu.device.type != "cpu" and not _ops._checks["cu_seqlens"]:
+        return
+    lengths = (cu[1:] - cu[:-1]).tolist()
+    for b, n in enumerate(lengths):
+        if n > max_len:
+            raise ValueError(f"{name}: sequence {b} has length {n} > {max_name}={max_len} ({max_name} is the "
+                             "maximum length of a variable-length batch)")
 
 
 class _EmptyAttention(torch.autograd.Function):
@@ -147,8 +163,11 @@ class _EmptyAttention(torch.autograd.Function):
 def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, left, right,
                softcap, deterministic, alibi_slopes=None):
     rank = 3 if cu_seqlens_q is not None else 4
-    if q.dim() == rank and k.dim() == rank and _is_empty(q, k, cu_seqlens_q):
+    if q.dim() == rank and k.dim() == rank and _is_empty(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k):
         _check_empty_call(q, k, v, cu_seqlens_q, cu_seqlens_k)
+        if cu_seqlens_q is not None:
+            _check_empty_offsets(cu_seqlens_q, "cu_seqlens_q", max_seqlen_q, "seqlen_q")
+            _check_empty_offsets(cu_seqlens_k, "cu_seqlens_k", max_seqlen_k, "seqlen_k")
         return _EmptyAttention.apply(q, k, v, cu_seqlens_q is not None)
     return _ops.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                           left, right, softcap, deterministic, alibi_slopes)

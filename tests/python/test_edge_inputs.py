@@ -232,3 +232,28 @@ def test_empty_problems_still_check_their_arguments():
         tileattn.flash_attn_varlen_func(empty, empty, empty, cu, cu.long(), 0, 0)
     with pytest.raises(ValueError, match=r"cu_seqlens_k\.shape=\(2,\) must be \(1,\)"):
         tileattn.flash_attn_varlen_func(empty, empty, empty, cu, torch.zeros(2, dtype=torch.int32), 0, 0)
+
+
+@pytest.mark.parametrize("which", ["q", "k"])
+def test_varlen_all_sequences_empty_with_rows_after_them(which):
+    # max_seqlen 0 on one side: every sequence is empty there, so no query row sees a key; the
+    # rows (all past the batch's sequences on that side) come back as zeros with lse -inf.
+    lens = [0, 0] if which == "q" else [3, 2]
+    cu_q = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
+    cu_k = torch.tensor([0, 0, 0], dtype=torch.int32) if which == "k" else torch.tensor([0, 4, 6], dtype=torch.int32)
+    q = torch.randn(7, 2, 8, requires_grad=True)
+    k = torch.randn(6, 2, 8, requires_grad=True)
+    v = torch.randn(6, 2, 8, requires_grad=True)
+    max_q, max_k = (0, 4) if which == "q" else (3, 0)
+    out, lse, _ = tileattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, return_attn_probs=True)
+    assert torch.equal(out, torch.zeros_like(out)) and out.shape == (7, 2, 8)
+    assert torch.equal(lse, torch.full((2, 7), float("-inf")))
+    grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in grads)
+
+
+def test_varlen_offsets_longer_than_a_zero_maximum_are_refused():
+    cu = torch.tensor([0, 2], dtype=torch.int32)
+    q = k = v = torch.randn(2, 1, 8)
+    with pytest.raises(ValueError, match=r"cu_seqlens_k: sequence 0 has length 2 > seqlen_k=0"):
+        tileattn.flash_attn_varlen_func(q, k, v, cu, cu, 2, 0)

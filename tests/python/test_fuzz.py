@@ -33,10 +33,9 @@ import tileattn
 # Case families whose behaviour is being fixed in the library (issue 16). Each stays off until the
 # fix lands; TILEATTN_FUZZ_ENABLE=empty,dq_dk_cancellation turns them on to try a fix.
 PENDING = {
-    # batch, seqlen or heads of 0: empty or zero results, as PyTorch. Still off: a varlen batch whose
-    # sequences are all empty while rows follow them (max_seqlen_q or _k 0, total > 0) raises
-    # "seqlen_q=0 must be positive" (e.g. TILEATTN_FUZZ_SEED=1567342632 TILEATTN_FUZZ_CASE=48).
-    "empty": False,
+    # batch, seqlen or heads of 0 (and varlen batches whose sequences are all empty, rows after
+    # them): empty or zero results, as PyTorch.
+    "empty": True,
     # dQ and dK within the 2x rule where the exact dS cancels (one visible key, identical keys or
     # values) or headdim_v is large: the naive reference cancels exactly (error 0) where the
     # backward's D = rowsum(dO * O) does not. The CPU now gives exactly 0 with one visible key;
@@ -241,7 +240,9 @@ def draw_problem(rng, device: str) -> Problem:
             p.max_seqlen_q, p.max_seqlen_k = max(1, p.max_seqlen_q), max(1, p.max_seqlen_k)
         p.seqlen_q, p.seqlen_k = max(p.lengths_q), max(p.lengths_k)
     if PENDING["empty"] and rng.random() < 0.05:
-        which = _pick(rng, ["batch", "seqlen_q", "seqlen_k", "heads"] if api != "varlen" else ["lengths"])
+        # 3-D SDPA inputs have no heads dimension to empty.
+        sizes = ["batch", "seqlen_q", "seqlen_k"] + ([] if p.sdpa_3d else ["heads"])
+        which = _pick(rng, sizes if api != "varlen" else ["lengths"])
         if which == "heads":
             p.heads_q = p.heads_kv = 0
         elif which == "lengths":
