@@ -61,7 +61,9 @@ void run_case(DType out_dtype, DType out_b_dtype) {
   check_cuda(cudaMemcpy(got_o.data(), doa.ptr, got_o.size(), cudaMemcpyDeviceToHost), "copy back");
   check_cuda(cudaMemcpy(got_l.data(), dla.ptr, got_l.size() * 4, cudaMemcpyDeviceToHost), "copy back");
 
-  const double tol_o = 2.0 * unit_roundoff(out_dtype), tol_l = 1e-6;
+  // CUDA's expf is within 2 ulp of the exact value, the host's libm within 1: the two weights can
+  // differ by a few ulp, so an fp32 output may differ by that much (seen: 1 ulp at 1.8 on an H100).
+  const double tol_o = 8.0 * unit_roundoff(out_dtype), tol_l = 1e-6;
   for (int64_t r = 0; r < rows; ++r) {
     if (std::isinf(la[size_t(r)])) {
       ASSERT_EQ(got_l[size_t(r)], -INFINITY) << "row " << r;
