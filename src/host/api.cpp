@@ -114,24 +114,31 @@ Plan make_plan(std::unique_ptr<detail::BackendPlan> impl, Backend backend, const
   return Plan(std::shared_ptr<const detail::BackendPlan>(std::move(impl)), backend, size_call);
 }
 
-class CpuPlan final : public detail::BackendPlan {
+// The CPU backend allocates its own small per-thread scratch, so its plans need no workspace.
+class CpuAttentionPlan final : public detail::BackendPlan {
  public:
-  CpuPlan(const AttentionProblem& problem, host::Pass pass) : attention_(problem), pass_(pass) {}
-  explicit CpuPlan(const SoftmaxMatmulProblem& problem) : smm_(problem), is_smm_(true) {}
-  // The CPU backend allocates its own small per-thread scratch.
+  CpuAttentionPlan(const AttentionProblem& problem, host::Pass pass) : problem_(problem), pass_(pass) {}
   size_t workspace_size() const override { return 0; }
   const char* kernel_name() const override { return "cpu"; }
   void run(void*, size_t) const override {
-    if (is_smm_) return cpu::softmax_matmul(smm_);
-    if (pass_ == host::Pass::forward) return cpu::forward(attention_);
-    cpu::backward(attention_);
+    if (pass_ == host::Pass::forward) return cpu::forward(problem_);
+    cpu::backward(problem_);
   }
 
  private:
-  AttentionProblem attention_{};
-  SoftmaxMatmulProblem smm_{};
-  host::Pass pass_ = host::Pass::forward;
-  bool is_smm_ = false;
+  AttentionProblem problem_;
+  host::Pass pass_;
+};
+
+class CpuSoftmaxMatmulPlan final : public detail::BackendPlan {
+ public:
+  explicit CpuSoftmaxMatmulPlan(const SoftmaxMatmulProblem& problem) : problem_(problem) {}
+  size_t workspace_size() const override { return 0; }
+  const char* kernel_name() const override { return "cpu"; }
+  void run(void*, size_t) const override { cpu::softmax_matmul(problem_); }
+
+ private:
+  SoftmaxMatmulProblem problem_;
 };
 
 Plan plan_attention(const AttentionProblem& problem, host::Pass pass) {
@@ -148,7 +155,7 @@ Plan plan_attention(const AttentionProblem& problem, host::Pass pass) {
     return make_plan(std::move(impl), backend, size_call);
   }
 #endif
-  return make_plan(std::make_unique<CpuPlan>(p, pass), backend, size_call);
+  return make_plan(std::make_unique<CpuAttentionPlan>(p, pass), backend, size_call);
 }
 
 }  // namespace
@@ -181,7 +188,7 @@ Plan plan_softmax_matmul(const SoftmaxMatmulProblem& problem) {
   if (backend == Backend::cuda)
     return make_plan(cuda::plan_softmax_matmul(p), backend, "softmax_matmul_workspace_size");
 #endif
-  return make_plan(std::make_unique<CpuPlan>(p), backend, "softmax_matmul_workspace_size");
+  return make_plan(std::make_unique<CpuSoftmaxMatmulPlan>(p), backend, "softmax_matmul_workspace_size");
 }
 
 void forward(const AttentionProblem& problem) { plan_forward(problem).run(problem.workspace, problem.workspace_bytes); }

@@ -25,7 +25,6 @@ int clamp_window(int64_t w, int64_t reach) { return w < 0 ? -1 : int(std::min(w,
 }  // namespace
 
 void forward_fp32(const AttentionProblem& pr) {
-  if (pr.batch == 0 || pr.seqlen_q == 0 || pr.heads_q == 0) return;
   if (pr.batch > 65535 || pr.heads_q > 65535)
     throw Error(ErrorKind::unsupported, "fp32 forward on CUDA: batch=" + std::to_string(pr.batch) +
                                             " and heads_q=" + std::to_string(pr.heads_q) + " must be <= 65535");

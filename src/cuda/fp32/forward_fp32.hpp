@@ -8,6 +8,7 @@
 
 namespace tileattn::cuda {
 
+// For a problem with work to do (the plan in backend.cu skips empty ones).
 void forward_fp32(const AttentionProblem& problem);
 
 }  // namespace tileattn::cuda
