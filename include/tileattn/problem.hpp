@@ -61,6 +61,34 @@ struct AttentionProblem {
   // the rules give unspecified values but never an access outside the buffers (the kernels clamp).
   bool check_cu_seqlens = false;
 
+  // ---- key/value cache (flash-attn's flash_attn_with_kvcache, paged attention) ------------
+  // Forward only. Every pointer is int32, in the same memory space as the tensors, and checked
+  // like cu_seqlens (host memory always, device memory on request); unchecked device values that
+  // break a rule give unspecified results but are clamped so that no access leaves the buffers.
+  //
+  // seqused_k (batch,): sequence b attends to its first seqused_k[b] keys: rows
+  //   [leftpad_k[b], seqused_k[b]) of its cache row (fixed length; seqused_k[b] <= seqlen_k), or
+  //   the first seqused_k[b] rows of its packed sequence (varlen; at most its length).
+  // leftpad_k (batch,): fixed length only; sequence b's keys start at row leftpad_k[b] of its cache
+  //   row (flash-attn's cache_leftpad), with seqused_k (or seqlen_k) the end. Positions in masks
+  //   and ALiBi count from there: the sequence has seqused_k[b] - leftpad_k[b] keys.
+  // kv_batch_idx (batch,): fixed length only; sequence b reads cache row kv_batch_idx[b] of K and
+  //   V, which then have kv_batch rows (flash-attn's cache_batch_idx).
+  // block_table (batch, pages_per_seq), row stride block_table_stride: paged K and V of shape
+  //   (num_pages, page_size, heads_kv, headdim), their batch_stride the page stride. Key row r of
+  //   sequence b lies at row r % page_size of page block_table[b * block_table_stride +
+  //   r / page_size]; seqlen_k (the longest sequence) is at most pages_per_seq * page_size. With
+  //   cu_seqlens the sequences' key lengths are cu_seqlens_k's (total_k is not used for K and V).
+  const int32_t* seqused_k = nullptr;
+  const int32_t* leftpad_k = nullptr;
+  const int32_t* kv_batch_idx = nullptr;
+  int64_t kv_batch = 0;
+  const int32_t* block_table = nullptr;
+  int64_t block_table_stride = 0;
+  int64_t pages_per_seq = 0;
+  int64_t page_size = 0;
+  int64_t num_pages = 0;
+
   // ---- options --------------------------------------------------------------------------
   std::optional<float> softmax_scale;  // default 1/sqrt(headdim_qk); must be finite and > 0
   bool causal = false;                 // bottom-right aligned when seqlen_q != seqlen_k
@@ -82,6 +110,9 @@ struct AttentionProblem {
   const float* alibi_slopes = nullptr;
   int64_t alibi_batch_stride = 0;
   bool deterministic = false;          // backward: bitwise identical gradients run to run
+  // CUDA forward: how many parts the keys of a row may be split into (split-KV, combined after):
+  // 0 lets the library choose, 1 never splits, n > 1 at most n. Results differ only by rounding.
+  int num_splits = 0;
   Fp32Mode fp32_mode = Fp32Mode::exact;
   Backend backend = Backend::automatic;
 
@@ -92,6 +123,11 @@ struct AttentionProblem {
   int num_threads = 0;           // CPU backend: 0 = all hardware threads
 
   bool is_varlen() const { return cu_seqlens_q != nullptr || cu_seqlens_k != nullptr; }
+  bool is_paged() const { return block_table != nullptr; }
+  // Keys addressed through any of the cache fields above (rather than one range per sequence).
+  bool has_kv_cache() const {
+    return seqused_k != nullptr || leftpad_k != nullptr || kv_batch_idx != nullptr || block_table != nullptr;
+  }
 };
 
 // softmax(X, dim=-1) @ V for X (batch, d1, d2), V (batch, d2, d3), out (batch, d1, d3).

@@ -167,6 +167,7 @@ const char* backend_name(tileattn::Backend b) {
 
 constexpr const char* kFixedDims = "(batch, seqlen, heads, headdim)";
 constexpr const char* kVarlenDims = "(total_tokens, heads, headdim)";
+constexpr const char* kPagedDims = "(num_pages, page_size, heads_kv, headdim) (a paged cache)";
 
 // The scalar options of an attention call, as one object: the Python layer builds one per distinct
 // set of options and reuses it, so a call passes no long argument list.
@@ -180,6 +181,13 @@ struct Options {
   bool fp32_fast = false;
   int num_threads = 0;
   bool check_cu_seqlens = false;
+  int num_splits = 0;
+};
+
+// flash-attn's key/value cache arguments (problem.hpp): each an int32 tensor or None.
+struct KvCache {
+  OptArray seqused_k, leftpad_k, kv_batch_idx, block_table;
+  bool any() const { return seqused_k || leftpad_k || kv_batch_idx || block_table; }
 };
 
 // One attention call (forward, and backward when the gradient tensors are given). Holds the
@@ -187,9 +195,11 @@ struct Options {
 class Attention {
  public:
   Attention(Array q, Array k, Array v, Array out, Array lse, OptArray cu_seqlens_q, OptArray cu_seqlens_k,
-            const Options& options, OptArray dout, OptArray dq, OptArray dk, OptArray dv, OptArray alibi_slopes)
+            const Options& options, OptArray dout, OptArray dq, OptArray dk, OptArray dv, OptArray alibi_slopes,
+            OptArray seqused_k, OptArray leftpad_k, OptArray kv_batch_idx, OptArray block_table)
       : q_(q), k_(k), v_(v), out_(out), lse_(lse), dout_(dout), dq_(dq), dk_(dk), dv_(dv),
-        cu_q_(cu_seqlens_q), cu_k_(cu_seqlens_k), alibi_(alibi_slopes) {
+        cu_q_(cu_seqlens_q), cu_k_(cu_seqlens_k), alibi_(alibi_slopes),
+        cache_{seqused_k, leftpad_k, kv_batch_idx, block_table} {
     const int64_t max_seqlen_q = options.max_seqlen_q, max_seqlen_k = options.max_seqlen_k;
     if (cu_q_.has_value() != cu_k_.has_value())
       fail(ErrorKind::invalid_argument, "cu_seqlens_q and cu_seqlens_k must be given together (variable length)");
@@ -197,9 +207,13 @@ class Attention {
     const size_t rank = varlen ? 3 : 4;
     const char* dims = varlen ? kVarlenDims : kFixedDims;
 
+    // A paged K/V is (num_pages, page_size, heads_kv, headdim) whatever q's layout.
+    const bool paged = cache_.block_table.has_value();
+    const size_t k_rank = paged ? 4 : rank;
+    const char* k_dims = paged ? kPagedDims : dims;
     check_operand(q_, "q", rank, dims, q_, "q");
-    check_operand(k_, "k", rank, dims, q_, "q");
-    check_operand(v_, "v", rank, dims, q_, "q");
+    check_operand(k_, "k", k_rank, k_dims, q_, "q");
+    check_operand(v_, "v", k_rank, k_dims, q_, "q");
     check_operand(out_, "out", rank, dims, q_, "q");
     const bool has_grads = dout_ || dq_ || dk_ || dv_;
     if (has_grads && !(dout_ && dq_ && dk_ && dv_))
@@ -213,20 +227,21 @@ class Attention {
 
     auto dim = [](const Array& a, size_t i) { return int64_t(a.shape(i)); };
     const size_t h = rank - 2, d = rank - 1;  // heads and headdim axes
+    const size_t kh = k_rank - 2, kd = k_rank - 1;
     auto& p = problem_;
     p.dtype = *dtype_of(q_);
     p.backend = backend_for(q_, "q");
     p.heads_q = dim(q_, h);
-    p.heads_kv = dim(k_, h);
+    p.heads_kv = dim(k_, kh);
     p.headdim_qk = dim(q_, d);
-    p.headdim_v = dim(v_, d);
+    p.headdim_v = dim(v_, kd);
 
     // k and v share every axis but the last; q and k share batch and headdim.
-    std::vector<int64_t> k_shape(k_.shape_ptr(), k_.shape_ptr() + rank);
-    k_shape[d] = p.headdim_qk;
+    std::vector<int64_t> k_shape(k_.shape_ptr(), k_.shape_ptr() + k_rank);
+    k_shape[kd] = p.headdim_qk;
     check_shape(k_, "k", k_shape, "(its head dim must equal q.shape[-1])");
     std::vector<int64_t> v_shape = k_shape;
-    v_shape[d] = p.headdim_v;
+    v_shape[kd] = p.headdim_v;
     check_shape(v_, "v", v_shape, "(all dimensions but the last must equal k's)");
     std::vector<int64_t> o_shape(q_.shape_ptr(), q_.shape_ptr() + rank);
     o_shape[d] = p.headdim_v;
@@ -256,7 +271,8 @@ class Attention {
       p.cu_seqlens_k = static_cast<const int32_t*>(cu_k_->data());
       check_aux(lse_, "lse", {p.heads_q, p.total_q}, "(heads, total_q)", f32, "float32", q_, "q");
     } else {
-      if (dim(k_, 0) != dim(q_, 0))
+      // With kv_batch_idx (or pages) k's first axis is the cache's, not the batch.
+      if (!paged && !cache_.kv_batch_idx && dim(k_, 0) != dim(q_, 0))
         fail(ErrorKind::invalid_argument, "k.shape[0]=" + std::to_string(dim(k_, 0)) + " must equal q.shape[0]=" +
                                               std::to_string(dim(q_, 0)) + " (batch)");
       p.batch = dim(q_, 0);
@@ -266,8 +282,9 @@ class Attention {
     }
 
     p.q = view_of(q_, varlen);
-    p.k = view_of(k_, varlen);
-    p.v = view_of(v_, varlen);
+    p.k = view_of(k_, varlen && !paged);
+    p.v = view_of(v_, varlen && !paged);
+    if (cache_.any()) set_cache(varlen);
     p.o = view_of(out_, varlen);
     p.lse = static_cast<float*>(lse_.data());
     if (has_grads) {
@@ -286,6 +303,7 @@ class Attention {
     p.fp32_mode = options.fp32_fast ? tileattn::Fp32Mode::fast : tileattn::Fp32Mode::exact;
     p.num_threads = options.num_threads;
     p.check_cu_seqlens = options.check_cu_seqlens;
+    p.num_splits = options.num_splits;
   }
 
   // Validates and plans the call once (kernel, split count, workspace size, tensor maps) for the
@@ -334,6 +352,43 @@ class Attention {
     p.alibi_batch_stride = per_batch && a.shape(0) > 1 ? int64_t(a.stride(0)) : 0;
   }
 
+  // The cache tables: int32, contiguous, on q's device; (batch,) each, block_table (batch, pages).
+  void set_cache(bool varlen) {
+    auto& p = problem_;
+    const auto i32 = nb::dtype<int32_t>();
+    auto per_sequence = [&](const OptArray& a, const char* name) -> const int32_t* {
+      if (!a) return nullptr;
+      check_aux(*a, name, {p.batch}, "(one entry per sequence)", i32, "int32", q_, "q");
+      return static_cast<const int32_t*>(a->data());
+    };
+    p.seqused_k = per_sequence(cache_.seqused_k, "seqused_k");
+    p.leftpad_k = per_sequence(cache_.leftpad_k, "leftpad_k");
+    p.kv_batch_idx = per_sequence(cache_.kv_batch_idx, "kv_batch_idx");
+    if (p.kv_batch_idx) p.kv_batch = int64_t(k_.shape(0));
+    if (const OptArray& t = cache_.block_table) {
+      if (t->dtype() != i32)
+        fail(ErrorKind::invalid_type, "block_table.dtype=" + dtype_name(t->dtype()) + " must be int32");
+      if (!same_device(*t, q_))
+        fail(ErrorKind::invalid_argument, "block_table is on " + device_name(*t) + " but q is on " + device_name(q_) +
+                                              "; all tensors must share one device");
+      if (t->ndim() != 2 || int64_t(t->shape(0)) != p.batch)
+        fail(ErrorKind::invalid_argument, "block_table.shape=" + shape_of(*t) + " must be (batch, max_pages) with batch=" +
+                                              std::to_string(p.batch));
+      if (t->shape(1) > 1 && t->stride(1) != 1)
+        fail(ErrorKind::invalid_argument, "block_table.stride(-1)=" + std::to_string(t->stride(1)) +
+                                              " must be 1 (the last dimension must be contiguous)");
+      p.block_table = static_cast<const int32_t*>(t->data());
+      p.pages_per_seq = int64_t(t->shape(1));
+      p.block_table_stride = t->shape(0) > 1 ? int64_t(t->stride(0)) : p.pages_per_seq;
+      p.num_pages = int64_t(k_.shape(0));
+      p.page_size = int64_t(k_.shape(1));
+      // Fixed length: every sequence may reach its whole row of pages. Varlen: total_k is unused
+      // for pages; the key rows the cache holds stand in for it.
+      if (!varlen) p.seqlen_k = p.pages_per_seq * p.page_size;
+      else p.total_k = p.num_pages * p.page_size;
+    }
+  }
+
   void require_grads() const {
     if (!dout_) fail(ErrorKind::invalid_argument, "backward needs dout, dq, dk and dv");
   }
@@ -346,6 +401,7 @@ class Attention {
 
   Array q_, k_, v_, out_, lse_;
   OptArray dout_, dq_, dk_, dv_, cu_q_, cu_k_, alibi_;
+  KvCache cache_;
   tileattn::AttentionProblem problem_;
   std::optional<tileattn::Plan> plan_;
 };
@@ -432,15 +488,18 @@ NB_MODULE(_ext, m) {
       .def_rw("deterministic", &Options::deterministic)
       .def_rw("fp32_fast", &Options::fp32_fast)
       .def_rw("num_threads", &Options::num_threads)
-      .def_rw("check_cu_seqlens", &Options::check_cu_seqlens);
+      .def_rw("check_cu_seqlens", &Options::check_cu_seqlens)
+      .def_rw("num_splits", &Options::num_splits);
 
   nb::class_<Attention>(m, "Attention")
       .def(nb::init<Array, Array, Array, Array, Array, OptArray, OptArray, const Options&, OptArray, OptArray, OptArray,
-                    OptArray, OptArray>(),
+                    OptArray, OptArray, OptArray, OptArray, OptArray, OptArray>(),
            nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("lse"), nb::arg("cu_seqlens_q").none(),
            nb::arg("cu_seqlens_k").none(), nb::arg("options"), nb::arg("dout").none() = nb::none(),
            nb::arg("dq").none() = nb::none(), nb::arg("dk").none() = nb::none(), nb::arg("dv").none() = nb::none(),
-           nb::kw_only(), nb::arg("alibi_slopes").none() = nb::none())
+           nb::kw_only(), nb::arg("alibi_slopes").none() = nb::none(), nb::arg("seqused_k").none() = nb::none(),
+           nb::arg("leftpad_k").none() = nb::none(), nb::arg("kv_batch_idx").none() = nb::none(),
+           nb::arg("block_table").none() = nb::none())
       .def("plan_forward", &Attention::plan_forward, nb::arg("stream") = 0)
       .def("plan_backward", &Attention::plan_backward, nb::arg("stream") = 0)
       .def("run", &Attention::run, nb::arg("workspace").none() = nb::none())

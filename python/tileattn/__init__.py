@@ -4,6 +4,8 @@
   (batch, seqlen, heads, headdim); their packed forms ``flash_attn_qkvpacked_func``,
   ``flash_attn_kvpacked_func``, ``flash_attn_varlen_qkvpacked_func`` and
   ``flash_attn_varlen_kvpacked_func`` read the packed tensor in place.
+- ``flash_attn_with_kvcache``: inference over a key/value cache (appending new keys, rotary
+  embedding, paged caches with ``block_table``, GQA), as flash-attn's; forward only.
 - ``scaled_dot_product_attention``: PyTorch SDPA's signature and layout (batch, heads, seqlen, headdim).
 - ``softmax_matmul``: softmax(x, dim=-1) @ v without materialising softmax(x).
 - ``merge_attention``: merges two partial results (out, lse) over disjoint keys, in place;
@@ -11,8 +13,8 @@
 - ``FlashAttentionFunction``: (batch, seqlen, headdim) autograd function on the kernels;
   ``tileattn.reference.FlashAttentionPytorch`` is its readable pure-PyTorch counterpart.
 
-All of them are differentiable, traceable by torch.compile(fullgraph=True) and run on the current
-CUDA stream (CUDA graphs included) or on the CPU.
+The others are differentiable and traceable by torch.compile(fullgraph=True); all run on the
+current CUDA stream (CUDA graphs included) or on the CPU.
 """
 
 from . import _ext
@@ -20,6 +22,7 @@ from .autograd import FlashAttentionFunction
 from .functional import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func, flash_attn_varlen_func,
                          flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func,
                          scaled_dot_product_attention, softmax_matmul)
+from .kvcache import flash_attn_with_kvcache
 from . import reference
 from ._ops import check_cu_seqlens
 from .distributed.merge import merge_attention
@@ -49,6 +52,7 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
     "merge_attention",
     "reference",
     "scaled_dot_product_attention",

@@ -75,9 +75,11 @@ _checks = {"cu_seqlens": False}
 
 
 def check_cu_seqlens(enabled: bool = True) -> None:
-    """Check CUDA ``cu_seqlens`` on the host at every varlen call (one copy and stream sync each).
+    """Check CUDA ``cu_seqlens`` on the host at every varlen call (one copy and stream sync each),
+    and likewise the key/value cache tables of ``flash_attn_with_kvcache`` and of paged
+    ``flash_attn_varlen_func`` (cache lengths, batch indices, left padding, page tables).
 
-    Off by default. CPU offsets are always checked (they need no copy); while a CUDA graph is
+    Off by default. CPU tables are always checked (they need no copy); while a CUDA graph is
     being captured the check is skipped.
     """
     _checks["cu_seqlens"] = bool(enabled)
@@ -132,13 +134,14 @@ def _check_attention_ranks(q: Tensor, k: Tensor, v: Tensor, varlen: bool) -> Non
 
 @functools.lru_cache(maxsize=256)
 def _options(max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, deterministic,
-             fp32_fast, num_threads, check_cu_seqlens):
+             fp32_fast, num_threads, check_cu_seqlens, num_splits=0):
     # One options object per distinct set (a model calls attention with a handful), built once and
     # shared: never modified after it is made.
     o = _ext.Options()
     o.max_seqlen_q, o.max_seqlen_k, o.softmax_scale, o.causal = max_seqlen_q, max_seqlen_k, softmax_scale, causal
     o.window_left, o.window_right, o.softcap, o.deterministic = window_left, window_right, softcap, deterministic
     o.fp32_fast, o.num_threads, o.check_cu_seqlens = fp32_fast, num_threads, check_cu_seqlens
+    o.num_splits = num_splits
     return o
 
 
@@ -182,6 +185,42 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor
     with _device_context(q.device):
         call.run(_workspace(call.plan_forward(_stream(q.device)), q.device))
     return out, lse
+
+
+def plan_cache_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
+                       cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
+                       softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int,
+                       softcap: float, alibi_slopes: Optional[Tensor], seqused_k: Optional[Tensor],
+                       leftpad_k: Optional[Tensor], kv_batch_idx: Optional[Tensor], block_table: Optional[Tensor],
+                       num_splits: int):
+    """A forward over keys in a cache (seqused_k, leftpad_k, kv_batch_idx, block_table: problem.hpp's
+    key/value cache fields), validated and planned: returns (out, lse, run), run() computing them.
+    Every rule is checked before run(), so a caller can change the cache in between (appending)
+    knowing the call will not be refused. Inference only: nothing is recorded for autograd."""
+    for t, name in ((q, "q"), (k, "k"), (v, "v"), (cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k"),
+                    (alibi_slopes, "alibi_slopes"), (seqused_k, "seqused_k"), (leftpad_k, "leftpad_k"),
+                    (kv_batch_idx, "kv_batch_idx"), (block_table, "block_table")):
+        if t is not None:
+            _check_device(t, name)
+    varlen = cu_seqlens_q is not None
+    _check_rank(q, "q", 3 if varlen else 4, "(total_tokens, heads, headdim)" if varlen else
+                "(batch, seqlen, heads, headdim)")
+    out = torch.empty(_out_shape(q, v), dtype=q.dtype, device=q.device)
+    lse = torch.empty(_lse_shape(q, varlen), dtype=torch.float32, device=q.device)
+    options = _options(max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, False,
+                       _fp32_fast(q), _num_threads(q.device), _checks["cu_seqlens"], num_splits)
+    cap = lambda t: None if t is None else _capsule(t)  # noqa: E731
+    call = _ext.Attention(_capsule(q), _capsule(k), _capsule(v), _capsule(out), _capsule(lse), cap(cu_seqlens_q),
+                          cap(cu_seqlens_k), options, alibi_slopes=cap(alibi_slopes), seqused_k=cap(seqused_k),
+                          leftpad_k=cap(leftpad_k), kv_batch_idx=cap(kv_batch_idx), block_table=cap(block_table))
+    with _device_context(q.device):
+        workspace = _workspace(call.plan_forward(_stream(q.device)), q.device)
+
+    def run() -> None:
+        with _device_context(q.device):
+            call.run(workspace)
+
+    return out, lse, run
 
 
 # The two attention operators are registered with torch.library.Library directly rather than

@@ -213,7 +213,8 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
                            softmax_scale: Optional[float] = None, causal: bool = False,
                            window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
                            alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
-                           return_attn_probs: bool = False):
+                           return_attn_probs: bool = False, block_table: Optional[Tensor] = None, *,
+                           seqused_k: Optional[Tensor] = None):
     """Attention over a variable-length batch, as ``flash_attn.flash_attn_varlen_func``.
 
     q is (total_q, heads, headdim), k and v (total_k, heads_kv, headdim); sequence b holds rows
@@ -221,9 +222,24 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     max_seqlen_q/k bound every sequence's length. ``causal`` and ``window_size`` act within each
     sequence as in ``flash_attn_func``. With ``return_attn_probs=True`` returns
     (out, softmax_lse, None), softmax_lse being (heads, total_q) float32.
+
+    ``block_table`` (batch, max_pages) int32 makes k and v paged caches (num_pages, page_size,
+    heads_kv, headdim): the keys of sequence b are its cu_seqlens_k length of rows through its row
+    of pages (chunked prefill). ``seqused_k`` (batch,) int32 uses only the first seqused_k[b] keys
+    of sequence b. Either makes the call forward-only (no autograd), as in flash-attn.
     """
     _reject_unsupported(dropout_p)
     left, right = _window(window_size)
+    if block_table is not None or seqused_k is not None:
+        if torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in (q, k, v)):
+            raise NotImplementedError("block_table and seqused_k are forward-only (no backward, as in flash-attn); "
+                                      "call under torch.no_grad() or with inputs that do not require grad")
+        from .kvcache import cache_varlen_forward  # noqa: PLC0415
+        out, lse = cache_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, _int64(max_seqlen_q, "max_seqlen_q"),
+                                        _int64(max_seqlen_k, "max_seqlen_k"), _scale(softmax_scale, "softmax_scale"),
+                                        bool(causal), left, right, _float32(softcap, "softcap"), alibi_slopes,
+                                        seqused_k, block_table)
+        return _finish(out, lse, return_attn_probs)
     out, lse = _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, _int64(max_seqlen_q, "max_seqlen_q"),
                               _int64(max_seqlen_k, "max_seqlen_k"), _scale(softmax_scale, "softmax_scale"),
                               bool(causal), left, right, _float32(softcap, "softcap"), bool(deterministic),

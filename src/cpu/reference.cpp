@@ -7,6 +7,7 @@
 #include <cmath>
 #include <limits>
 
+#include "common/key_rows.hpp"
 #include "common/mask.hpp"
 #include "cpu/convert.hpp"
 #include "cpu/parallel.hpp"
@@ -14,7 +15,8 @@
 namespace tileattn::cpu {
 namespace {
 
-// Dense rows of each sequence: [q_begin, q_begin + q_len) of the (rows_q, heads, dim) arrays.
+// Dense rows of each sequence: [q_begin, q_begin + q_len) of the (rows_q, heads, dim) arrays, and
+// likewise for keys. Keys read from a cache (problem.hpp) are laid out back to back.
 struct Sequences {
   std::vector<int64_t> q_begin, q_len, k_begin, k_len;
   int64_t rows_q = 0, rows_k = 0;
@@ -22,37 +24,55 @@ struct Sequences {
 
 Sequences sequences(const AttentionProblem& p) {
   Sequences s;
+  const KeyLayout keys = key_layout(p);
   for (int64_t b = 0; b < p.batch; ++b) {
     if (p.is_varlen()) {
       s.q_begin.push_back(p.cu_seqlens_q[b]);
       s.q_len.push_back(p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b]);
-      s.k_begin.push_back(p.cu_seqlens_k[b]);
-      s.k_len.push_back(p.cu_seqlens_k[b + 1] - p.cu_seqlens_k[b]);
     } else {
       s.q_begin.push_back(b * p.seqlen_q);
       s.q_len.push_back(p.seqlen_q);
-      s.k_begin.push_back(b * p.seqlen_k);
-      s.k_len.push_back(p.seqlen_k);
     }
+    const int64_t len = key_span(keys, int(b)).len;
+    s.k_begin.push_back(p.has_kv_cache() ? s.rows_k : p.is_varlen() ? p.cu_seqlens_k[b] : b * p.seqlen_k);
+    s.k_len.push_back(len);
+    if (p.has_kv_cache()) s.rows_k += len;
   }
   s.rows_q = p.is_varlen() ? p.total_q : p.batch * p.seqlen_q;
-  s.rows_k = p.is_varlen() ? p.total_k : p.batch * p.seqlen_k;
+  if (!p.has_kv_cache()) s.rows_k = p.is_varlen() ? p.total_k : p.batch * p.seqlen_k;
   return s;
 }
 
-// Reads a strided tensor into dense (rows, heads, dim) float64.
+// Reads a strided tensor into dense (rows, heads, dim) float64; `source(b, i)` is the element
+// offset of row i of sequence b (head 0).
+template <class Source>
 std::vector<double> gather(const AttentionProblem& p, const TensorView& t, const std::vector<int64_t>& begin,
-                           const std::vector<int64_t>& len, int64_t rows, int64_t heads, int64_t dim) {
+                           const std::vector<int64_t>& len, int64_t rows, int64_t heads, int64_t dim, Source source) {
   std::vector<double> out(size_t(rows * heads * dim), 0.0);
   for (int64_t b = 0; b < p.batch; ++b)
     for (int64_t i = 0; i < len[b]; ++i) {
-      const int64_t row = begin[b] + i;
-      const int64_t src_row = p.is_varlen() ? row * t.seq_stride : b * t.batch_stride + i * t.seq_stride;
+      const int64_t row = begin[b] + i, src_row = source(b, i);
       for (int64_t h = 0; h < heads; ++h)
         for (int64_t d = 0; d < dim; ++d)
           out[size_t((row * heads + h) * dim + d)] = load_element(t.data, src_row + h * t.head_stride + d, p.dtype);
     }
   return out;
+}
+
+// Query-side tensors (q, o, dout): fixed-length rows of batch entry b, or packed rows.
+std::vector<double> gather_q(const AttentionProblem& p, const TensorView& t, const Sequences& s, int64_t heads,
+                             int64_t dim) {
+  return gather(p, t, s.q_begin, s.q_len, s.rows_q, heads, dim, [&](int64_t b, int64_t i) {
+    return p.is_varlen() ? (s.q_begin[b] + i) * t.seq_stride : b * t.batch_stride + i * t.seq_stride;
+  });
+}
+
+// Key-side tensors (k, v): wherever the problem's key layout puts them.
+std::vector<double> gather_k(const AttentionProblem& p, const TensorView& t, const Sequences& s, int64_t dim) {
+  const KeyLayout keys = key_layout(p);
+  return gather(p, t, s.k_begin, s.k_len, s.rows_k, p.heads_kv, dim, [&](int64_t b, int64_t i) {
+    return key_offset(keys, key_span(keys, int(b)), int(i), t.batch_stride, t.seq_stride);
+  });
 }
 
 // One pass over every (sequence, kv head); the query heads of a GQA group are handled by the
@@ -189,19 +209,16 @@ ReferenceBackward reference_backward_dense(const AttentionProblem& problem, cons
 
 ReferenceForward reference_forward(const AttentionProblem& p) {
   const Sequences s = sequences(p);
-  return reference_forward_dense(p, gather(p, p.q, s.q_begin, s.q_len, s.rows_q, p.heads_q, p.headdim_qk),
-                                 gather(p, p.k, s.k_begin, s.k_len, s.rows_k, p.heads_kv, p.headdim_qk),
-                                 gather(p, p.v, s.k_begin, s.k_len, s.rows_k, p.heads_kv, p.headdim_v));
+  return reference_forward_dense(p, gather_q(p, p.q, s, p.heads_q, p.headdim_qk), gather_k(p, p.k, s, p.headdim_qk),
+                                 gather_k(p, p.v, s, p.headdim_v));
 }
 
 ReferenceBackward reference_backward(const AttentionProblem& p, OracleDelta delta) {
   const Sequences s = sequences(p);
   std::vector<double> given_o;
-  if (delta == OracleDelta::given_o) given_o = gather(p, p.o, s.q_begin, s.q_len, s.rows_q, p.heads_q, p.headdim_v);
-  return reference_backward_dense(p, gather(p, p.q, s.q_begin, s.q_len, s.rows_q, p.heads_q, p.headdim_qk),
-                                  gather(p, p.k, s.k_begin, s.k_len, s.rows_k, p.heads_kv, p.headdim_qk),
-                                  gather(p, p.v, s.k_begin, s.k_len, s.rows_k, p.heads_kv, p.headdim_v),
-                                  gather(p, p.dout, s.q_begin, s.q_len, s.rows_q, p.heads_q, p.headdim_v),
+  if (delta == OracleDelta::given_o) given_o = gather_q(p, p.o, s, p.heads_q, p.headdim_v);
+  return reference_backward_dense(p, gather_q(p, p.q, s, p.heads_q, p.headdim_qk), gather_k(p, p.k, s, p.headdim_qk),
+                                  gather_k(p, p.v, s, p.headdim_v), gather_q(p, p.dout, s, p.heads_q, p.headdim_v),
                                   delta == OracleDelta::given_o ? &given_o : nullptr);
 }
 

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <vector>
 
+#include "common/key_rows.hpp"
 #include "common/mask.hpp"
 #include "common/online_softmax.hpp"
 #include "common/score_mod.hpp"
@@ -23,28 +24,30 @@ constexpr int64_t kTileK = 64;
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// Where the rows of one sequence live, and its mask. Fixed length: rows of sequence b start at
-// b * batch_stride; varlen: at cu_seqlens[b] * seq_stride (batch_stride unused).
+// Where the rows of one sequence live, and its mask. Query rows of sequence b start at
+// b * batch_stride (fixed length) or at cu_seqlens_q[b] * seq_stride (varlen); key rows are
+// wherever its KeySpan says (a packed range, part of a cache row, or pages).
 struct Sequence {
   int64_t len_q = 0, len_k = 0;
-  int64_t row0_q = 0, row0_k = 0;  // first row in the dense (rows, heads) numbering (varlen token)
+  int64_t row0_q = 0;  // first query row in the dense (rows, heads) numbering (varlen token)
   int64_t b = 0;
+  KeyLayout keys;
+  KeySpan key;
   Mask mask;
 };
 
 inline Sequence sequence(const AttentionProblem& p, int64_t b) {
   Sequence s;
   s.b = b;
+  s.keys = key_layout(p);
+  s.key = key_span(s.keys, int(b));
+  s.len_k = s.key.len;
   if (p.is_varlen()) {
     s.row0_q = p.cu_seqlens_q[b];
-    s.row0_k = p.cu_seqlens_k[b];
     s.len_q = p.cu_seqlens_q[b + 1] - s.row0_q;
-    s.len_k = p.cu_seqlens_k[b + 1] - s.row0_k;
   } else {
     s.row0_q = b * p.seqlen_q;
-    s.row0_k = b * p.seqlen_k;
     s.len_q = p.seqlen_q;
-    s.len_k = p.seqlen_k;
   }
   // A window side wider than both sequences masks nothing; clamping keeps Mask's int math exact.
   const int64_t reach = s.len_q + s.len_k;
@@ -66,7 +69,8 @@ inline void max_lengths(const AttentionProblem& p, int64_t& max_q, int64_t& max_
 // Element offset of (row i of sequence s, head h) in tensor t.
 inline int64_t row_offset(const AttentionProblem& p, const TensorView& t, const Sequence& s, bool query_side,
                           int64_t i, int64_t h) {
-  const int64_t row = p.is_varlen() ? (query_side ? s.row0_q : s.row0_k) * t.seq_stride : s.b * t.batch_stride;
+  if (!query_side) return key_offset(s.keys, s.key, int(i), t.batch_stride, t.seq_stride) + h * t.head_stride;
+  const int64_t row = p.is_varlen() ? s.row0_q * t.seq_stride : s.b * t.batch_stride;
   return row + i * t.seq_stride + h * t.head_stride;
 }
 
@@ -100,7 +104,8 @@ struct RowsView {
 };
 inline RowsView view_rows(const AttentionProblem& p, const TensorView& t, const Sequence& s, bool query_side,
                           int64_t h, int64_t i0, int64_t rows, int64_t dim, float* scratch) {
-  if (p.dtype == DType::f32)
+  // Paged keys are not one strided block: they are copied like other dtypes.
+  if (p.dtype == DType::f32 && (query_side || !s.key.pages))
     return {static_cast<const float*>(t.data) + row_offset(p, t, s, query_side, i0, h), t.seq_stride};
   load_rows(p, t, s, query_side, h, i0, rows, dim, scratch, dim);
   return {scratch, dim};

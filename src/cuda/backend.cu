@@ -10,6 +10,7 @@
 #include <optional>
 #include <string>
 
+#include "common/key_rows.hpp"
 #include "common/online_softmax.hpp"
 #include "common/score_mod.hpp"
 #include "common/backend_plan.hpp"
@@ -140,8 +141,11 @@ FwdParams make_params(const AttentionProblem& p) {
   f.scale_log2 = f.mod.scale_log2;
   f.softcap_pre = f.mod.softcap_pre, f.softcap_post = f.mod.softcap_post;
   f.vec_q = vectorizable(p.q, p.headdim_qk, varlen);
-  f.vec_k = vectorizable(p.k, p.headdim_qk, varlen);
-  f.vec_v = vectorizable(p.v, p.headdim_v, varlen);
+  f.keys = key_layout(p);
+  // A paged or batch-indexed K/V is addressed through its batch (page) stride even when varlen.
+  const bool k_packed = varlen && !p.is_paged();
+  f.vec_k = vectorizable(p.k, p.headdim_qk, k_packed);
+  f.vec_v = vectorizable(p.v, p.headdim_v, k_packed);
   f.pair_o = rows_aligned(p.o, 2, 4, varlen);
   return f;
 }
@@ -153,6 +157,8 @@ size_t split_bytes(const FwdParams& f, int splits, size_t* lse_bytes) {
   *lse_bytes = Workspace::round_up(rows * sizeof(float));
   return *lse_bytes + Workspace::round_up(rows * size_t(f.headdim_v) * sizeof(float));
 }
+
+constexpr int kMaxRequestedSplits = 256;
 
 bool empty(const AttentionProblem& p) { return p.batch == 0 || p.heads_q == 0 || p.seqlen_q == 0; }
 
@@ -166,8 +172,9 @@ class ForwardPlan final : public detail::BackendPlan {
         uncovered_(packed_rows(problem, problem.o, false, problem.heads_q, problem.headdim_v, problem.lse)) {
     if (empty_) return;
     params_.fwd = make_params(problem);  // params_.fwd is what the sm80 kernel reads too
-    // ALiBi runs on the portable kernels only (the Hopper forward has no bias yet).
-    if (problem.alibi_slopes == nullptr) sm90_ = pick_forward_sm90(problem);
+    // ALiBi and key/value caches run on the portable kernels only (the Hopper forward reads keys
+    // through one tensor map per problem, and has no bias yet).
+    if (problem.alibi_slopes == nullptr && !problem.has_kv_cache()) sm90_ = pick_forward_sm90(problem);
     if (sm90_ && !sm90_->make_maps(problem, params_)) sm90_.reset();
     if (sm90_) {
       params_.fwd.num_splits = sm90_->num_splits(params_);
@@ -175,6 +182,9 @@ class ForwardPlan final : public detail::BackendPlan {
       sm80_ = pick_forward(problem);
       params_.fwd.num_splits = sm80_.num_splits(params_.fwd);
     }
+    // A requested split count replaces the heuristic's (empty splits are harmless: they combine as
+    // L = -inf); the cap keeps the partials' workspace bounded.
+    if (problem.num_splits > 0) params_.fwd.num_splits = std::min(problem.num_splits, kMaxRequestedSplits);
     workspace_ = split_bytes(params_.fwd, params_.fwd.num_splits, &lse_bytes_);
   }
 

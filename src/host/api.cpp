@@ -79,6 +79,10 @@ void check_memory(const AttentionProblem& p, host::Pass pass, Backend backend) {
   check_memory_space(p.cu_seqlens_k, "cu_seqlens_k", backend);
   check_memory_space(p.workspace, "workspace", backend);
   check_memory_space(p.alibi_slopes, "alibi_slopes", backend);
+  check_memory_space(p.seqused_k, "seqused_k", backend);
+  check_memory_space(p.leftpad_k, "leftpad_k", backend);
+  check_memory_space(p.kv_batch_idx, "kv_batch_idx", backend);
+  check_memory_space(p.block_table, "block_table", backend);
 }
 
 void check_memory(const SoftmaxMatmulProblem& p, Backend backend) {
@@ -88,25 +92,37 @@ void check_memory(const SoftmaxMatmulProblem& p, Backend backend) {
   check_memory_space(p.workspace, "workspace", backend);
 }
 
-// Device offsets copied for validation, on request only: the copy synchronises the stream.
+// Device offsets and cache tables copied for validation, on request only: the copy synchronises
+// the stream.
 struct DeviceOffsets {
-  std::vector<int32_t> q, k;
+  std::vector<int32_t> q, k, seqused_k, leftpad_k, kv_batch_idx, block_table;
   host::HostOffsets view;
 };
 
 void read_device_offsets(const AttentionProblem& p, Backend backend, DeviceOffsets& out) {
-  // Validation rejects a batch outside [1, INT32_MAX] whatever the offsets say.
-  if (backend != Backend::cuda || !p.check_cu_seqlens || p.cu_seqlens_q == nullptr || p.cu_seqlens_k == nullptr ||
-      p.batch < 1 || p.batch > INT32_MAX)
-    return;
+  // Validation rejects sizes outside [1, INT32_MAX] (and a table row narrower than its pages)
+  // whatever the tables say.
+  if (backend != Backend::cuda || !p.check_cu_seqlens || p.batch < 1 || p.batch > INT32_MAX) return;
 #ifdef TILEATTN_WITH_CUDA
   if (cuda::stream_is_capturing(p.stream)) return;
-  const size_t n = size_t(p.batch) + 1;
-  out.q.resize(n);
-  out.k.resize(n);
-  cuda::copy_to_host(out.q.data(), p.cu_seqlens_q, static_cast<long long>(n), p.stream);
-  cuda::copy_to_host(out.k.data(), p.cu_seqlens_k, static_cast<long long>(n), p.stream);
-  out.view = {out.q.data(), out.k.data()};
+  auto copy = [&](const int32_t* src, int64_t count, std::vector<int32_t>& dst) -> const int32_t* {
+    if (src == nullptr || count <= 0) return nullptr;
+    dst.resize(size_t(count));
+    cuda::copy_to_host(dst.data(), src, static_cast<long long>(count), p.stream);
+    return dst.data();
+  };
+  if (p.cu_seqlens_q != nullptr && p.cu_seqlens_k != nullptr) {
+    out.view.q = copy(p.cu_seqlens_q, p.batch + 1, out.q);
+    out.view.k = copy(p.cu_seqlens_k, p.batch + 1, out.k);
+  }
+  out.view.seqused_k = copy(p.seqused_k, p.batch, out.seqused_k);
+  out.view.leftpad_k = copy(p.leftpad_k, p.batch, out.leftpad_k);
+  out.view.kv_batch_idx = copy(p.kv_batch_idx, p.batch, out.kv_batch_idx);
+  if (p.block_table && p.pages_per_seq >= 1 && p.block_table_stride >= p.pages_per_seq &&
+      p.block_table_stride <= INT32_MAX)
+    out.view.block_table = copy(p.block_table, (p.batch - 1) * p.block_table_stride + p.pages_per_seq, out.block_table);
+#else
+  (void)out;
 #endif
 }
 

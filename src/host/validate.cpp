@@ -186,6 +186,78 @@ void check_cu_seqlens(const int32_t* host, const char* name, int64_t batch, int6
   }
 }
 
+// The key/value cache fields (problem.hpp): which combinations exist, their sizes, and (where the
+// tables can be read) their values. Returns the rows K and V have along their batch dimension.
+int64_t check_kv_cache(const AttentionProblem& p, Pass pass, const HostOffsets& t) {
+  if (p.num_splits < 0) invalid("num_splits=" + str(int64_t(p.num_splits)) + " must be >= 0 (0 = chosen by the library)");
+  if (!p.has_kv_cache()) return p.batch;
+  if (pass == Pass::backward) {
+    fail(ErrorKind::unsupported,
+         "seqused_k, leftpad_k, kv_batch_idx and block_table are forward-only (a key/value cache has no backward, "
+         "as in flash-attn); pass none of them to backward");
+  }
+  const bool varlen = p.is_varlen();
+  if (varlen && p.leftpad_k) invalid("leftpad_k is set with cu_seqlens (left padding applies to fixed-length caches only)");
+  if (varlen && p.kv_batch_idx) invalid("kv_batch_idx is set with cu_seqlens (it selects rows of a fixed-length cache)");
+  if (p.is_paged() && p.leftpad_k) invalid("leftpad_k cannot be combined with block_table (as in flash-attn)");
+  if (p.is_paged() && p.kv_batch_idx) invalid("kv_batch_idx cannot be combined with block_table (as in flash-attn)");
+  const std::pair<const int32_t*, const char*> tables[] = {
+      {p.seqused_k, "seqused_k"}, {p.leftpad_k, "leftpad_k"}, {p.kv_batch_idx, "kv_batch_idx"},
+      {p.block_table, "block_table"}};
+  for (const auto& [ptr, name] : tables)
+    if (ptr) check_aligned(ptr, sizeof(int32_t), name, "an int32 entry");
+
+  int64_t kv_rows = p.batch;
+  if (p.kv_batch_idx) {
+    check_size("kv_batch", p.kv_batch);
+    kv_rows = p.kv_batch;
+  }
+  if (p.is_paged()) {
+    check_size("page_size", p.page_size);
+    check_size("num_pages", p.num_pages);
+    check_size("pages_per_seq", p.pages_per_seq);
+    if (p.block_table_stride < p.pages_per_seq)
+      invalid("block_table_stride=" + str(p.block_table_stride) + " must be >= pages_per_seq=" + str(p.pages_per_seq));
+    checked_mul(p.batch, p.block_table_stride, "block_table");
+    if (p.seqlen_k > p.pages_per_seq * p.page_size)
+      invalid("seqlen_k=" + str(p.seqlen_k) + " exceeds pages_per_seq * page_size = " +
+              str(p.pages_per_seq * p.page_size) + " (the keys a row of block_table can hold)");
+    kv_rows = p.num_pages;
+  }
+
+  // Values, where readable: each sequence's key range, then the pages it touches.
+  const int32_t* cu = varlen ? t.k : nullptr;
+  if (varlen && cu == nullptr) return kv_rows;
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const std::string at = "[" + str(b) + "]";
+    const int64_t len = varlen ? int64_t(cu[b + 1]) - cu[b] : p.seqlen_k;
+    int64_t begin = 0, end = len;
+    if (t.leftpad_k) {
+      begin = t.leftpad_k[b];
+      if (begin < 0 || begin > len)
+        invalid("leftpad_k" + at + "=" + str(begin) + " must be in [0, seqlen_k=" + str(len) + "]");
+    }
+    if (t.seqused_k) {
+      end = t.seqused_k[b];
+      if (end < begin || end > len)
+        invalid("seqused_k" + at + "=" + str(end) + " must be in [" + str(begin) + ", " + str(len) + "] (" +
+                (t.leftpad_k ? "from leftpad_k" + at + " to " : std::string("at most ")) +
+                (varlen ? "the sequence's length in cu_seqlens_k)" : "seqlen_k)"));
+    }
+    if (t.kv_batch_idx && (t.kv_batch_idx[b] < 0 || t.kv_batch_idx[b] >= p.kv_batch))
+      invalid("kv_batch_idx" + at + "=" + str(int64_t(t.kv_batch_idx[b])) + " must be in [0, kv_batch=" +
+              str(p.kv_batch) + ")");
+    if (t.block_table) {
+      const int32_t* row = t.block_table + b * p.block_table_stride;
+      for (int64_t i = 0; i < (end + p.page_size - 1) / p.page_size; ++i)
+        if (row[i] < 0 || row[i] >= p.num_pages)
+          invalid("block_table[" + str(b) + ", " + str(i) + "]=" + str(int64_t(row[i])) + " must be in [0, num_pages=" +
+                  str(p.num_pages) + ")");
+    }
+  }
+  return kv_rows;
+}
+
 struct TensorSpec {
   const TensorView* view;
   const char* name;
@@ -232,6 +304,20 @@ AttentionProblem validate_attention(const AttentionProblem& problem, Pass pass, 
     check_size("total_k", p.total_k);
   }
 
+  // ---- key/value cache: on the CPU backend its tables are host memory already -----------------
+  if (backend == Backend::cpu) {
+    offsets.seqused_k = p.seqused_k, offsets.leftpad_k = p.leftpad_k;
+    offsets.kv_batch_idx = p.kv_batch_idx, offsets.block_table = p.block_table;
+    if (varlen) offsets.q = p.cu_seqlens_q, offsets.k = p.cu_seqlens_k;
+  }
+  if (varlen && offsets.q != nullptr && offsets.k != nullptr) {
+    check_cu_seqlens(offsets.q, "cu_seqlens_q", p.batch, p.total_q, "total_q", p.seqlen_q, "seqlen_q");
+    // A paged K is pages, not total_k rows: its offsets only give lengths.
+    check_cu_seqlens(offsets.k, "cu_seqlens_k", p.batch, p.is_paged() ? INT32_MAX : p.total_k, "total_k", p.seqlen_k,
+                     "seqlen_k");
+  }
+  const int64_t kv_rows = check_kv_cache(p, pass, offsets);
+
   // ---- tensors: presence, memory space, strides ---------------------------------------------
   std::vector<TensorSpec> tensors = {
       {&p.q, "q", false, false, p.headdim_qk, false},
@@ -259,13 +345,19 @@ AttentionProblem validate_attention(const AttentionProblem& problem, Pass pass, 
   checked_mul(checked_mul(varlen ? 1 : p.batch, p.heads_q, "lse"), varlen ? p.total_q : p.seqlen_q, "lse");
 
   for (const TensorSpec& t : tensors) {
-    const int64_t rows = varlen ? (t.varlen_k ? p.total_k : p.total_q) : (t.varlen_k ? p.seqlen_k : p.seqlen_q);
+    int64_t rows = varlen ? (t.varlen_k ? p.total_k : p.total_q) : (t.varlen_k ? p.seqlen_k : p.seqlen_q);
     const char* rows_name = varlen ? (t.varlen_k ? "total_k" : "total_q") : (t.varlen_k ? "seqlen_k" : "seqlen_q");
+    int64_t batch_rows = p.batch;
+    const char* batch_name = "batch";
+    // A paged K/V is (num_pages, page_size, heads_kv, dim); a batch-indexed cache has kv_batch rows.
+    const bool cache = t.varlen_k && (p.is_paged() || p.kv_batch_idx);
+    if (cache && p.is_paged()) rows = p.page_size, rows_name = "page_size";
+    if (cache) batch_rows = kv_rows, batch_name = p.is_paged() ? "num_pages" : "kv_batch";
     std::vector<Dim> dims = {
         {"head_stride", t.view->head_stride, t.kv_heads ? p.heads_kv : p.heads_q, t.kv_heads ? "heads_kv" : "heads_q"},
         {"seq_stride", t.view->seq_stride, rows, rows_name},
     };
-    if (!varlen) dims.push_back({"batch_stride", t.view->batch_stride, p.batch, "batch"});
+    if (!varlen || cache) dims.push_back({"batch_stride", t.view->batch_stride, batch_rows, batch_name});
     check_strides(t.name, t.headdim, std::move(dims), t.is_output, /*may_broadcast=*/true);
   }
 
@@ -299,12 +391,6 @@ AttentionProblem validate_attention(const AttentionProblem& problem, Pass pass, 
   if (n.window_right > p.seqlen_q) n.window_right = p.seqlen_q;
 
   n.backend = backend;
-  // On the CPU backend the offsets are host memory already.
-  if (varlen && backend == Backend::cpu) offsets = {p.cu_seqlens_q, p.cu_seqlens_k};
-  if (varlen && offsets.q != nullptr && offsets.k != nullptr) {
-    check_cu_seqlens(offsets.q, "cu_seqlens_q", p.batch, p.total_q, "total_q", p.seqlen_q, "seqlen_q");
-    check_cu_seqlens(offsets.k, "cu_seqlens_k", p.batch, p.total_k, "total_k", p.seqlen_k, "seqlen_k");
-  }
   return n;
 }
 

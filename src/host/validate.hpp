@@ -14,12 +14,18 @@ namespace tileattn::host {
 
 enum class Pass { forward, backward };
 
-// Device cu_seqlens copied to the host, for the offset rules, where the caller asked for the check
-// (check_cu_seqlens); else null, and the rules that need the values are not checked (the kernels
-// clamp every access). On the CPU backend the problem's own offsets are read.
+// Device cu_seqlens (and key/value cache tables) copied to the host, for the rules on their values,
+// where the caller asked for the check (check_cu_seqlens); else null, and the rules that need the
+// values are not checked (the kernels clamp every access). On the CPU backend the problem's own
+// tables are read.
 struct HostOffsets {
   const int32_t* q = nullptr;
   const int32_t* k = nullptr;
+  // The key/value cache tables, copied on the same request (each null when the problem has none).
+  const int32_t* seqused_k = nullptr;
+  const int32_t* leftpad_k = nullptr;
+  const int32_t* kv_batch_idx = nullptr;
+  const int32_t* block_table = nullptr;  // batch rows of block_table_stride entries
 };
 
 // `backend` is the resolved backend (cpu or cuda). Validation reads no device memory and calls no

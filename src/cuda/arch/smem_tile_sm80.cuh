@@ -88,4 +88,31 @@ __device__ __forceinline__ void load_tile(T* tile, const T* global, int64_t row_
   }
 }
 
+// load_tile for rows that are not one strided block (a paged cache whose pages are shorter than
+// the tile): `row_address(row)` gives each valid row's start. Same thread layout and zero fill.
+template <class Tile, int kThreads, class T, class RowAddress>
+__device__ __forceinline__ void load_tile_rows(T* tile, RowAddress row_address, int rows_valid, int cols_valid,
+                                               bool vectorized) {
+  constexpr int kSlots = Tile::kChunks <= 4 ? 4 : Tile::kChunks <= 8 ? 8 : Tile::kChunks <= 16 ? 16 : 32;
+  constexpr int kRowsPerPass = kThreads / kSlots;
+  static_assert(Tile::kChunks <= 32 && Tile::kRows % kRowsPerPass == 0, "passes must cover the tile");
+  const int slot = int(threadIdx.x) % kSlots, row0 = int(threadIdx.x) / kSlots;
+  if (slot >= Tile::kChunks) return;
+  const int col = slot * 8;
+#pragma unroll
+  for (int i = 0; i < Tile::kRows / kRowsPerPass; ++i) {
+    const int row = row0 + i * kRowsPerPass;
+    const bool inside = row < rows_valid;
+    const T* src = inside ? row_address(row) + col : nullptr;
+    if (vectorized) {
+      const bool copy = inside && col < cols_valid;
+      cp_async_16(smem_address(tile + Tile::offset(row, col)), copy ? src : row_address(0), copy ? 16 : 0);
+    } else {
+      T* dst = tile + Tile::offset(row, col);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) dst[e] = (inside && col + e < cols_valid) ? src[e] : T(0.0f);
+    }
+  }
+}
+
 }  // namespace tileattn::cuda

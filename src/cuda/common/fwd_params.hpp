@@ -3,6 +3,7 @@
 // Plain data (no CUDA types) so that the dispatcher needs no kernel headers.
 #include <cstdint>
 
+#include "common/key_rows.hpp"
 #include "common/score_mod.hpp"
 
 namespace tileattn::cuda {
@@ -24,6 +25,8 @@ struct FwdParams {
   const int32_t* cu_seqlens_q = nullptr;
   const int32_t* cu_seqlens_k = nullptr;
   int64_t total_q = 0, total_k = 0;
+  // Where each sequence's keys are (packed, a cache row, pages): common/key_rows.hpp.
+  KeyLayout keys;
 
   int batch = 0, heads_q = 0, heads_kv = 0;
   int seqlen_q = 0, seqlen_k = 0;

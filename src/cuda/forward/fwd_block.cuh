@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <string>
 
+#include "common/key_rows.hpp"
 #include "common/mask.hpp"
 #include "common/online_softmax.hpp"
 #include "common/varlen.hpp"
@@ -24,6 +25,7 @@ struct FwdBlock {
   int seqlen_q, seqlen_k;
   int64_t q_row0, k_row0;  // first row of this sequence in the (varlen) buffers
   int m0;                  // first query row of the tile within the sequence
+  KeySpan key;             // where its keys are (k_row0 is key.row0)
 };
 
 // The grid is (query tiles x splits, heads_q, batch); heavy query tiles (late rows under a causal
@@ -35,14 +37,13 @@ __device__ __forceinline__ FwdBlock fwd_block_of_this_cta(const FwdParams& p, in
   blk.head = blockIdx.y;
   blk.batch = blockIdx.z;
   blk.m0 = (m_blocks - 1 - int(blockIdx.x) / p.num_splits) * block_m;
-  blk.seqlen_q = p.seqlen_q, blk.seqlen_k = p.seqlen_k;
-  blk.q_row0 = 0, blk.k_row0 = 0;
+  blk.seqlen_q = p.seqlen_q, blk.q_row0 = 0;
   if (p.cu_seqlens_q) {
     const SeqRange q = varlen_range(p.cu_seqlens_q, blk.batch, p.total_q, p.seqlen_q);
-    const SeqRange k = varlen_range(p.cu_seqlens_k, blk.batch, p.total_k, p.seqlen_k);
     blk.q_row0 = q.begin, blk.seqlen_q = q.len;
-    blk.k_row0 = k.begin, blk.seqlen_k = k.len;
   }
+  blk.key = key_span(p.keys, blk.batch);
+  blk.k_row0 = blk.key.row0, blk.seqlen_k = blk.key.len;
   return blk;
 }
 

@@ -82,18 +82,22 @@ __global__ void __launch_bounds__(FwdTraits<T, kHeadDim>::kThreads)
     const int64_t qb = p.cu_seqlens_q ? 0 : blk.batch;
     const T* gQ = static_cast<const T*>(p.q) + qb * p.q_batch_stride + (blk.q_row0 + blk.m0) * p.q_row_stride +
                   blk.head * p.q_head_stride;
-    const T* gK = static_cast<const T*>(p.k) + qb * p.k_batch_stride + blk.k_row0 * p.k_row_stride +
-                  kv_head * p.k_head_stride;
-    const T* gV = static_cast<const T*>(p.v) + qb * p.v_batch_stride + blk.k_row0 * p.v_row_stride +
-                  kv_head * p.v_head_stride;
-    auto load_k = [&](int n) {
-      load_tile<KVTile, kThreads>(sK, gK + int64_t(n) * kBlockN * p.k_row_stride, p.k_row_stride,
-                                  blk.seqlen_k - n * kBlockN, p.headdim_qk, p.vec_k);
+    const T* gK = static_cast<const T*>(p.k) + kv_head * p.k_head_stride;
+    const T* gV = static_cast<const T*>(p.v) + kv_head * p.v_head_stride;
+    // Pages holding whole tiles read like any strided block; shorter pages are gathered row by row.
+    const bool gather = blk.key.pages && p.keys.page_size % kBlockN != 0;
+    auto load_kv = [&](T* tile, const T* g, int64_t batch_stride, int64_t row_stride, int n, int dim, bool vec) {
+      const int key0 = n * kBlockN;
+      if (!gather) {
+        load_tile<KVTile, kThreads>(tile, g + key_offset(p.keys, blk.key, key0, batch_stride, row_stride), row_stride,
+                                    blk.seqlen_k - key0, dim, vec);
+      } else {
+        auto row_address = [&](int r) { return g + key_offset(p.keys, blk.key, key0 + r, batch_stride, row_stride); };
+        load_tile_rows<KVTile, kThreads>(tile, row_address, blk.seqlen_k - key0, dim, vec);
+      }
     };
-    auto load_v = [&](int n) {
-      load_tile<KVTile, kThreads>(sV, gV + int64_t(n) * kBlockN * p.v_row_stride, p.v_row_stride,
-                                  blk.seqlen_k - n * kBlockN, p.headdim_v, p.vec_v);
-    };
+    auto load_k = [&](int n) { load_kv(sK, gK, p.k_batch_stride, p.k_row_stride, n, p.headdim_qk, p.vec_k); };
+    auto load_v = [&](int n) { load_kv(sV, gV, p.v_batch_stride, p.v_row_stride, n, p.headdim_v, p.vec_v); };
 
     load_tile<QTile, kThreads>(sQ, gQ, p.q_row_stride, blk.seqlen_q - blk.m0, p.headdim_qk, p.vec_q);
     load_k(n_end - 1);

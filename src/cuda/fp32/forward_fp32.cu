@@ -28,8 +28,13 @@ void forward_fp32(const AttentionProblem& pr) {
   if (pr.batch > 65535 || pr.heads_q > 65535)
     throw Error(ErrorKind::unsupported, "fp32 forward on CUDA: batch=" + std::to_string(pr.batch) +
                                             " and heads_q=" + std::to_string(pr.heads_q) + " must be <= 65535");
+  if (pr.is_paged())
+    throw Error(ErrorKind::unsupported,
+                "fp32 forward on CUDA: block_table (a paged cache) needs fp16 or bf16 inputs (the CPU backend "
+                "takes fp32)");
   const bool varlen = pr.is_varlen();
   fp32::FwdParams p{};
+  p.keys = key_layout(pr);
   p.q = static_cast<const float*>(pr.q.data);
   p.k = static_cast<const float*>(pr.k.data);
   p.v = static_cast<const float*>(pr.v.data);
@@ -64,7 +69,7 @@ void forward_fp32(const AttentionProblem& pr) {
   // Fast mode runs the Hopper kernel where it can; exact mode (fp64 products) and everything the
   // Hopper kernel declines run the portable kernel.
   bool done = false;
-  if (pr.fp32_mode == Fp32Mode::fast && sm90::hopper_kernels_enabled())
+  if (pr.fp32_mode == Fp32Mode::fast && !pr.has_kv_cache() && sm90::hopper_kernels_enabled())
     with_bucket(FwdFp32Sm90HeadDims{}, d,
                 [&](auto b) { done = fp32::FwdFp32Sm90<decltype(b)::value>::run(pr, p, stream); });
   if (done) return;

@@ -60,26 +60,25 @@ __global__ void __launch_bounds__(FwdTile<kD, kExact>::kThreads) forward_fp32_ke
   const int h = blockIdx.y, b = blockIdx.z;
   const int hk = h / p.group;
 
-  int sq = p.seqlen_q, sk = p.seqlen_k;
-  int64_t q_off, k_off, v_off, o_off, lse_off;
+  int sq = p.seqlen_q;
+  int64_t q_off, o_off, lse_off;
   if (p.cu_seqlens_q != nullptr) {
     const SeqRange qr = varlen_range(p.cu_seqlens_q, b, p.total_q, p.seqlen_q);
-    const SeqRange kr = varlen_range(p.cu_seqlens_k, b, p.total_k, p.seqlen_k);
-    const int q_start = qr.begin, k_start = kr.begin;
+    const int q_start = qr.begin;
     sq = qr.len;
-    sk = kr.len;
     q_off = q_start * p.q_seq_stride;
-    k_off = k_start * p.k_seq_stride;
-    v_off = k_start * p.v_seq_stride;
     o_off = q_start * p.o_seq_stride;
     lse_off = int64_t(h) * p.total_q + q_start;
   } else {
     q_off = b * p.q_batch_stride;
-    k_off = b * p.k_batch_stride;
-    v_off = b * p.v_batch_stride;
     o_off = b * p.o_batch_stride;
     lse_off = (int64_t(b) * p.heads_q + h) * sq;
   }
+  // Keys are one strided block per sequence here (paged caches are refused on the host).
+  const KeySpan key = key_span(p.keys, b);
+  const int sk = key.len;
+  const int64_t k_off = key_offset(p.keys, key, 0, p.k_batch_stride, p.k_seq_stride);
+  const int64_t v_off = key_offset(p.keys, key, 0, p.v_batch_stride, p.v_seq_stride);
   const int i0 = m_block * kBM;
   if (i0 >= sq) return;
   const float* q = p.q + q_off + h * p.q_head_stride + i0 * p.q_seq_stride;

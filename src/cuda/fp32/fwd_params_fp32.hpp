@@ -3,6 +3,7 @@
 // score constants.
 #include <cstdint>
 
+#include "common/key_rows.hpp"
 #include "common/score_mod.hpp"
 
 namespace tileattn::cuda::fp32 {
@@ -20,6 +21,7 @@ struct FwdParams {
   const int32_t* cu_seqlens_q;  // null for fixed-length batches
   const int32_t* cu_seqlens_k;
   int64_t total_q, total_k;
+  KeyLayout keys;  // where each sequence's keys are (common/key_rows.hpp)
   int seqlen_q, seqlen_k;  // fixed lengths (varlen: the maxima)
   int heads_q, group;      // group = heads_q / heads_kv
   int dqk, dv;

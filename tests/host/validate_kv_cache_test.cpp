@@ -1,0 +1,141 @@
+// The key/value cache fields of AttentionProblem (seqused_k, leftpad_k, kv_batch_idx, block_table):
+// which combinations exist, their sizes and, where the tables are readable, their values. Each
+// broken rule must be an Error naming the field and the rule.
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "host/valid_problems.hpp"
+#include "host/validate.hpp"
+
+namespace tileattn::test {
+namespace {
+
+using host::Pass;
+using host::validate_attention;
+
+void expect_fwd_error(const AttentionProblem& p, ErrorKind kind, const std::vector<std::string>& fragments) {
+  expect_error([&] { validate_attention(p, Pass::forward, Backend::cpu); }, kind, fragments);
+}
+
+// batch 2, seqlen_k 6: a cache row of 6 keys per sequence.
+struct CacheCase {
+  ValidAttention a;
+  std::vector<int32_t> seqused{3, 6}, leftpad{1, 0}, batch_idx{1, 0};
+};
+
+TEST(ValidateKvCache, SequsedLeftpadAndBatchIndexPass) {
+  CacheCase c;
+  c.a.p.seqused_k = c.seqused.data();
+  c.a.p.leftpad_k = c.leftpad.data();
+  c.a.p.kv_batch_idx = c.batch_idx.data();
+  c.a.p.kv_batch = 2;
+  EXPECT_NO_THROW(validate_attention(c.a.p, Pass::forward, Backend::cpu));
+}
+
+TEST(ValidateKvCache, BackwardIsRefused) {
+  CacheCase c;
+  c.a.p.seqused_k = c.seqused.data();
+  expect_error([&] { validate_attention(c.a.p, Pass::backward, Backend::cpu); }, ErrorKind::unsupported,
+               {"seqused_k", "forward-only"});
+}
+
+TEST(ValidateKvCache, SequsedPastTheCacheRow) {
+  CacheCase c;
+  c.seqused[1] = 7;
+  c.a.p.seqused_k = c.seqused.data();
+  expect_fwd_error(c.a.p, ErrorKind::invalid_argument, {"seqused_k[1]=7", "[0, 6]"});
+}
+
+TEST(ValidateKvCache, LeftpadPastSeqused) {
+  CacheCase c;
+  c.leftpad[0] = 4;
+  c.a.p.seqused_k = c.seqused.data();
+  c.a.p.leftpad_k = c.leftpad.data();
+  expect_fwd_error(c.a.p, ErrorKind::invalid_argument, {"seqused_k[0]=3", "[4, 6]", "leftpad_k[0]"});
+}
+
+TEST(ValidateKvCache, BatchIndexOutOfRange) {
+  CacheCase c;
+  c.batch_idx[0] = 2;
+  c.a.p.kv_batch_idx = c.batch_idx.data();
+  c.a.p.kv_batch = 2;
+  expect_fwd_error(c.a.p, ErrorKind::invalid_argument, {"kv_batch_idx[0]=2", "kv_batch=2"});
+}
+
+TEST(ValidateKvCache, BatchIndexNeedsKvBatch) {
+  CacheCase c;
+  c.a.p.kv_batch_idx = c.batch_idx.data();
+  expect_fwd_error(c.a.p, ErrorKind::invalid_argument, {"kv_batch=0", "positive"});
+}
+
+TEST(ValidateKvCache, LeftpadWithVarlenIsRefused) {
+  CacheCase c;
+  c.a.make_varlen({4, 4}, {6, 6});
+  c.a.p.leftpad_k = c.leftpad.data();
+  expect_fwd_error(c.a.p, ErrorKind::invalid_argument, {"leftpad_k", "cu_seqlens"});
+}
+
+TEST(ValidateKvCache, NegativeNumSplits) {
+  ValidAttention a;
+  a.p.num_splits = -1;
+  expect_fwd_error(a.p, ErrorKind::invalid_argument, {"num_splits=-1", ">= 0"});
+}
+
+// Paged: K and V are (num_pages=4, page_size=3, heads_kv, dim); each sequence has 2 pages.
+struct PagedCase {
+  ValidAttention a;
+  std::vector<int32_t> table{3, 0, 1, 2};
+  PagedCase() {
+    AttentionProblem& p = a.p;
+    p.block_table = table.data();
+    p.pages_per_seq = 2;
+    p.block_table_stride = 2;
+    p.page_size = 3;
+    p.num_pages = 4;
+    // The default buffers hold batch 2 x seqlen 6 rows: the same memory as 4 pages of 3 rows.
+    for (TensorView* t : {&p.k, &p.v}) t->batch_stride = 3 * t->seq_stride;
+  }
+};
+
+TEST(ValidateKvCache, PagedPasses) {
+  PagedCase c;
+  EXPECT_NO_THROW(validate_attention(c.a.p, Pass::forward, Backend::cpu));
+}
+
+TEST(ValidateKvCache, PageIndexOutOfRange) {
+  PagedCase c;
+  c.table[3] = 4;
+  expect_fwd_error(c.a.p, ErrorKind::invalid_argument, {"block_table[1, 1]=4", "num_pages=4"});
+}
+
+TEST(ValidateKvCache, PagesTooFewForSeqlenK) {
+  PagedCase c;
+  c.a.p.pages_per_seq = 1;
+  expect_fwd_error(c.a.p, ErrorKind::invalid_argument, {"seqlen_k=6", "pages_per_seq * page_size = 3"});
+}
+
+TEST(ValidateKvCache, TableRowNarrowerThanItsPages) {
+  PagedCase c;
+  c.a.p.block_table_stride = 1;
+  expect_fwd_error(c.a.p, ErrorKind::invalid_argument, {"block_table_stride=1", "pages_per_seq=2"});
+}
+
+TEST(ValidateKvCache, PagedWithBatchIndexIsRefused) {
+  PagedCase c;
+  std::vector<int32_t> idx{0, 1};
+  c.a.p.kv_batch_idx = idx.data();
+  c.a.p.kv_batch = 2;
+  expect_fwd_error(c.a.p, ErrorKind::invalid_argument, {"kv_batch_idx", "block_table"});
+}
+
+TEST(ValidateKvCache, PageStrideOverlappingPagesIsAllowedForInputsButNotZero) {
+  PagedCase c;
+  c.a.p.k.batch_stride = 0;  // every page the same memory: an input may alias
+  EXPECT_NO_THROW(validate_attention(c.a.p, Pass::forward, Backend::cpu));
+  c.a.p.k.batch_stride = -1;
+  expect_fwd_error(c.a.p, ErrorKind::invalid_argument, {"k.batch_stride=-1", "negative"});
+}
+
+}  // namespace
+}  // namespace tileattn::test
