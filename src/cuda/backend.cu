@@ -159,6 +159,9 @@ size_t split_bytes(const FwdParams& f, int splits, size_t* lse_bytes) {
 }
 
 constexpr int kMaxRequestedSplits = 256;
+// Query lengths up to this count as decoding (and speculative decoding): their query tiles are
+// mostly empty per head, so packing a GQA group into one tile costs no compute and saves reads.
+constexpr int64_t kPackMaxSeqlenQ = 64;
 
 bool empty(const AttentionProblem& p) { return p.batch == 0 || p.heads_q == 0 || p.seqlen_q == 0; }
 
@@ -172,14 +175,19 @@ class ForwardPlan final : public detail::BackendPlan {
         uncovered_(packed_rows(problem, problem.o, false, problem.heads_q, problem.headdim_v, problem.lse)) {
     if (empty_) return;
     params_.fwd = make_params(problem);  // params_.fwd is what the sm80 kernel reads too
-    // ALiBi and key/value caches run on the portable kernels only (the Hopper forward reads keys
-    // through one tensor map per problem, and has no bias yet).
-    if (problem.alibi_slopes == nullptr && !problem.has_kv_cache()) sm90_ = pick_forward_sm90(problem);
+    // GQA decode packs the query heads of a group into one tile of the portable kernel, which
+    // then reads each K/V byte once per group (ALiBi's per-head slope is per tile there, so not
+    // with it). ALiBi and key/value caches run on the portable kernels only (the Hopper forward
+    // reads keys through one tensor map per problem, and has no bias yet).
+    const bool pack = problem.heads_q > problem.heads_kv && problem.seqlen_q <= kPackMaxSeqlenQ &&
+                      problem.alibi_slopes == nullptr;
+    if (!pack && problem.alibi_slopes == nullptr && !problem.has_kv_cache()) sm90_ = pick_forward_sm90(problem);
     if (sm90_ && !sm90_->make_maps(problem, params_)) sm90_.reset();
     if (sm90_) {
       params_.fwd.num_splits = sm90_->num_splits(params_);
     } else {
       sm80_ = pick_forward(problem);
+      if (pack) params_.fwd.pack = int(problem.heads_q / problem.heads_kv);
       params_.fwd.num_splits = sm80_.num_splits(params_.fwd);
     }
     // A requested split count replaces the heuristic's (empty splits are harmless: they combine as

@@ -150,6 +150,27 @@ std::vector<ForwardCase> base_cases() {
     d.softcap = 5.0f;
     c.push_back({"split_d80_softcap", d, true});
   }
+  // GQA packing (decoding, seqlen_q <= 64): the query heads of a group share a tile; positions
+  // and heads come from packed rows in the mask, the loads and the stores.
+  {
+    c.push_back({"pack_decode", shape(1, 5000, 128, 32, 8)});
+    ProblemShape s = shape(5, 3000, 64, 16, 2);
+    s.causal = true;
+    c.push_back({"pack_speculative_causal", s});
+    ProblemShape w = shape(64, 700, 40, 6, 2);
+    w.window_left = 100, w.window_right = 3;
+    w.softcap = 3.0f;
+    c.push_back({"pack_window_softcap_d40", w});
+    ProblemShape d = shape(16, 900, 256, 8, 1);
+    d.causal = true;
+    d.layout = Layout::bhsd;
+    c.push_back({"pack_d256_bhsd_causal", d});
+    ProblemShape v = shape(0, 0, 128, 8, 2);
+    v.seqlens_q = {1, 0, 7, 3};
+    v.seqlens_k = {4000, 9, 300, 0};
+    v.causal = true;
+    c.push_back({"pack_varlen_causal", v});
+  }
   // ALiBi: both LSE forms, sq != sk, GQA, softcap underneath, varlen per sequence, split-KV, both
   // slope shapes.
   {

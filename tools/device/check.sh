@@ -22,6 +22,7 @@
 #   --build-dir DIR       (default build-device; the package builds in DIR/pip)
 #   --python-bench        also `python -m tileattn.bench.attention --preset h100` (needs --pytest)
 #   --overhead            also `python -m tileattn.bench.overhead` (host overhead beside SDPA; needs --pytest)
+#   --decode              also `python -m tileattn.bench.decode` (KV-cache decode GB/s beside SDPA; needs --pytest)
 #   --profile             also Nsight Compute (full set) on one forward kernel
 #   --profile-smm         also Nsight Compute (full set, SASS stall samples) on the fp32 softmax_matmul
 #                         kernels (exact and fast) at 16 x 2048 x 8192 x 512
@@ -44,7 +45,7 @@ SANITIZE+=':Sweep/Fp32Forward.*/odd_dims:Sweep/Fp32Forward.*/varlen_with_empty:S
 SANITIZE+=':Sweep/Fp32Forward.*/headdim_40:Sweep/SoftmaxMatmul*.*/f32_odd_sizes:Sweep/SoftmaxMatmul.*/bf16_padded'
 SANITIZE+=':Sweep/Backward.*/bf16_varlen_with_empty_causal:Sweep/Backward.*/f16_len127_gqa_d80'
 SANITIZE+=':Sweep/Backward.*/bf16_sq_gt_sk_causal_masked_rows_d96:Sweep/Backward.*/f16_softcap'
-SANITIZE+=':VarlenGraphCapture.*'
+SANITIZE+=':VarlenGraphCapture.*:Sweep/ForwardAccuracy.*/pack_varlen_causal_bf16:Sweep/ForwardAccuracy.*/pack_window_softcap_d40_f16'
 BENCH=all
 PYTEST=all
 JOBS=$(nproc)
@@ -53,6 +54,7 @@ PROFILE=0
 PROFILE_SMM=0
 PYBENCH=0
 OVERHEAD=0
+DECODE_BENCH=0
 DRY=0
 
 while [[ $# -gt 0 ]]; do
@@ -71,6 +73,7 @@ while [[ $# -gt 0 ]]; do
     --profile-smm) PROFILE_SMM=1 ;;
     --python-bench) PYBENCH=1 ;;
     --overhead) OVERHEAD=1 ;;
+    --decode) DECODE_BENCH=1 ;;
     --dry-run) DRY=1 ;;
     -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
     *) echo "check.sh: unknown option $1" >&2; exit 2 ;;
@@ -272,6 +275,15 @@ if [[ $OVERHEAD -eq 1 && "$PYTEST" != none ]]; then
     run "$LOG/overhead.log" python3 -m tileattn.bench.overhead --csv "$(realpath -m "$LOG")/overhead.csv"
   note "overhead: rc=$? $(( $(now) - t0 ))s"
   cat "$LOG/overhead.log" | tee -a "$SUMMARY"
+fi
+
+# ---- decode bandwidth over a key/value cache, beside SDPA ------------------------------------
+if [[ $DECODE_BENCH -eq 1 && "$PYTEST" != none ]]; then
+  t0=$(now)
+  PYTHONPATH="$(realpath -m "$PYTARGET")${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 \
+    run "$LOG/decode.log" python3 -m tileattn.bench.decode --csv "$(realpath -m "$LOG")/decode.csv"
+  note "decode: rc=$? $(( $(now) - t0 ))s"
+  cat "$LOG/decode.log" | tee -a "$SUMMARY"
 fi
 
 # ---- profile ------------------------------------------------------------------------------

@@ -32,6 +32,11 @@ struct FwdParams {
   int seqlen_q = 0, seqlen_k = 0;
   int headdim_qk = 0, headdim_v = 0;
   int window_left = -1, window_right = -1;  // normalised: causal is window_right == 0
+  // GQA packing (decode): the `pack` query heads of a kv group share one query tile, row r of a
+  // sequence's packed rows being position r / pack of query head kv_head * pack + r % pack, so each
+  // K/V tile is read once per group instead of once per query head. 1: off (rows are positions
+  // of one query head, the grid's y).
+  int pack = 1;
 
   // Scores stay in raw units (q.k) inside the kernel; scale_log2 = softmax_scale * log2(e) turns
   // them into the log2 domain inside one FFMA before exp2.

@@ -28,8 +28,9 @@ struct FwdBlock {
   KeySpan key;             // where its keys are (k_row0 is key.row0)
 };
 
-// The grid is (query tiles x splits, heads_q, batch); heavy query tiles (late rows under a causal
-// mask) are launched first.
+// The grid is (query tiles x splits, heads_q / pack, batch); heavy query tiles (late rows under a
+// causal mask) are launched first. With GQA packing `head` is the kv head and the tile's rows are
+// packed (position, head) pairs (FwdParams::pack); seqlen_q stays the sequence's positions.
 __device__ __forceinline__ FwdBlock fwd_block_of_this_cta(const FwdParams& p, int block_m) {
   const int m_blocks = int(gridDim.x) / p.num_splits;
   FwdBlock blk;
@@ -56,8 +57,9 @@ struct KeyTiles {
 };
 __device__ __forceinline__ KeyTiles key_tiles(const FwdParams& p, const FwdBlock& blk, const Mask& mask, int block_m,
                                               int block_n) {
-  const int m_end = min(blk.m0 + block_m, blk.seqlen_q);
-  const int key_begin = mask.tile_begin_key(blk.m0), key_end = mask.tile_end_key(m_end);
+  // Positions of the tile's first and last rows (packed rows: position = row / pack).
+  const int first = blk.m0 / p.pack, m_end = min((blk.m0 + block_m - 1) / p.pack + 1, blk.seqlen_q);
+  const int key_begin = mask.tile_begin_key(first), key_end = mask.tile_end_key(m_end);
   KeyTiles t;
   t.begin = key_begin / block_n;
   t.end = key_end > key_begin ? (key_end + block_n - 1) / block_n : t.begin;
@@ -67,15 +69,18 @@ __device__ __forceinline__ KeyTiles key_tiles(const FwdParams& p, const FwdBlock
     t.end = min(t.end, t.begin + per_split);
   }
   t.full_begin = mask.full_begin_key(m_end);
-  t.full_end = mask.full_end_key(blk.m0);
+  t.full_end = mask.full_end_key(first);
   return t;
 }
 
-// Where the log-sum-exp of a row of the block's sequence goes: (batch, heads_q, seqlen_q), or
-// (heads_q, total_q) for varlen batches.
+// Where the log-sum-exp of position `row` of query head `head` goes: (batch, heads_q, seqlen_q),
+// or (heads_q, total_q) for varlen batches.
+__device__ __forceinline__ int64_t lse_index(const FwdParams& p, const FwdBlock& blk, int row, int head) {
+  return p.cu_seqlens_q ? int64_t(head) * p.total_q + blk.q_row0 + row
+                        : (int64_t(blk.batch) * p.heads_q + head) * p.seqlen_q + row;
+}
 __device__ __forceinline__ int64_t lse_index(const FwdParams& p, const FwdBlock& blk, int row) {
-  return p.cu_seqlens_q ? int64_t(blk.head) * p.total_q + blk.q_row0 + row
-                        : (int64_t(blk.batch) * p.heads_q + blk.head) * p.seqlen_q + row;
+  return lse_index(p, blk, row, blk.head);
 }
 
 // The epilogue of a thread's finished rows (row0: its row of m-tile 0, g): O divided by the row
@@ -89,16 +94,17 @@ __device__ __forceinline__ void store_fwd_output(const FwdParams& p, const FwdBl
   for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int row = row0 + mt * 16 + half * 8;
+      const int packed_row = row0 + mt * 16 + half * 8;
+      const int row = packed_row / p.pack, head = blk.head * p.pack + packed_row % p.pack;
       if (row >= blk.seqlen_q) continue;
       const float inv = inverse_row_sum(stats.sum[mt][half]);
       float lse = finish_lse(stats.max_log2[mt][half], stats.sum[mt][half]);
       // ALiBi's causal form: L as flash-attn returns it (ScoreMod::lse_offset); split partials
       // carry it too, and the combine's logsumexp keeps it once.
       if (p.mod.alibi_lse_offset && lse != -INFINITY)
-        lse += p.mod.lse_offset(p.mod.slope(blk.batch, blk.head), row, blk.seqlen_q, blk.seqlen_k);
+        lse += p.mod.lse_offset(p.mod.slope(blk.batch, head), row, blk.seqlen_q, blk.seqlen_k);
       if (p.num_splits > 1) {
-        const int64_t r = ((int64_t(blk.split) * p.batch + blk.batch) * p.heads_q + blk.head) * p.seqlen_q + row;
+        const int64_t r = ((int64_t(blk.split) * p.batch + blk.batch) * p.heads_q + head) * p.seqlen_q + row;
         float* out = p.o_partial + r * p.headdim_v;
 #pragma unroll
         for (int ot = 0; ot < kOTiles; ++ot)
@@ -111,7 +117,7 @@ __device__ __forceinline__ void store_fwd_output(const FwdParams& p, const FwdBl
         continue;
       }
       T* out = static_cast<T*>(p.o) + (p.cu_seqlens_q ? 0 : blk.batch * p.o_batch_stride) +
-               (blk.q_row0 + row) * p.o_row_stride + blk.head * p.o_head_stride;
+               (blk.q_row0 + row) * p.o_row_stride + head * p.o_head_stride;
 #pragma unroll
       for (int ot = 0; ot < kOTiles; ++ot) {
         const int d = ot * 8 + 2 * t;
@@ -123,22 +129,25 @@ __device__ __forceinline__ void store_fwd_output(const FwdParams& p, const FwdBl
           if (d + 1 < p.headdim_v) out[d + 1] = from_float<T>(x1);
         }
       }
-      if (t == 0) p.lse[lse_index(p, blk, row)] = lse;
+      if (t == 0) p.lse[lse_index(p, blk, row, head)] = lse;
     }
 }
 
 // ---- host side, shared by the forward launchers ------------------------------------------------
 
-inline int64_t fwd_query_tiles(const FwdParams& p, int block_m) { return (p.seqlen_q + block_m - 1) / block_m; }
+inline int64_t fwd_query_tiles(const FwdParams& p, int block_m) {
+  return (int64_t(p.seqlen_q) * p.pack + block_m - 1) / block_m;
+}
 
 // The grid (query tiles x splits, heads_q, batch), or an error past the hardware's limits.
 inline dim3 fwd_grid(const FwdParams& p, int64_t query_tiles) {
   const int64_t grid_x = query_tiles * p.num_splits;
-  if (grid_x > 0x7fffffff || p.heads_q > 65535 || p.batch > 65535)
+  const int heads = p.heads_q / p.pack;
+  if (grid_x > 0x7fffffff || heads > 65535 || p.batch > 65535)
     throw Error(ErrorKind::unsupported, "CUDA forward: grid too large (query tiles " + std::to_string(grid_x) +
                                             ", heads_q " + std::to_string(p.heads_q) + ", batch " +
                                             std::to_string(p.batch) + "; heads and batch must be <= 65535)");
-  return dim3(unsigned(grid_x), unsigned(p.heads_q), unsigned(p.batch));
+  return dim3(unsigned(grid_x), unsigned(heads), unsigned(p.batch));
 }
 
 

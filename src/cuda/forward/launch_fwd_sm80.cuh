@@ -32,7 +32,7 @@ int FwdSm80<T, kHeadDim>::num_splits(const FwdParams& p) {
   TA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   TA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fwd_kernel_sm80<T, kHeadDim>, Traits::kThreads,
                                                               Traits::kSmemBytes));
-  const int64_t tiles = int64_t(p.batch) * p.heads_q * fwd_query_tiles(p, Traits::kBlockM);
+  const int64_t tiles = int64_t(p.batch) * (p.heads_q / p.pack) * fwd_query_tiles(p, Traits::kBlockM);
   const int key_blocks = (p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
   return fwd_num_splits(tiles, key_blocks, sms, per_sm);
 }

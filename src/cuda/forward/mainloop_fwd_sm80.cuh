@@ -54,11 +54,15 @@ __global__ void __launch_bounds__(FwdTraits<T, kHeadDim>::kThreads)
   T* sV = sK + KVTile::kElements;
 
   const FwdBlock blk = fwd_block_of_this_cta(p, kBlockM);
-  if (blk.m0 >= blk.seqlen_q) return;
+  const int rows_q = blk.seqlen_q * p.pack;  // the sequence's (packed) query rows
+  if (blk.m0 >= rows_q) return;
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int warp_row = warp * kMTiles * 16;           // first tile row of this warp
   const int row0 = blk.m0 + warp_row + lane / 4;      // sequence row of (m-tile 0, g)
+  // A warp whose rows all lie past the sequence (decode: one to a few rows per tile) still loads
+  // its share of K and V but computes nothing.
+  const bool warp_has_rows = blk.m0 + warp_row < rows_q;
 
   const Mask mask{blk.seqlen_q, blk.seqlen_k, p.window_left, p.window_right};
   const KeyTiles tiles = key_tiles(p, blk, mask, kBlockM, kBlockN);
@@ -78,7 +82,7 @@ __global__ void __launch_bounds__(FwdTraits<T, kHeadDim>::kThreads)
   const float slope_raw = alibi ? p.mod.slope(blk.batch, blk.head) / p.mod.scale : 0.0f;
 
   if (n_begin < n_end) {
-    const int kv_head = blk.head / (p.heads_q / p.heads_kv);
+    const int kv_head = p.pack > 1 ? blk.head : blk.head / (p.heads_q / p.heads_kv);
     const int64_t qb = p.cu_seqlens_q ? 0 : blk.batch;
     const T* gQ = static_cast<const T*>(p.q) + qb * p.q_batch_stride + (blk.q_row0 + blk.m0) * p.q_row_stride +
                   blk.head * p.q_head_stride;
@@ -99,7 +103,16 @@ __global__ void __launch_bounds__(FwdTraits<T, kHeadDim>::kThreads)
     auto load_k = [&](int n) { load_kv(sK, gK, p.k_batch_stride, p.k_row_stride, n, p.headdim_qk, p.vec_k); };
     auto load_v = [&](int n) { load_kv(sV, gV, p.v_batch_stride, p.v_row_stride, n, p.headdim_v, p.vec_v); };
 
-    load_tile<QTile, kThreads>(sQ, gQ, p.q_row_stride, blk.seqlen_q - blk.m0, p.headdim_qk, p.vec_q);
+    if (p.pack == 1) {
+      load_tile<QTile, kThreads>(sQ, gQ, p.q_row_stride, blk.seqlen_q - blk.m0, p.headdim_qk, p.vec_q);
+    } else {
+      const T* gQ0 = static_cast<const T*>(p.q) + qb * p.q_batch_stride + blk.q_row0 * p.q_row_stride;
+      auto row_address = [&](int r) {
+        const int packed = blk.m0 + r;
+        return gQ0 + int64_t(packed / p.pack) * p.q_row_stride + int64_t(blk.head * p.pack + packed % p.pack) * p.q_head_stride;
+      };
+      load_tile_rows<QTile, kThreads>(sQ, row_address, rows_q - blk.m0, p.headdim_qk, p.vec_q);
+    }
     load_k(n_end - 1);
     cp_async_commit();
 
@@ -125,20 +138,22 @@ __global__ void __launch_bounds__(FwdTraits<T, kHeadDim>::kThreads)
         for (int nt = 0; nt < kSTiles; ++nt)
 #pragma unroll
           for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.0f;
+      if (warp_has_rows) {
 #pragma unroll
-      for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-        uint32_t a[kMTiles][4];
+        for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+          uint32_t a[kMTiles][4];
 #pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt)
-          ldmatrix_x4(a[mt], QTile::address(q_addr, ks, mt * 16));
+          for (int mt = 0; mt < kMTiles; ++mt)
+            ldmatrix_x4(a[mt], QTile::address(q_addr, ks, mt * 16));
 #pragma unroll
-        for (int np = 0; np < kSTiles / 2; ++np) {
-          uint32_t b[4];
-          ldmatrix_x4(b, KVTile::address(kv_addr, ks, np * 16));
+          for (int np = 0; np < kSTiles / 2; ++np) {
+            uint32_t b[4];
+            ldmatrix_x4(b, KVTile::address(kv_addr, ks, np * 16));
 #pragma unroll
-          for (int mt = 0; mt < kMTiles; ++mt) {
-            mma_m16n8k16<T>(s[mt][2 * np], a[mt], b[0], b[1]);
-            mma_m16n8k16<T>(s[mt][2 * np + 1], a[mt], b[2], b[3]);
+            for (int mt = 0; mt < kMTiles; ++mt) {
+              mma_m16n8k16<T>(s[mt][2 * np], a[mt], b[0], b[1]);
+              mma_m16n8k16<T>(s[mt][2 * np + 1], a[mt], b[2], b[3]);
+            }
           }
         }
       }
@@ -147,7 +162,7 @@ __global__ void __launch_bounds__(FwdTraits<T, kHeadDim>::kThreads)
       const int key0 = n * kBlockN;
       if (alibi) alibi_scores(s, slope_raw, row0, key0, blk.seqlen_q, blk.seqlen_k);
       const bool interior = key0 >= full_begin && key0 + kBlockN <= full_end;
-      if (!interior) mask_scores(s, mask, row0, key0);
+      if (!interior) mask_scores(s, mask, row0, key0, p.pack);
 
       cp_async_wait<0>();
       __syncthreads();  // V(n) landed; every warp is done with K(n)
@@ -171,18 +186,20 @@ __global__ void __launch_bounds__(FwdTraits<T, kHeadDim>::kThreads)
       }
 
       // O += P V
+      if (warp_has_rows) {
 #pragma unroll
-      for (int ks = 0; ks < kBlockN / 16; ++ks)
+        for (int ks = 0; ks < kBlockN / 16; ++ks)
 #pragma unroll
-        for (int dp = 0; dp < kOTiles / 2; ++dp) {
-          uint32_t b[4];
-          ldmatrix_x4_trans(b, KVTile::address(kv_addr, dp, ks * 16) + kVOffset);
+          for (int dp = 0; dp < kOTiles / 2; ++dp) {
+            uint32_t b[4];
+            ldmatrix_x4_trans(b, KVTile::address(kv_addr, dp, ks * 16) + kVOffset);
 #pragma unroll
-          for (int mt = 0; mt < kMTiles; ++mt) {
-            mma_m16n8k16<T>(acc_o[mt][2 * dp], pa[mt][ks], b[0], b[2]);
-            mma_m16n8k16<T>(acc_o[mt][2 * dp + 1], pa[mt][ks], b[1], b[3]);
+            for (int mt = 0; mt < kMTiles; ++mt) {
+              mma_m16n8k16<T>(acc_o[mt][2 * dp], pa[mt][ks], b[0], b[2]);
+              mma_m16n8k16<T>(acc_o[mt][2 * dp + 1], pa[mt][ks], b[1], b[3]);
+            }
           }
-        }
+      }
     }
   }
 
