@@ -115,4 +115,45 @@ __device__ __forceinline__ void load_tile_rows(T* tile, RowAddress row_address, 
   }
 }
 
+// load_tile for the rows [key0, key0 + rows) of a paged cache whose pages are shorter than the
+// tile: row r lies at row r % page_size of page pages[r / page_size] (clamped to num_pages).
+// The page ids are read first, all of them, so that those reads overlap instead of each waiting
+// behind the previous row's copy.
+template <class Tile, int kThreads, class T>
+__device__ __forceinline__ void load_tile_paged(T* tile, const T* base, const int32_t* pages, int page_size,
+                                                int num_pages, int key0, int64_t page_stride, int64_t row_stride,
+                                                int rows_valid, int cols_valid, bool vectorized) {
+  constexpr int kSlots = Tile::kChunks <= 4 ? 4 : Tile::kChunks <= 8 ? 8 : Tile::kChunks <= 16 ? 16 : 32;
+  constexpr int kRowsPerPass = kThreads / kSlots;
+  constexpr int kPasses = Tile::kRows / kRowsPerPass;
+  const int slot = int(threadIdx.x) % kSlots, row0 = int(threadIdx.x) / kSlots;
+  if (slot >= Tile::kChunks) return;
+  const int col = slot * 8;
+  int page[kPasses];
+#pragma unroll
+  for (int i = 0; i < kPasses; ++i) {
+    const int row = row0 + i * kRowsPerPass;
+    page[i] = row < rows_valid ? pages[(key0 + row) / page_size] : 0;
+  }
+  auto address = [&](int i) {
+    const int key = key0 + row0 + i * kRowsPerPass;
+    const int64_t p = page[i] < 0 ? 0 : (page[i] >= num_pages ? num_pages - 1 : page[i]);
+    return base + p * page_stride + int64_t(key % page_size) * row_stride + col;
+  };
+#pragma unroll
+  for (int i = 0; i < kPasses; ++i) {
+    const int row = row0 + i * kRowsPerPass;
+    const bool inside = row < rows_valid;
+    if (vectorized) {
+      const bool copy = inside && col < cols_valid;
+      cp_async_16(smem_address(tile + Tile::offset(row, col)), copy ? address(i) : base, copy ? 16 : 0);
+    } else {
+      T* dst = tile + Tile::offset(row, col);
+      const T* src = inside ? address(i) : base;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) dst[e] = (inside && col + e < cols_valid) ? src[e] : T(0.0f);
+    }
+  }
+}
+
 }  // namespace tileattn::cuda

@@ -58,11 +58,17 @@ __global__ void __launch_bounds__(FwdTraits<T, kHeadDim>::kThreads)
   if (blk.m0 >= rows_q) return;
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int warp_row = warp * kMTiles * 16;           // first tile row of this warp
+  // Which rows a warp owns rotates with the block: in a tile with only a few rows (decoding) the
+  // one working warp of each co-resident block then sits on a different SM sub-partition (warp
+  // w runs on sub-partition w % 4) instead of all on the first.
+  const int warp_row = ((warp + int(blockIdx.x)) % Traits::kWarps) * kMTiles * 16;  // first tile row of this warp
   const int row0 = blk.m0 + warp_row + lane / 4;      // sequence row of (m-tile 0, g)
-  // A warp whose rows all lie past the sequence (decode: one to a few rows per tile) still loads
-  // its share of K and V but computes nothing.
+  // A warp (or m-tile) whose rows all lie past the sequence still loads its share of K and V
+  // but computes nothing.
   const bool warp_has_rows = blk.m0 + warp_row < rows_q;
+  bool mtile_has_rows[kMTiles];
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt) mtile_has_rows[mt] = mt == 0 || blk.m0 + warp_row + mt * 16 < rows_q;
 
   const Mask mask{blk.seqlen_q, blk.seqlen_k, p.window_left, p.window_right};
   const KeyTiles tiles = key_tiles(p, blk, mask, kBlockM, kBlockN);
@@ -96,8 +102,8 @@ __global__ void __launch_bounds__(FwdTraits<T, kHeadDim>::kThreads)
         load_tile<KVTile, kThreads>(tile, g + key_offset(p.keys, blk.key, key0, batch_stride, row_stride), row_stride,
                                     blk.seqlen_k - key0, dim, vec);
       } else {
-        auto row_address = [&](int r) { return g + key_offset(p.keys, blk.key, key0 + r, batch_stride, row_stride); };
-        load_tile_rows<KVTile, kThreads>(tile, row_address, blk.seqlen_k - key0, dim, vec);
+        load_tile_paged<KVTile, kThreads>(tile, g, blk.key.pages, p.keys.page_size, p.keys.num_pages, key0,
+                                          batch_stride, row_stride, blk.seqlen_k - key0, dim, vec);
       }
     };
     auto load_k = [&](int n) { load_kv(sK, gK, p.k_batch_stride, p.k_row_stride, n, p.headdim_qk, p.vec_k); };
@@ -144,13 +150,14 @@ __global__ void __launch_bounds__(FwdTraits<T, kHeadDim>::kThreads)
           uint32_t a[kMTiles][4];
 #pragma unroll
           for (int mt = 0; mt < kMTiles; ++mt)
-            ldmatrix_x4(a[mt], QTile::address(q_addr, ks, mt * 16));
+            if (mtile_has_rows[mt]) ldmatrix_x4(a[mt], QTile::address(q_addr, ks, mt * 16));
 #pragma unroll
           for (int np = 0; np < kSTiles / 2; ++np) {
             uint32_t b[4];
             ldmatrix_x4(b, KVTile::address(kv_addr, ks, np * 16));
 #pragma unroll
             for (int mt = 0; mt < kMTiles; ++mt) {
+              if (!mtile_has_rows[mt]) continue;
               mma_m16n8k16<T>(s[mt][2 * np], a[mt], b[0], b[1]);
               mma_m16n8k16<T>(s[mt][2 * np + 1], a[mt], b[2], b[3]);
             }
@@ -195,6 +202,7 @@ __global__ void __launch_bounds__(FwdTraits<T, kHeadDim>::kThreads)
             ldmatrix_x4_trans(b, KVTile::address(kv_addr, dp, ks * 16) + kVOffset);
 #pragma unroll
             for (int mt = 0; mt < kMTiles; ++mt) {
+              if (!mtile_has_rows[mt]) continue;
               mma_m16n8k16<T>(acc_o[mt][2 * dp], pa[mt][ks], b[0], b[2]);
               mma_m16n8k16<T>(acc_o[mt][2 * dp + 1], pa[mt][ks], b[1], b[3]);
             }

@@ -28,10 +28,6 @@ void forward_fp32(const AttentionProblem& pr) {
   if (pr.batch > 65535 || pr.heads_q > 65535)
     throw Error(ErrorKind::unsupported, "fp32 forward on CUDA: batch=" + std::to_string(pr.batch) +
                                             " and heads_q=" + std::to_string(pr.heads_q) + " must be <= 65535");
-  if (pr.is_paged())
-    throw Error(ErrorKind::unsupported,
-                "fp32 forward on CUDA: block_table (a paged cache) needs fp16 or bf16 inputs (the CPU backend "
-                "takes fp32)");
   const bool varlen = pr.is_varlen();
   fp32::FwdParams p{};
   p.keys = key_layout(pr);
@@ -62,7 +58,8 @@ void forward_fp32(const AttentionProblem& pr) {
   p.scale_log2 = p.mod.scale_log2;
   p.softcap = p.mod.softcap;
   p.vec16 = pr.headdim_qk % 4 == 0 && pr.headdim_v % 4 == 0 && rows_aligned(pr.q, 4, 16, varlen) &&
-            rows_aligned(pr.k, 4, 16, varlen) && rows_aligned(pr.v, 4, 16, varlen);
+            rows_aligned(pr.k, 4, 16, varlen && !pr.is_paged()) &&
+            rows_aligned(pr.v, 4, 16, varlen && !pr.is_paged());
 
   const int d = int(std::max(pr.headdim_qk, pr.headdim_v));
   const auto stream = static_cast<cudaStream_t>(pr.stream);

@@ -74,7 +74,6 @@ __global__ void __launch_bounds__(FwdTile<kD, kExact>::kThreads) forward_fp32_ke
     o_off = b * p.o_batch_stride;
     lse_off = (int64_t(b) * p.heads_q + h) * sq;
   }
-  // Keys are one strided block per sequence here (paged caches are refused on the host).
   const KeySpan key = key_span(p.keys, b);
   const int sk = key.len;
   const int64_t k_off = key_offset(p.keys, key, 0, p.k_batch_stride, p.k_seq_stride);
@@ -95,11 +94,29 @@ __global__ void __launch_bounds__(FwdTile<kD, kExact>::kThreads) forward_fp32_ke
   const int full_begin = mask.full_begin_key(i1), full_end = mask.full_end_key(i0);
   const int dqk8 = round_up8(p.dqk), dv8 = round_up8(p.dv);
 
+  // K or V rows [n0, n0 + kBN): one strided block, or through the page table.
+  auto load_keys = [&](float* tile, const float* base, int64_t batch_stride, int64_t seq_stride, int n0, int cols,
+                       int cols_fill, auto ld) {
+    constexpr int kLd = decltype(ld)::value;
+    if (!key.pages) {
+      load_tile_async<kBN, kD, kLd, kThreads>(tile, base + int64_t(n0) * seq_stride, seq_stride, sk - n0, cols,
+                                              cols_fill, p.vec16);
+    } else {
+      const float* head0 = base - key_offset(p.keys, key, 0, batch_stride, seq_stride);
+      auto row_address = [&](int r) { return head0 + key_offset(p.keys, key, n0 + r, batch_stride, seq_stride); };
+      load_tile_async_rows<kBN, kD, kLd, kThreads>(tile, row_address, sk - n0, cols, cols_fill, p.vec16);
+    }
+  };
+  auto load_k = [&](int n0) {
+    load_keys(k_s, k, p.k_batch_stride, p.k_seq_stride, n0, p.dqk, dqk8, std::integral_constant<int, kKLd>{});
+  };
+  auto load_v = [&](int n0) {
+    load_keys(v_s, v, p.v_batch_stride, p.v_seq_stride, n0, p.dv, dv8, std::integral_constant<int, kVLd>{});
+  };
+
   load_tile_async<kBM, kD, kQLd, kThreads>(q_s, q, p.q_seq_stride, i1 - i0, p.dqk, dqk8, p.vec16);
   cp_async_commit();
-  if (n_begin < n_end)
-    load_tile_async<kBN, kD, kKLd, kThreads>(k_s, k + n_begin * p.k_seq_stride, p.k_seq_stride, sk - n_begin, p.dqk,
-                                             dqk8, p.vec16);
+  if (n_begin < n_end) load_k(n_begin);
   cp_async_commit();
   if constexpr (!kExact) {
     // Q (read by every key tile) is rounded to TF32 once; K and V go in as fp32 bits, which
@@ -132,8 +149,7 @@ __global__ void __launch_bounds__(FwdTile<kD, kExact>::kThreads) forward_fp32_ke
   for (int n0 = n_begin; n0 < n_end; n0 += kBN) {
     cp_async_wait<0>();
     __syncthreads();  // K tile (and, first time, Q) visible; V buffer free
-    load_tile_async<kBN, kD, kVLd, kThreads>(v_s, v + n0 * p.v_seq_stride, p.v_seq_stride, sk - n0, p.dv, dv8,
-                                             p.vec16);
+    load_v(n0);
     cp_async_commit();
 
     // S = Q K^T
@@ -244,9 +260,7 @@ __global__ void __launch_bounds__(FwdTile<kD, kExact>::kThreads) forward_fp32_ke
 
     cp_async_wait<0>();
     __syncthreads();  // V tile visible; every warp is done with this K tile
-    if (n0 + kBN < n_end)
-      load_tile_async<kBN, kD, kKLd, kThreads>(k_s, k + (n0 + kBN) * p.k_seq_stride, p.k_seq_stride, sk - n0 - kBN,
-                                               p.dqk, dqk8, p.vec16);
+    if (n0 + kBN < n_end) load_k(n0 + kBN);
     cp_async_commit();
 
     // O += P V; the S accumulator layout is the A fragment layout (see mma_fp32.cuh).
