@@ -22,6 +22,7 @@
 #include "cuda/head_dims_built.hpp"
 #include "cuda/fp32/forward_fp32.hpp"
 #include "cuda/common/fwd_params.hpp"
+#include "cuda/forward/fwd_tile_size.hpp"
 #include "cuda/forward/launch_fwd_sm80.hpp"
 #include "cuda/arch/hopper_available.hpp"
 #include "cuda/forward/launch_fwd_sm90.hpp"
@@ -181,7 +182,11 @@ class ForwardPlan final : public detail::BackendPlan {
     // reads keys through one tensor map per problem, and has no bias yet).
     const bool pack = problem.heads_q > problem.heads_kv && problem.seqlen_q <= kPackMaxSeqlenQ &&
                       problem.alibi_slopes == nullptr;
-    if (!pack && problem.alibi_slopes == nullptr && !problem.has_kv_cache()) sm90_ = pick_forward_sm90(problem);
+    // Up to 16 (packed) rows is decoding: the portable decode kernel, which keeps more of K and V
+    // in flight than the Hopper forward's 128-row tiles.
+    const int64_t rows = problem.seqlen_q * (pack ? problem.heads_q / problem.heads_kv : 1);
+    if (!pack && rows > kDecodeRows && problem.alibi_slopes == nullptr && !problem.has_kv_cache())
+      sm90_ = pick_forward_sm90(problem);
     if (sm90_ && !sm90_->make_maps(problem, params_)) sm90_.reset();
     if (sm90_) {
       params_.fwd.num_splits = sm90_->num_splits(params_);

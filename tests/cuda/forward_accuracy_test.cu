@@ -171,6 +171,24 @@ std::vector<ForwardCase> base_cases() {
     v.causal = true;
     c.push_back({"pack_varlen_causal", v});
   }
+  // The decode kernel (at most 16 packed rows): each warp's 16 keys of a tile, folded at the end.
+  {
+    c.push_back({"decode_d256_gqa", shape(1, 2000, 256, 8, 2)});
+    c.push_back({"decode_d32_mha", shape(3, 1500, 32, 4, 4)});
+    ProblemShape s = shape(4, 2500, 128, 16, 4);
+    s.causal = true;
+    c.push_back({"decode_speculative_16rows_causal", s});
+    ProblemShape w = shape(2, 900, 40, 4, 2);
+    w.window_left = 70, w.window_right = 0;
+    w.softcap = 4.0f;
+    c.push_back({"decode_window_softcap_d40", w});
+    ProblemShape e = shape(8, 5, 64, 2, 1);
+    e.causal = true;
+    c.push_back({"decode_sq_gt_sk_causal", e});
+    ProblemShape a = shape(2, 777, 96, 3, 3);
+    a.alibi = ProblemShape::Alibi::per_head;
+    c.push_back({"decode_alibi_d96", a});
+  }
   // ALiBi: both LSE forms, sq != sk, GQA, softcap underneath, varlen per sequence, split-KV, both
   // slope shapes.
   {

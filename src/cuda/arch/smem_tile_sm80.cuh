@@ -42,7 +42,8 @@ struct SmemTile {
     for (int s = 0; s < kPeriod; ++s) a.base[s] = smem_address(tile) + 2 * offset(row, 16 * s + col);
     return a;
   }
-  // Byte address for (row + row_add, 16 * step + col); row_add a multiple of 16, both constants.
+  // Byte address for (row + row_add, 16 * step + col); row_add a multiple of 16 (constants fold
+  // into the instruction).
   __device__ __forceinline__ static uint32_t address(const LaneAddresses& a, int step, int row_add) {
     return a.base[step % kPeriod] + (step / kPeriod) * kPeriod * 32 + row_add * kCols * 2;
   }

@@ -20,4 +20,8 @@ constexpr FwdTileSize fwd_tile_size(int headdim) {
   return {64, 64, 4};
 }
 
+// Problems with at most this many (GQA-packed) query rows run the decode kernel
+// (decode_fwd_sm80.cuh): one 16-row mma tile.
+constexpr int kDecodeRows = 16;
+
 }  // namespace tileattn::cuda

@@ -5,6 +5,7 @@
 
 #include "cuda/common/check.cuh"
 #include "cuda/forward/combine_fwd_sm80.cuh"
+#include "cuda/forward/decode_fwd_sm80.cuh"
 #include "cuda/common/split_heuristic.hpp"
 #include "cuda/forward/launch_fwd_sm80.hpp"
 #include "cuda/forward/mainloop_fwd_sm80.cuh"
@@ -14,38 +15,58 @@ namespace tileattn::cuda {
 
 namespace fwd_sm80_detail {
 
+// The kernel a problem runs on, with what its launch and split decision need.
+struct Kernel {
+  const void* fn;
+  int threads, smem_bytes, block_m, block_n;
+};
+
 template <class T, int kHeadDim>
-void prepare_kernel() {
+Kernel pick(const FwdParams& p) {
+  using Decode = DecodeTraits<T, kHeadDim>;
+  using Traits = FwdTraits<T, kHeadDim>;
+  // At most 16 (packed) query rows: the decode kernel, where its ring fits the device.
+  if (int64_t(p.seqlen_q) * p.pack <= Decode::kBlockM) {
+    int device = 0, optin = 0;
+    TA_CUDA_CHECK(cudaGetDevice(&device));
+    TA_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    if (Decode::kSmemBytes <= optin)
+      return {reinterpret_cast<const void*>(fwd_decode_kernel_sm80<T, kHeadDim>), Decode::kThreads,
+              Decode::kSmemBytes, Decode::kBlockM, Decode::kBlockN};
+  }
+  return {reinterpret_cast<const void*>(fwd_kernel_sm80<T, kHeadDim>), Traits::kThreads, Traits::kSmemBytes,
+          Traits::kBlockM, Traits::kBlockN};
+}
+
+inline void prepare(const Kernel& k) {
   // Above 48 KiB, dynamic shared memory must be opted into per kernel (and per device).
-  TA_CUDA_CHECK(cudaFuncSetAttribute(fwd_kernel_sm80<T, kHeadDim>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     FwdTraits<T, kHeadDim>::kSmemBytes));
+  TA_CUDA_CHECK(cudaFuncSetAttribute(k.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, k.smem_bytes));
 }
 
 }  // namespace fwd_sm80_detail
 
 template <class T, int kHeadDim>
 int FwdSm80<T, kHeadDim>::num_splits(const FwdParams& p) {
-  using Traits = FwdTraits<T, kHeadDim>;
-  fwd_sm80_detail::prepare_kernel<T, kHeadDim>();
+  const fwd_sm80_detail::Kernel k = fwd_sm80_detail::pick<T, kHeadDim>(p);
+  fwd_sm80_detail::prepare(k);
   int device = 0, sms = 0, per_sm = 0;
   TA_CUDA_CHECK(cudaGetDevice(&device));
   TA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  TA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fwd_kernel_sm80<T, kHeadDim>, Traits::kThreads,
-                                                              Traits::kSmemBytes));
-  const int64_t tiles = int64_t(p.batch) * (p.heads_q / p.pack) * fwd_query_tiles(p, Traits::kBlockM);
-  const int key_blocks = (p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
+  TA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k.fn, k.threads, k.smem_bytes));
+  const int64_t tiles = int64_t(p.batch) * (p.heads_q / p.pack) * fwd_query_tiles(p, k.block_m);
+  const int key_blocks = (p.seqlen_k + k.block_n - 1) / k.block_n;
   return fwd_num_splits(tiles, key_blocks, sms, per_sm);
 }
 
 template <class T, int kHeadDim>
 void FwdSm80<T, kHeadDim>::run(const FwdParams& p, cudaStream_t stream) {
-  using Traits = FwdTraits<T, kHeadDim>;
-  const int64_t tiles = fwd_query_tiles(p, Traits::kBlockM);
+  const fwd_sm80_detail::Kernel k = fwd_sm80_detail::pick<T, kHeadDim>(p);
+  const int64_t tiles = fwd_query_tiles(p, k.block_m);
   if (tiles == 0 || p.heads_q == 0 || p.batch == 0) return;
   const dim3 grid = fwd_grid(p, tiles);
-  fwd_sm80_detail::prepare_kernel<T, kHeadDim>();
-  fwd_kernel_sm80<T, kHeadDim><<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p);
-  TA_CUDA_CHECK_LAUNCH("fwd_kernel_sm80");
+  fwd_sm80_detail::prepare(k);
+  void* args[] = {const_cast<FwdParams*>(&p)};
+  TA_CUDA_CHECK(cudaLaunchKernel(k.fn, grid, dim3(unsigned(k.threads)), args, size_t(k.smem_bytes), stream));
   launch_fwd_combine<T>(p, stream);
 }
 
