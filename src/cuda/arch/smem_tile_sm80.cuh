@@ -118,43 +118,57 @@ __device__ __forceinline__ void load_tile_rows(T* tile, RowAddress row_address, 
 
 // load_tile for the rows [key0, key0 + rows) of a paged cache whose pages are shorter than the
 // tile: row r lies at row r % page_size of page pages[r / page_size] (clamped to num_pages).
-// The page ids are read first, all of them, so that those reads overlap instead of each waiting
-// behind the previous row's copy.
+// fetch() reads the page ids of the rows this thread copies, all at once so the reads overlap;
+// a caller can issue it a tile ahead, and share one fetch between K and V (the same rows).
+template <class Tile, int kThreads>
+struct PagedRows {
+  static constexpr int kSlots = Tile::kChunks <= 4 ? 4 : Tile::kChunks <= 8 ? 8 : Tile::kChunks <= 16 ? 16 : 32;
+  static constexpr int kRowsPerPass = kThreads / kSlots;
+  static constexpr int kPasses = Tile::kRows / kRowsPerPass;
+  static_assert(Tile::kChunks <= 32 && Tile::kRows % kRowsPerPass == 0, "passes must cover the tile");
+  int page[kPasses];
+
+  __device__ __forceinline__ void fetch(const int32_t* pages, int page_size, int key0, int rows_valid) {
+    const int row0 = int(threadIdx.x) / kSlots;
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {
+      const int row = row0 + i * kRowsPerPass;
+      page[i] = row < rows_valid ? pages[(key0 + row) / page_size] : 0;
+    }
+  }
+
+  template <class T>
+  __device__ __forceinline__ void load(T* tile, const T* base, int page_size, int num_pages, int key0,
+                                       int64_t page_stride, int64_t row_stride, int rows_valid, int cols_valid,
+                                       bool vectorized) const {
+    const int slot = int(threadIdx.x) % kSlots, row0 = int(threadIdx.x) / kSlots;
+    if (slot >= Tile::kChunks) return;
+    const int col = slot * 8;
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {
+      const int row = row0 + i * kRowsPerPass;
+      const bool inside = row < rows_valid;
+      const int64_t pg = page[i] < 0 ? 0 : (page[i] >= num_pages ? num_pages - 1 : page[i]);
+      const T* src = inside ? base + pg * page_stride + int64_t((key0 + row) % page_size) * row_stride + col : base;
+      if (vectorized) {
+        const bool copy = inside && col < cols_valid;
+        cp_async_16(smem_address(tile + Tile::offset(row, col)), src, copy ? 16 : 0);
+      } else {
+        T* dst = tile + Tile::offset(row, col);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) dst[e] = (inside && col + e < cols_valid) ? src[e] : T(0.0f);
+      }
+    }
+  }
+};
+
 template <class Tile, int kThreads, class T>
 __device__ __forceinline__ void load_tile_paged(T* tile, const T* base, const int32_t* pages, int page_size,
                                                 int num_pages, int key0, int64_t page_stride, int64_t row_stride,
                                                 int rows_valid, int cols_valid, bool vectorized) {
-  constexpr int kSlots = Tile::kChunks <= 4 ? 4 : Tile::kChunks <= 8 ? 8 : Tile::kChunks <= 16 ? 16 : 32;
-  constexpr int kRowsPerPass = kThreads / kSlots;
-  constexpr int kPasses = Tile::kRows / kRowsPerPass;
-  const int slot = int(threadIdx.x) % kSlots, row0 = int(threadIdx.x) / kSlots;
-  if (slot >= Tile::kChunks) return;
-  const int col = slot * 8;
-  int page[kPasses];
-#pragma unroll
-  for (int i = 0; i < kPasses; ++i) {
-    const int row = row0 + i * kRowsPerPass;
-    page[i] = row < rows_valid ? pages[(key0 + row) / page_size] : 0;
-  }
-  auto address = [&](int i) {
-    const int key = key0 + row0 + i * kRowsPerPass;
-    const int64_t p = page[i] < 0 ? 0 : (page[i] >= num_pages ? num_pages - 1 : page[i]);
-    return base + p * page_stride + int64_t(key % page_size) * row_stride + col;
-  };
-#pragma unroll
-  for (int i = 0; i < kPasses; ++i) {
-    const int row = row0 + i * kRowsPerPass;
-    const bool inside = row < rows_valid;
-    if (vectorized) {
-      const bool copy = inside && col < cols_valid;
-      cp_async_16(smem_address(tile + Tile::offset(row, col)), copy ? address(i) : base, copy ? 16 : 0);
-    } else {
-      T* dst = tile + Tile::offset(row, col);
-      const T* src = inside ? address(i) : base;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) dst[e] = (inside && col + e < cols_valid) ? src[e] : T(0.0f);
-    }
-  }
+  PagedRows<Tile, kThreads> rows;
+  rows.fetch(pages, page_size, key0, rows_valid);
+  rows.load(tile, base, page_size, num_pages, key0, page_stride, row_stride, rows_valid, cols_valid, vectorized);
 }
 
 }  // namespace tileattn::cuda

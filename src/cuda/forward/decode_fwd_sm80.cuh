@@ -58,7 +58,12 @@ __global__ void __launch_bounds__(DecodeTraits<T, kHeadDim>::kThreads)
   T* sQ = reinterpret_cast<T*>(smem_raw);
   T* sKV = sQ + QTile::kElements;
 
-  const FwdBlock blk = fwd_block_of_this_cta(p, Tr::kBlockM);
+  // One query tile per head; blocks are numbered heads first, so the blocks running at once read
+  // the neighbouring heads of the same key rows (whole DRAM pages) rather than one head of rows
+  // far apart.
+  const int heads = int(gridDim.y), linear = int(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z));
+  const FwdBlock blk = fwd_block(p, Tr::kBlockM, 0, (linear / heads) % p.num_splits, linear % heads,
+                                 linear / (heads * p.num_splits));
   const int rows_q = blk.seqlen_q * p.pack;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row0 = lane / 4;  // packed row of (g); the block's rows start at 0
@@ -89,27 +94,39 @@ __global__ void __launch_bounds__(DecodeTraits<T, kHeadDim>::kThreads)
 
     const T* gK = static_cast<const T*>(p.k) + kv_head * p.k_head_stride;
     const T* gV = static_cast<const T*>(p.v) + kv_head * p.v_head_stride;
+    // Pages shorter than a tile are gathered row by row; their ids (one fetch for K and V) are
+    // read a tile ahead, so a copy never waits on the page table.
     const bool gather = blk.key.pages && p.keys.page_size % kBlockN != 0;
-    auto load_one = [&](T* tile, const T* g, int64_t batch_stride, int64_t row_stride, int key0, int dim, bool vec) {
-      if (!gather) {
-        load_tile<KVTile, kThreads>(tile, g + key_offset(p.keys, blk.key, key0, batch_stride, row_stride), row_stride,
-                                    blk.seqlen_k - key0, dim, vec);
-      } else {
-        load_tile_paged<KVTile, kThreads>(tile, g, blk.key.pages, p.keys.page_size, p.keys.num_pages, key0,
-                                          batch_stride, row_stride, blk.seqlen_k - key0, dim, vec);
+    PagedRows<KVTile, kThreads> ids;
+    auto fetch_ids = [&](int i) {
+      if (gather && i < n_tiles) {
+        const int key0 = (tiles.begin + i) * kBlockN;
+        ids.fetch(blk.key.pages, p.keys.page_size, key0, blk.seqlen_k - key0);
       }
     };
     auto load_stage = [&](int i) {  // key tile tiles.begin + i into stage i % kStages
       T* stage = sKV + (i % kStages) * Tr::kStageElements;
-      const int key0 = (tiles.begin + i) * kBlockN;
-      load_one(stage, gK, p.k_batch_stride, p.k_row_stride, key0, p.headdim_qk, p.vec_k);
-      load_one(stage + KVTile::kElements, gV, p.v_batch_stride, p.v_row_stride, key0, p.headdim_v, p.vec_v);
+      const int key0 = (tiles.begin + i) * kBlockN, rows = blk.seqlen_k - key0;
+      if (!gather) {
+        load_tile<KVTile, kThreads>(stage, gK + key_offset(p.keys, blk.key, key0, p.k_batch_stride, p.k_row_stride),
+                                    p.k_row_stride, rows, p.headdim_qk, p.vec_k);
+        load_tile<KVTile, kThreads>(stage + KVTile::kElements,
+                                    gV + key_offset(p.keys, blk.key, key0, p.v_batch_stride, p.v_row_stride),
+                                    p.v_row_stride, rows, p.headdim_v, p.vec_v);
+      } else {
+        ids.load(stage, gK, p.keys.page_size, p.keys.num_pages, key0, p.k_batch_stride, p.k_row_stride, rows,
+                 p.headdim_qk, p.vec_k);
+        ids.load(stage + KVTile::kElements, gV, p.keys.page_size, p.keys.num_pages, key0, p.v_batch_stride,
+                 p.v_row_stride, rows, p.headdim_v, p.vec_v);
+      }
     };
 #pragma unroll
     for (int i = 0; i < kStages - 1; ++i) {
+      fetch_ids(i);
       if (i < n_tiles) load_stage(i);
       cp_async_commit();  // empty groups keep the wait count uniform
     }
+    fetch_ids(kStages - 1);
 
     const auto q_addr = QTile::lane_addresses(sQ, lane % 16, (lane / 16) * 8);
     // This warp's 16 keys of a stage, in the B layouts of S = Q K^T and (transposed) of O += P V.
@@ -122,6 +139,7 @@ __global__ void __launch_bounds__(DecodeTraits<T, kHeadDim>::kThreads)
       __syncthreads();  // tile i landed; every warp is done with the stage the next load reuses
       if (i + kStages - 1 < n_tiles) load_stage(i + kStages - 1);
       cp_async_commit();
+      fetch_ids(i + kStages);
 
       const uint32_t stage = uint32_t((i % kStages) * kStageBytes);
       float s[1][2][4];

@@ -31,13 +31,11 @@ struct FwdBlock {
 // The grid is (query tiles x splits, heads_q / pack, batch); heavy query tiles (late rows under a
 // causal mask) are launched first. With GQA packing `head` is the kv head and the tile's rows are
 // packed (position, head) pairs (FwdParams::pack); seqlen_q stays the sequence's positions.
-__device__ __forceinline__ FwdBlock fwd_block_of_this_cta(const FwdParams& p, int block_m) {
-  const int m_blocks = int(gridDim.x) / p.num_splits;
+__device__ __forceinline__ FwdBlock fwd_block(const FwdParams& p, int block_m, int m_block, int split, int head,
+                                               int batch) {
   FwdBlock blk;
-  blk.split = int(blockIdx.x) % p.num_splits;
-  blk.head = blockIdx.y;
-  blk.batch = blockIdx.z;
-  blk.m0 = (m_blocks - 1 - int(blockIdx.x) / p.num_splits) * block_m;
+  blk.split = split, blk.head = head, blk.batch = batch;
+  blk.m0 = m_block * block_m;
   blk.seqlen_q = p.seqlen_q, blk.q_row0 = 0;
   if (p.cu_seqlens_q) {
     const SeqRange q = varlen_range(p.cu_seqlens_q, blk.batch, p.total_q, p.seqlen_q);
@@ -46,6 +44,12 @@ __device__ __forceinline__ FwdBlock fwd_block_of_this_cta(const FwdParams& p, in
   blk.key = key_span(p.keys, blk.batch);
   blk.k_row0 = blk.key.row0, blk.seqlen_k = blk.key.len;
   return blk;
+}
+
+__device__ __forceinline__ FwdBlock fwd_block_of_this_cta(const FwdParams& p, int block_m) {
+  const int m_blocks = int(gridDim.x) / p.num_splits;
+  return fwd_block(p, block_m, m_blocks - 1 - int(blockIdx.x) / p.num_splits, int(blockIdx.x) % p.num_splits,
+                   int(blockIdx.y), int(blockIdx.z));
 }
 
 // Key tiles [begin, end) of size block_n that the block visits (its split's share of those the
