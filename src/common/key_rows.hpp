@@ -25,8 +25,15 @@ struct KeyLayout {
   const int32_t* block_table = nullptr;
   int64_t table_stride = 0;
   int page_size = 1, num_pages = 0;
+  int page_shift = 0;  // log2(page_size) when a power of two (the common case), else -1
 
   TA_HOST_DEVICE bool paged() const { return block_table != nullptr; }
+  // Page and row within it of key r: shifts for power-of-two pages, integer division else (the
+  // division costs more instructions than the copy it addresses).
+  TA_HOST_DEVICE int page_of(int r) const { return page_shift >= 0 ? r >> page_shift : r / page_size; }
+  TA_HOST_DEVICE int row_in_page(int r) const {
+    return page_shift >= 0 ? r & (page_size - 1) : r % page_size;
+  }
 };
 
 // The keys of one sequence: `len` rows; unpaged, row r is row row0 + r of batch entry `batch`
@@ -58,8 +65,8 @@ TA_HOST_DEVICE KeySpan key_span(const KeyLayout& l, int b) {
 TA_HOST_DEVICE int64_t key_offset(const KeyLayout& l, const KeySpan& s, int r, int64_t batch_stride,
                                   int64_t row_stride) {
   if (s.pages) {
-    const int64_t page = clamp_to(s.pages[r / l.page_size], 0, l.num_pages - 1);
-    return page * batch_stride + int64_t(r % l.page_size) * row_stride;
+    const int64_t page = clamp_to(s.pages[l.page_of(r)], 0, l.num_pages - 1);
+    return page * batch_stride + int64_t(l.row_in_page(r)) * row_stride;
   }
   return s.batch * batch_stride + (s.row0 + r) * row_stride;
 }
@@ -74,7 +81,10 @@ inline KeyLayout key_layout(const AttentionProblem& p) {
   l.seqused = p.seqused_k, l.leftpad = p.leftpad_k;
   l.batch_idx = p.kv_batch_idx, l.cache_batch = int(p.kv_batch);
   l.block_table = p.block_table, l.table_stride = p.block_table_stride;
-  if (p.is_paged()) l.page_size = int(p.page_size), l.num_pages = int(p.num_pages);
+  if (p.is_paged()) {
+    l.page_size = int(p.page_size), l.num_pages = int(p.num_pages);
+    l.page_shift = (l.page_size & (l.page_size - 1)) == 0 ? __builtin_ctz(unsigned(l.page_size)) : -1;
+  }
   return l;
 }
 

@@ -77,16 +77,26 @@ def run(warmup: int, passes: int, shapes=SHAPES, page_sizes=PAGE_SIZES, headdim:
         k = torch.randn(batch, seqlen_k, hkv, headdim, device=device, dtype=torch.bfloat16)
         v = torch.randn_like(k)
         gbytes = 2 * k.numel() * k.element_size() / 1e9
-        for name, fn in _impls(q, k, v, page_sizes).items():
-            row = dict(batch=batch, seqlen_k=seqlen_k, heads_q=hq, heads_kv=hkv, seqlen_q=sq, impl=name)
-            try:
-                times = time_each(fn, warmup, passes)
+        impls = _impls(q, k, v, page_sizes)
+        shape_rows = {name: dict(batch=batch, seqlen_k=seqlen_k, heads_q=hq, heads_kv=hkv, seqlen_q=sq, impl=name,
+                                 ms=math.inf) for name in impls}
+        # Two rounds in opposite orders, the better kept: no implementation always runs first (on
+        # a card still clocking up) or right after the page copies.
+        for order in (list(impls), list(reversed(impls))):
+            for name in order:
+                row = shape_rows[name]
+                if "error" in row:
+                    continue
+                try:
+                    times = time_each(impls[name], warmup, passes)
+                except RuntimeError as e:  # a backend that refuses the shape
+                    row.update(ms=math.nan, ms_std=math.nan, gbps=math.nan, error=str(e).splitlines()[0][:80])
+                    continue
                 ms, std = mean_std(sorted(times)[: max(1, len(times) * 4 // 5)])
-                row.update(ms=ms, ms_std=std, gbps=gbytes / (ms * 1e-3))
-            except RuntimeError as e:  # a backend that refuses the shape (e.g. cuDNN without GQA)
-                row.update(ms=math.nan, ms_std=math.nan, gbps=math.nan, error=str(e).splitlines()[0][:80])
-            rows.append(row)
-        del q, k, v
+                if ms < row["ms"]:
+                    row.update(ms=ms, ms_std=std, gbps=gbytes / (ms * 1e-3))
+        rows.extend(shape_rows.values())
+        del q, k, v, impls
         torch.cuda.empty_cache()
     return rows
 

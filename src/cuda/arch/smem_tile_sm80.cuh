@@ -7,6 +7,7 @@
 //    which stays inside each aligned group of 4 chunks.
 #include <cstdint>
 
+#include "common/key_rows.hpp"
 #include "cuda/arch/ptx_sm80.cuh"
 
 namespace tileattn::cuda {
@@ -128,19 +129,18 @@ struct PagedRows {
   static_assert(Tile::kChunks <= 32 && Tile::kRows % kRowsPerPass == 0, "passes must cover the tile");
   int page[kPasses];
 
-  __device__ __forceinline__ void fetch(const int32_t* pages, int page_size, int key0, int rows_valid) {
+  __device__ __forceinline__ void fetch(const KeyLayout& l, const int32_t* pages, int key0, int rows_valid) {
     const int row0 = int(threadIdx.x) / kSlots;
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) {
       const int row = row0 + i * kRowsPerPass;
-      page[i] = row < rows_valid ? pages[(key0 + row) / page_size] : 0;
+      page[i] = row < rows_valid ? pages[l.page_of(key0 + row)] : 0;
     }
   }
 
   template <class T>
-  __device__ __forceinline__ void load(T* tile, const T* base, int page_size, int num_pages, int key0,
-                                       int64_t page_stride, int64_t row_stride, int rows_valid, int cols_valid,
-                                       bool vectorized) const {
+  __device__ __forceinline__ void load(T* tile, const T* base, const KeyLayout& l, int key0, int64_t page_stride,
+                                       int64_t row_stride, int rows_valid, int cols_valid, bool vectorized) const {
     const int slot = int(threadIdx.x) % kSlots, row0 = int(threadIdx.x) / kSlots;
     if (slot >= Tile::kChunks) return;
     const int col = slot * 8;
@@ -148,8 +148,8 @@ struct PagedRows {
     for (int i = 0; i < kPasses; ++i) {
       const int row = row0 + i * kRowsPerPass;
       const bool inside = row < rows_valid;
-      const int64_t pg = page[i] < 0 ? 0 : (page[i] >= num_pages ? num_pages - 1 : page[i]);
-      const T* src = inside ? base + pg * page_stride + int64_t((key0 + row) % page_size) * row_stride + col : base;
+      const int64_t pg = clamp_to(page[i], 0, l.num_pages - 1);
+      const T* src = inside ? base + pg * page_stride + int64_t(l.row_in_page(key0 + row)) * row_stride + col : base;
       if (vectorized) {
         const bool copy = inside && col < cols_valid;
         cp_async_16(smem_address(tile + Tile::offset(row, col)), src, copy ? 16 : 0);
@@ -163,12 +163,12 @@ struct PagedRows {
 };
 
 template <class Tile, int kThreads, class T>
-__device__ __forceinline__ void load_tile_paged(T* tile, const T* base, const int32_t* pages, int page_size,
-                                                int num_pages, int key0, int64_t page_stride, int64_t row_stride,
-                                                int rows_valid, int cols_valid, bool vectorized) {
+__device__ __forceinline__ void load_tile_paged(T* tile, const T* base, const KeyLayout& l, const int32_t* pages,
+                                                int key0, int64_t page_stride, int64_t row_stride, int rows_valid,
+                                                int cols_valid, bool vectorized) {
   PagedRows<Tile, kThreads> rows;
-  rows.fetch(pages, page_size, key0, rows_valid);
-  rows.load(tile, base, page_size, num_pages, key0, page_stride, row_stride, rows_valid, cols_valid, vectorized);
+  rows.fetch(l, pages, key0, rows_valid);
+  rows.load(tile, base, l, key0, page_stride, row_stride, rows_valid, cols_valid, vectorized);
 }
 
 }  // namespace tileattn::cuda

@@ -101,7 +101,7 @@ __global__ void __launch_bounds__(DecodeTraits<T, kHeadDim>::kThreads)
     auto fetch_ids = [&](int i) {
       if (gather && i < n_tiles) {
         const int key0 = (tiles.begin + i) * kBlockN;
-        ids.fetch(blk.key.pages, p.keys.page_size, key0, blk.seqlen_k - key0);
+        ids.fetch(p.keys, blk.key.pages, key0, blk.seqlen_k - key0);
       }
     };
     auto load_stage = [&](int i) {  // key tile tiles.begin + i into stage i % kStages
@@ -114,10 +114,9 @@ __global__ void __launch_bounds__(DecodeTraits<T, kHeadDim>::kThreads)
                                     gV + key_offset(p.keys, blk.key, key0, p.v_batch_stride, p.v_row_stride),
                                     p.v_row_stride, rows, p.headdim_v, p.vec_v);
       } else {
-        ids.load(stage, gK, p.keys.page_size, p.keys.num_pages, key0, p.k_batch_stride, p.k_row_stride, rows,
-                 p.headdim_qk, p.vec_k);
-        ids.load(stage + KVTile::kElements, gV, p.keys.page_size, p.keys.num_pages, key0, p.v_batch_stride,
-                 p.v_row_stride, rows, p.headdim_v, p.vec_v);
+        ids.load(stage, gK, p.keys, key0, p.k_batch_stride, p.k_row_stride, rows, p.headdim_qk, p.vec_k);
+        ids.load(stage + KVTile::kElements, gV, p.keys, key0, p.v_batch_stride, p.v_row_stride, rows, p.headdim_v,
+                 p.vec_v);
       }
     };
 #pragma unroll

@@ -55,6 +55,8 @@ int FwdSm80<T, kHeadDim>::num_splits(const FwdParams& p) {
   TA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k.fn, k.threads, k.smem_bytes));
   const int64_t tiles = int64_t(p.batch) * (p.heads_q / p.pack) * fwd_query_tiles(p, k.block_m);
   const int key_blocks = (p.seqlen_k + k.block_n - 1) / k.block_n;
+  if (k.fn == reinterpret_cast<const void*>(fwd_decode_kernel_sm80<T, kHeadDim>))
+    return decode_num_splits(tiles, key_blocks, sms);
   return fwd_num_splits(tiles, key_blocks, sms, per_sm);
 }
 

@@ -102,8 +102,8 @@ __global__ void __launch_bounds__(FwdTraits<T, kHeadDim>::kThreads)
         load_tile<KVTile, kThreads>(tile, g + key_offset(p.keys, blk.key, key0, batch_stride, row_stride), row_stride,
                                     blk.seqlen_k - key0, dim, vec);
       } else {
-        load_tile_paged<KVTile, kThreads>(tile, g, blk.key.pages, p.keys.page_size, p.keys.num_pages, key0,
-                                          batch_stride, row_stride, blk.seqlen_k - key0, dim, vec);
+        load_tile_paged<KVTile, kThreads>(tile, g, p.keys, blk.key.pages, key0, batch_stride, row_stride,
+                                          blk.seqlen_k - key0, dim, vec);
       }
     };
     auto load_k = [&](int n) { load_kv(sK, gK, p.k_batch_stride, p.k_row_stride, n, p.headdim_qk, p.vec_k); };
