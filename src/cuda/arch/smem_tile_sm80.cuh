@@ -117,6 +117,36 @@ __device__ __forceinline__ void load_tile_rows(T* tile, RowAddress row_address, 
   }
 }
 
+// One warp's share of a tile: rows [first_row, first_row + kRows) from one strided block (e.g.
+// one page), zero-filled past rows_valid / cols_valid like load_tile. The warp's lanes form
+// (32 / kSlots) rows x kSlots chunk slots and walk the rows with a running pointer.
+template <class Tile, int kRows, class T>
+__device__ __forceinline__ void load_warp_rows(T* tile, int first_row, const T* global, int64_t row_stride,
+                                               int rows_valid, int cols_valid, bool vectorized) {
+  constexpr int kSlots = Tile::kChunks <= 4 ? 4 : Tile::kChunks <= 8 ? 8 : Tile::kChunks <= 16 ? 16 : 32;
+  constexpr int kRowsPerPass = 32 / kSlots;
+  static_assert(kRows % kRowsPerPass == 0, "passes must cover the rows");
+  const int lane = int(threadIdx.x) % 32, slot = lane % kSlots, row0 = lane / kSlots;
+  if (slot >= Tile::kChunks) return;
+  const int col = slot * 8;
+  const T* src = global + int64_t(row0) * row_stride + col;
+  const int64_t pass_stride = int64_t(kRowsPerPass) * row_stride;
+#pragma unroll
+  for (int i = 0; i < kRows / kRowsPerPass; ++i) {
+    const int row = row0 + i * kRowsPerPass;
+    const bool inside = row < rows_valid;
+    if (vectorized) {
+      const bool copy = inside && col < cols_valid;
+      cp_async_16(smem_address(tile + Tile::offset(first_row + row, col)), copy ? src : global, copy ? 16 : 0);
+    } else {
+      T* dst = tile + Tile::offset(first_row + row, col);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) dst[e] = (inside && col + e < cols_valid) ? src[e] : T(0.0f);
+    }
+    src += pass_stride;
+  }
+}
+
 // load_tile for the rows [key0, key0 + rows) of a paged cache whose pages are shorter than the
 // tile: row r lies at row r % page_size of page pages[r / page_size] (clamped to num_pages).
 // fetch() reads the page ids of the rows this thread copies, all at once so the reads overlap;
@@ -134,7 +164,13 @@ struct PagedRows {
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) {
       const int row = row0 + i * kRowsPerPass;
-      page[i] = row < rows_valid ? pages[l.page_of(key0 + row)] : 0;
+      // Volatile so the compiler issues the read here, a tile ahead, rather than sinking it next
+      // to its use (the copies it addresses would then wait on it).
+      if (row < rows_valid) {
+        asm volatile("ld.global.nc.b32 %0, [%1];\n" : "=r"(page[i]) : "l"(pages + l.page_of(key0 + row)));
+      } else {
+        page[i] = 0;
+      }
     }
   }
 

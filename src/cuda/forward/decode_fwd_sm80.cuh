@@ -94,20 +94,36 @@ __global__ void __launch_bounds__(DecodeTraits<T, kHeadDim>::kThreads)
 
     const T* gK = static_cast<const T*>(p.k) + kv_head * p.k_head_stride;
     const T* gV = static_cast<const T*>(p.v) + kv_head * p.v_head_stride;
-    // Pages shorter than a tile are gathered row by row; their ids (one fetch for K and V) are
-    // read a tile ahead, so a copy never waits on the page table.
+    // Pages shorter than a tile: with pages of a multiple of 16 keys, each warp copies its own
+    // 16 keys from their one page (one page id per warp and tile); shorter pages are gathered row
+    // by row. Either way the ids (one fetch for K and V) are read a tile ahead, so a copy never
+    // waits on the page table.
     const bool gather = blk.key.pages && p.keys.page_size % kBlockN != 0;
+    const bool by_warp = gather && p.keys.page_size % 16 == 0;
     PagedRows<KVTile, kThreads> ids;
+    int warp_page = 0;
     auto fetch_ids = [&](int i) {
-      if (gather && i < n_tiles) {
-        const int key0 = (tiles.begin + i) * kBlockN;
+      if (!gather || i >= n_tiles) return;
+      const int key0 = (tiles.begin + i) * kBlockN;
+      if (by_warp) {
+        const int key = key0 + warp * 16;
+        warp_page = key < blk.seqlen_k ? blk.key.pages[p.keys.page_of(key)] : 0;
+      } else {
         ids.fetch(p.keys, blk.key.pages, key0, blk.seqlen_k - key0);
       }
     };
     auto load_stage = [&](int i) {  // key tile tiles.begin + i into stage i % kStages
       T* stage = sKV + (i % kStages) * Tr::kStageElements;
       const int key0 = (tiles.begin + i) * kBlockN, rows = blk.seqlen_k - key0;
-      if (!gather) {
+      if (by_warp) {
+        const int key = key0 + warp * 16;
+        const int64_t page = clamp_to(warp_page, 0, p.keys.num_pages - 1), row = p.keys.row_in_page(key);
+        load_warp_rows<KVTile, 16>(stage, warp * 16, gK + page * p.k_batch_stride + row * p.k_row_stride,
+                                   p.k_row_stride, blk.seqlen_k - key, p.headdim_qk, p.vec_k);
+        load_warp_rows<KVTile, 16>(stage + KVTile::kElements, warp * 16,
+                                   gV + page * p.v_batch_stride + row * p.v_row_stride, p.v_row_stride,
+                                   blk.seqlen_k - key, p.headdim_v, p.vec_v);
+      } else if (!gather) {
         load_tile<KVTile, kThreads>(stage, gK + key_offset(p.keys, blk.key, key0, p.k_batch_stride, p.k_row_stride),
                                     p.k_row_stride, rows, p.headdim_qk, p.vec_k);
         load_tile<KVTile, kThreads>(stage + KVTile::kElements,
