@@ -110,6 +110,16 @@ struct AttentionProblem {
   const float* alibi_slopes = nullptr;
   int64_t alibi_batch_stride = 0;
   bool deterministic = false;          // backward: bitwise identical gradients run to run
+  // Attention dropout, flash-attn 2 semantics: P = softmax(S) gets a keep mask M ~ Bernoulli(1 - p)
+  // per (sequence, query head, query row, key column): O = (P * M / (1 - p)) V, while L stays the
+  // LSE of the undropped scores. The backward regenerates M from (seed, offset) -- it is never
+  // stored -- so forward and backward must get the same three values: dV = (P * M / (1 - p))^T dO,
+  // dP = (dO V^T) * M / (1 - p), dS = P * (dP - D) with D = rowsum(dO * O), O the dropped output.
+  // The mask rule (Philox4x32-10 over seed, offset and the coordinates) is src/common/philox.hpp's.
+  // 0 <= dropout_p < 1 (p = 1 would drop everything: the Python layer returns zeros for it).
+  // CPU backend only in this build.
+  float dropout_p = 0.0f;
+  uint64_t dropout_seed = 0, dropout_offset = 0;
   // CUDA forward: how many parts the keys of a row may be split into (split-KV, combined after):
   // 0 lets the library choose, 1 never splits, n > 1 at most n. Results differ only by rounding.
   int num_splits = 0;

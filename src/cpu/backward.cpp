@@ -40,10 +40,12 @@ struct RowTerms {
 struct BackwardScratch {
   std::vector<float> q, dout, lse, delta;  // query tile: rows, dO rows, L (less its ALiBi offset), D
   float slope = 0.0f;                      // ALiBi slope of the tile's head
+  int64_t head = 0;                        // the tile's query head (dropout's stream)
   std::vector<float> norm;                 // factor on each row's P (RowTerms)
   std::vector<float> kt, vt, k;             // key tile: K^T, V^T, K rows
   std::vector<float> p, ds, th;             // kTileQ x kTileK: P, dP then dS, tanh of capped scores
   std::vector<float> part;                  // one tile product
+  std::vector<uint8_t> keep;                // dropout's keep mask of the tile (row-major like p)
   std::vector<double> wide, wide2;          // dQ, or dK and dV, summed over tiles
 };
 
@@ -66,6 +68,7 @@ void size_scratch(BackwardScratch& w, int64_t dqk, int64_t dv) {
   w.ds.resize(size_t(kTileQ * kTileK));
   w.part.resize(size_t(std::max(kTileQ, kTileK) * std::max(dqk, dv)));
   w.th.resize(size_t(kTileQ * kTileK));
+  w.keep.resize(size_t(kTileQ * kTileK));
 }
 
 // L of row i, head h without what ALiBi's causal form adds to it (ScoreMod::lse_offset), so that
@@ -81,6 +84,7 @@ float row_lse(const AttentionProblem& p, const ScoreTransform& transform, const 
 void load_query_tile(const AttentionProblem& p, const ScoreTransform& transform, const RowTerms& terms,
                      const Sequence& s, int64_t h, int64_t i0, int64_t rows, BackwardScratch& w) {
   w.slope = transform.mod.slope(s.b, h);
+  w.head = h;
   load_rows(p, p.q, s, true, h, i0, rows, p.headdim_qk, w.q.data(), p.headdim_qk);
   load_rows(p, p.dout, s, true, h, i0, rows, p.headdim_v, w.dout.data(), p.headdim_v);
   for (int64_t i = 0; i < rows; ++i) {
@@ -116,6 +120,27 @@ void probabilities_and_dp(const AttentionProblem& p, const ScoreTransform& trans
     const float norm = w.norm[size_t(i)];
     if (norm != 1.0f)
       for (int64_t j = 0; j < n; ++j) pi[j] *= norm;
+  }
+  // Dropout: dP of the dropped output is (dO V^T) * M / (1 - p); P stays undropped here (dS needs
+  // it), and the keep mask stays in w.keep for dV's P * M / (1 - p) (drop_probabilities).
+  const Dropout& d = transform.dropout;
+  if (d.on) {
+    dropout_keep_tile(d, s.b, w.head, i0, rows, j0, n, w.keep.data(), kTileK, 1);
+    for (int64_t i = 0; i < rows; ++i) {
+      float* dpi = &w.ds[size_t(i * kTileK)];
+      const uint8_t* ki = &w.keep[size_t(i * kTileK)];
+      for (int64_t j = 0; j < n; ++j) dpi[j] = ki[j] ? dpi[j] * d.scale : 0.0f;
+    }
+  }
+}
+
+// P -> P * M / (1 - p) in w.p, from the mask probabilities_and_dp left in w.keep (dropout only).
+void drop_probabilities(const ScoreTransform& transform, int64_t rows, int64_t n, BackwardScratch& w) {
+  const Dropout& d = transform.dropout;
+  for (int64_t i = 0; i < rows; ++i) {
+    float* pi = &w.p[size_t(i * kTileK)];
+    const uint8_t* ki = &w.keep[size_t(i * kTileK)];
+    for (int64_t j = 0; j < n; ++j) pi[j] = ki[j] ? pi[j] * d.scale : 0.0f;
   }
 }
 
@@ -182,6 +207,7 @@ void compute_delta_consistent(const AttentionProblem& p, const ScoreTransform& t
     load_rows(p, p.q, s, true, h, i0, rows, dqk, w.q.data(), dqk);
     load_rows(p, p.dout, s, true, h, i0, rows, dv, w.dout.data(), dv);
     w.slope = transform.mod.slope(b, h);
+    w.head = h;
     for (int64_t i = 0; i < rows; ++i) w.lse[size_t(i)] = row_lse(p, transform, s, i0 + i, h, w.slope);
     std::fill(w.norm.begin(), w.norm.end(), 1.0f);
     double sums[kTileQ] = {}, weights[kTileQ] = {};
@@ -239,7 +265,8 @@ void key_tile(const AttentionProblem& p, const ScoreTransform& transform, const 
       const int64_t rows = std::min(kTileQ, query_end - i0);
       load_query_tile(p, transform, terms, s, h, i0, rows, w);
       probabilities_and_ds(p, transform, s, i0, rows, j0, n, w);
-      // dV += P^T dO;  dK += dS^T Q;  dQ += dS K
+      if (transform.dropout.on) drop_probabilities(transform, rows, n, w);
+      // dV += P^T dO (P dropped);  dK += dS^T Q;  dQ += dS K
       gemm(w.p.data(), 1, kTileK, w.dout.data(), dv, w.part.data(), dv, n, dv, rows);
       add_wide(w.wide2.data(), dv, w.part.data(), dv, n, dv);
       gemm(w.ds.data(), 1, kTileK, w.q.data(), dqk, w.part.data(), dqk, n, dqk, rows);

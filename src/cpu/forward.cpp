@@ -78,6 +78,7 @@ float finish_lse_rounded_once(float m, float row_sum, float offset) {
 
 struct ForwardScratch {
   std::vector<float> qt, k, v, s;
+  std::vector<uint8_t> keep;  // dropout's keep mask of one tile, key-major like s
   OnlineRows rows;
 };
 
@@ -123,6 +124,15 @@ void forward_tile(const AttentionProblem& p, const ScoreTransform& transform, in
       }
     }
     online_step(w.s.data(), rows, n, dv, w.rows);
+    // Dropout acts on the weights after the row sums took them whole (L is the undropped LSE);
+    // 1 / (1 - p) is folded into the final 1 / l.
+    if (transform.dropout.on) {
+      w.keep.resize(size_t(kTileK * kTileQ));
+      dropout_keep_tile(transform.dropout, b, h, i0, rows, j0, n, w.keep.data(), 1, kTileQ);
+      for (int64_t j = 0; j < n; ++j)
+        for (int64_t i = 0; i < rows; ++i)
+          if (!w.keep[size_t(j * kTileQ + i)]) w.s[size_t(j * kTileQ + i)] = 0.0f;
+    }
     // O += P V, P read through its transpose
     gemm_accumulate(w.s.data(), 1, kTileQ, v.data, v.ld, w.rows.acc.data(), dv, rows, dv, n);
   }
@@ -131,7 +141,7 @@ void forward_tile(const AttentionProblem& p, const ScoreTransform& transform, in
   for (int64_t i = 0; i < rows; ++i) {
     const float offset = transform.mod.lse_offset(slope, int(i0 + i), int(s.len_q), int(s.len_k));
     p.lse[lse_index(p, s, i0 + i, h)] = finish_lse_rounded_once(w.rows.m[i], inv[i], offset);
-    inv[i] = inverse_row_sum(inv[i]);
+    inv[i] = inverse_row_sum(inv[i]) * transform.dropout.scale;
   }
   store_rows(p, p.o, s, true, h, i0, rows, dv, w.rows.acc.data(), dv, inv);
 }

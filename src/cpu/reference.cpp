@@ -9,6 +9,7 @@
 
 #include "common/key_rows.hpp"
 #include "common/mask.hpp"
+#include "common/philox.hpp"
 #include "cpu/convert.hpp"
 #include "cpu/parallel.hpp"
 
@@ -109,11 +110,21 @@ void run_oracle(const AttentionProblem& p, const std::vector<double>& q, const s
               int(p.causal ? 0 : std::min(p.window_right, reach))};
     std::vector<double> pre(size_t(sq * sk)), prob(size_t(sq * sk));
     std::vector<char> seen(size_t(sq * sk));
+    // Dropout's factor M / (1 - p) per element (1 without dropout), from philox.hpp's rule.
+    std::vector<double> drop(size_t(sq * sk), 1.0);
+    const bool dropout = p.dropout_p > 0.0f;
+    const uint32_t threshold = dropout ? dropout_threshold(p.dropout_p) : 0;
+    const double kept = dropout ? 1.0 / (1.0 - double(p.dropout_p)) : 1.0;
     for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
       const double slope = p.alibi_slopes ? double(p.alibi_slopes[b * p.alibi_batch_stride + h]) : 0.0;
       auto qrow = [&](int64_t i) { return &q[size_t(((q0 + i) * hq + h) * dqk)]; };
       auto krow = [&](int64_t j) { return &k[size_t(((k0 + j) * hkv + hk) * dqk)]; };
       auto vrow = [&](int64_t j) { return &v[size_t(((k0 + j) * hkv + hk) * dv)]; };
+      if (dropout)
+        for (int64_t i = 0; i < sq; ++i)
+          for (int64_t j = 0; j < sk; ++j)
+            drop[size_t(i * sk + j)] =
+                dropout_keep(p.dropout_seed, p.dropout_offset, b, h, hq, i, j, threshold) ? kept : 0.0;
       for (int64_t i = 0; i < sq; ++i) {
         // S = softcap(scale * Q K^T) - slope |i + sk - sq - j|, then P = softmax over the visible keys.
         double m = -std::numeric_limits<double>::infinity();
@@ -141,14 +152,15 @@ void run_oracle(const AttentionProblem& p, const std::vector<double>& q, const s
                                                   : -std::numeric_limits<double>::infinity();
           double* o = &fwd->o[size_t(((q0 + i) * hq + h) * dv)];
           for (int64_t j = 0; j < sk; ++j) {
-            const double pij = prob[size_t(i * sk + j)];
+            const double pij = prob[size_t(i * sk + j)] * drop[size_t(i * sk + j)];
             if (pij != 0.0)
               for (int64_t d = 0; d < dv; ++d) o[d] += pij * vrow(j)[d];
           }
         }
       }
       if (!bwd) continue;
-      // dV = P^T dO;  dP = dO V^T;  dS = P * (dP - rowsum(P * dP));  through the cap,
+      // With dropout's factor F = M / (1 - p): dV = (P F)^T dO;  dP = (dO V^T) F;
+      // dS = P * (dP - rowsum(P * dP));  through the cap,
       // d(capped)/d(pre) = 1 - tanh^2(pre / cap);  dQ = scale dPre K;  dK = scale dPre^T Q.
       for (int64_t i = 0; i < sq; ++i) {
         const double* go = &(*dout)[size_t(((q0 + i) * hq + h) * dv)];
@@ -157,12 +169,13 @@ void run_oracle(const AttentionProblem& p, const std::vector<double>& q, const s
         for (int64_t j = 0; j < sk; ++j) {
           const double pij = prob[size_t(i * sk + j)];
           if (pij == 0.0) continue;
+          const double f = drop[size_t(i * sk + j)];
           double s = 0.0;
           for (int64_t d = 0; d < dv; ++d) s += go[d] * vrow(j)[d];
-          dp[size_t(j)] = s;
-          rowsum += pij * s;
+          dp[size_t(j)] = s * f;
+          rowsum += pij * s * f;
           double* gv = &bwd->dv[size_t(((k0 + j) * hkv + hk) * dv)];
-          for (int64_t d = 0; d < dv; ++d) gv[d] += pij * go[d];
+          for (int64_t d = 0; d < dv; ++d) gv[d] += pij * f * go[d];
         }
         if (given_o) {
           const double* o = &(*given_o)[size_t(((q0 + i) * hq + h) * dv)];

@@ -11,6 +11,7 @@
 #include "common/key_rows.hpp"
 #include "common/mask.hpp"
 #include "common/online_softmax.hpp"
+#include "common/philox.hpp"
 #include "common/score_mod.hpp"
 #include "cpu/convert.hpp"
 #include "tileattn/problem.hpp"
@@ -334,10 +335,12 @@ struct ScoreTransform {
   float qk_to_tanh = 0.0f;  // cap: scale / softcap
   float softcap = 0.0f;
   ScoreMod mod;             // the problem's one preparation; ALiBi is read from it
+  Dropout dropout;          // off unless dropout_p > 0
 
   static ScoreTransform from(const AttentionProblem& p) {
     ScoreTransform t;
     t.mod = score_mod(p);
+    t.dropout = make_dropout(p.dropout_p, p.dropout_seed, p.dropout_offset, p.heads_q);
     t.scale = t.mod.scale;
     t.softcap = t.mod.softcap;
     t.qk_to_tanh = t.mod.softcap_pre;
@@ -382,6 +385,18 @@ inline void weights_row(float* x, int64_t n, float lse) {
     const f32xN r = weight_lanes(load_lanes(tail), ref);
     std::memcpy(x + j, &r, size_t(n - j) * sizeof(float));
   }
+}
+
+// keep[i * row_step + j * col_step] = 1 where element (query i0 + i, key j0 + j) of sequence b,
+// head h is kept, else 0 (common/philox.hpp's rule): one Philox call per four aligned keys.
+inline void dropout_keep_tile(const Dropout& d, int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t j0, int64_t n,
+                              uint8_t* keep, int64_t row_step, int64_t col_step) {
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < n;) {
+      const Philox4 r = d.draws(b, h, i0 + i, j0 + j);
+      for (const int64_t end = std::min(n, j + 4 - ((j0 + j) & 3)); j < end; ++j)
+        keep[i * row_step + j * col_step] = dropout_word(r, j0 + j) >= d.threshold;
+    }
 }
 
 // Sets the scores of keys row i cannot see to -inf, for a key tile [j0, j0 + n) that is not
