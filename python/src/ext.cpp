@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "common/philox.hpp"
 #include "tileattn/tileattn.hpp"
 
 namespace nb = nanobind;
@@ -182,6 +183,9 @@ struct Options {
   int num_threads = 0;
   bool check_cu_seqlens = false;
   int num_splits = 0;
+  // Attention dropout (problem.hpp); the Python layer draws seed and offset per call.
+  float dropout_p = 0.0f;
+  uint64_t dropout_seed = 0, dropout_offset = 0;
 };
 
 // flash-attn's key/value cache arguments (problem.hpp): each an int32 tensor or None.
@@ -304,6 +308,9 @@ class Attention {
     p.num_threads = options.num_threads;
     p.check_cu_seqlens = options.check_cu_seqlens;
     p.num_splits = options.num_splits;
+    p.dropout_p = options.dropout_p;
+    p.dropout_seed = options.dropout_seed;
+    p.dropout_offset = options.dropout_offset;
   }
 
   // Validates and plans the call once (kernel, split count, workspace size, tensor maps) for the
@@ -489,7 +496,41 @@ NB_MODULE(_ext, m) {
       .def_rw("fp32_fast", &Options::fp32_fast)
       .def_rw("num_threads", &Options::num_threads)
       .def_rw("check_cu_seqlens", &Options::check_cu_seqlens)
-      .def_rw("num_splits", &Options::num_splits);
+      .def_rw("num_splits", &Options::num_splits)
+      .def_rw("dropout_p", &Options::dropout_p)
+      .def_rw("dropout_seed", &Options::dropout_seed)
+      .def_rw("dropout_offset", &Options::dropout_offset);
+
+  // dropout_keep_mask(out, dropout_p, seed, offset): out (batch, heads, seqlen_q, seqlen_k), uint8,
+  // contiguous, on the CPU, set to 1 where the mask rule of src/common/philox.hpp keeps element
+  // (b, h, i, j) and 0 where it drops it; positions are those within each sequence.
+  m.def(
+      "dropout_keep_mask",
+      [](Array out, float dropout_p, uint64_t seed, uint64_t offset) {
+        if (out.device_type() != nb::device::cpu::value)
+          fail(ErrorKind::invalid_argument, "out is on " + device_name(out) + "; the keep mask is built on the cpu");
+        if (out.dtype() != nb::dtype<uint8_t>())
+          fail(ErrorKind::invalid_type, "out.dtype=" + dtype_name(out.dtype()) + " must be uint8");
+        if (out.ndim() != 4)
+          fail(ErrorKind::invalid_argument, "out must have 4 dimensions (batch, heads, seqlen_q, seqlen_k), got shape " +
+                                                shape_of(out));
+        int64_t expect = 1;
+        for (size_t i = 4; i-- > 0;) {
+          if (out.shape(i) > 1 && out.stride(i) != expect) fail(ErrorKind::invalid_argument, "out must be contiguous");
+          expect *= int64_t(out.shape(i));
+        }
+        if (!(dropout_p >= 0.0f && dropout_p < 1.0f))
+          fail(ErrorKind::invalid_argument, "dropout_p=" + std::to_string(dropout_p) + " must be in [0, 1)");
+        const int64_t batch = out.shape(0), heads = out.shape(1), sq = out.shape(2), sk = out.shape(3);
+        const tileattn::Dropout d = tileattn::make_dropout(dropout_p, seed, offset, heads);
+        auto* m = static_cast<uint8_t*>(out.data());
+        nb::gil_scoped_release release;
+        for (int64_t b = 0; b < batch; ++b)
+          for (int64_t h = 0; h < heads; ++h)
+            for (int64_t i = 0; i < sq; ++i)
+              for (int64_t j = 0; j < sk; ++j) *m++ = !d.on || d.keep(b, h, i, j);
+      },
+      nb::arg("out"), nb::arg("dropout_p"), nb::arg("seed"), nb::arg("offset"));
 
   nb::class_<Attention>(m, "Attention")
       .def(nb::init<Array, Array, Array, Array, Array, OptArray, OptArray, const Options&, OptArray, OptArray, OptArray,

@@ -132,17 +132,21 @@ def _check_attention_ranks(q: Tensor, k: Tensor, v: Tensor, varlen: bool) -> Non
         _check_rank(t, name, rank, dims)
 
 
-@functools.lru_cache(maxsize=256)
-def _options(max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, deterministic,
-             fp32_fast, num_threads, check_cu_seqlens, num_splits=0):
-    # One options object per distinct set (a model calls attention with a handful), built once and
-    # shared: never modified after it is made.
+def _make_options(max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, deterministic,
+                  fp32_fast, num_threads, check_cu_seqlens, num_splits=0, dropout_p=0.0, dropout_seed=0,
+                  dropout_offset=0):
     o = _ext.Options()
     o.max_seqlen_q, o.max_seqlen_k, o.softmax_scale, o.causal = max_seqlen_q, max_seqlen_k, softmax_scale, causal
     o.window_left, o.window_right, o.softcap, o.deterministic = window_left, window_right, softcap, deterministic
     o.fp32_fast, o.num_threads, o.check_cu_seqlens = fp32_fast, num_threads, check_cu_seqlens
     o.num_splits = num_splits
+    o.dropout_p, o.dropout_seed, o.dropout_offset = dropout_p, dropout_seed, dropout_offset
     return o
+
+
+# One options object per distinct set (a model calls attention with a handful), built once and
+# shared: never modified after it is made. Calls with dropout build their own (a fresh seed each).
+_options = functools.lru_cache(maxsize=256)(_make_options)
 
 
 # The cached options are extension objects: release them before the extension's own teardown,
@@ -150,14 +154,33 @@ def _options(max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, win
 atexit.register(_options.cache_clear)
 
 
+_UINT64_MASK = 2**64 - 1
+
+
+def dropout_seed_offset(rng: Optional[Tensor]) -> tuple[int, int]:
+    """The (seed, offset) pair of src/common/philox.hpp's mask rule from a dropout_rng tensor (two
+    int64 values drawn per call; their bits read as uint64). None gives (0, 0)."""
+    if rng is None:
+        return 0, 0
+    seed, offset = rng.tolist()
+    return seed & _UINT64_MASK, offset & _UINT64_MASK
+
+
 def _attention(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-               causal, window_left, window_right, softcap, deterministic, grads=None, alibi_slopes=None):
+               causal, window_left, window_right, softcap, deterministic, grads=None, alibi_slopes=None,
+               dropout_p=0.0, dropout_rng=None):
     for t, name in ((q, "q"), (k, "k"), (v, "v"), (cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k"),
                     (alibi_slopes, "alibi_slopes")):
         if t is not None:
             _check_device(t, name)
-    options = _options(max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-                       deterministic, _fp32_fast(q), _num_threads(q.device), _checks["cu_seqlens"])
+    if dropout_p:
+        seed, offset = dropout_seed_offset(dropout_rng)
+        options = _make_options(max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
+                                deterministic, _fp32_fast(q), _num_threads(q.device), _checks["cu_seqlens"], 0,
+                                dropout_p, seed, offset)
+    else:
+        options = _options(max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
+                           deterministic, _fp32_fast(q), _num_threads(q.device), _checks["cu_seqlens"])
     cu_q = None if cu_seqlens_q is None else _capsule(cu_seqlens_q)
     cu_k = None if cu_seqlens_k is None else _capsule(cu_seqlens_k)
     alibi = None if alibi_slopes is None else _capsule(alibi_slopes)
@@ -173,15 +196,18 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor
                   cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
                   softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int,
                   softcap: float, deterministic: bool,
-                  alibi_slopes: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    """Forward: returns (out, lse). ``deterministic`` is only carried to the backward."""
+                  alibi_slopes: Optional[Tensor] = None, dropout_p: float = 0.0,
+                  dropout_rng: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """Forward: returns (out, lse). ``deterministic`` is only carried to the backward. With
+    ``dropout_p`` > 0, ``dropout_rng`` (int64 (2,), on the CPU) holds the call's seed and offset."""
     _check_device(q, "q")
     varlen = cu_seqlens_q is not None
     _check_attention_ranks(q, k, v, varlen)
     out = torch.empty(_out_shape(q, v), dtype=q.dtype, device=q.device)
     lse = torch.empty(_lse_shape(q, varlen), dtype=torch.float32, device=q.device)
     call = _attention(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                      causal, window_left, window_right, softcap, deterministic, alibi_slopes=alibi_slopes)
+                      causal, window_left, window_right, softcap, deterministic, alibi_slopes=alibi_slopes,
+                      dropout_p=dropout_p, dropout_rng=dropout_rng)
     with _device_context(q.device):
         call.run(_workspace(call.plan_forward(_stream(q.device)), q.device))
     return out, lse
@@ -239,13 +265,14 @@ def _define(name: str, schema: str, impl) -> None:
 _define("attention_forward",
         "(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt max_seqlen_q, "
         "SymInt max_seqlen_k, float? softmax_scale, bool causal, SymInt window_left, SymInt window_right, "
-        "float softcap, bool deterministic, Tensor? alibi_slopes=None) -> (Tensor, Tensor)", _forward_impl)
+        "float softcap, bool deterministic, Tensor? alibi_slopes=None, float dropout_p=0.0, "
+        "Tensor? dropout_rng=None) -> (Tensor, Tensor)", _forward_impl)
 attention_forward = torch.ops.tileattn.attention_forward
 
 
 @torch.library.register_fake("tileattn::attention_forward")
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
-      window_right, softcap, deterministic, alibi_slopes=None):
+      window_right, softcap, deterministic, alibi_slopes=None, dropout_p=0.0, dropout_rng=None):
     varlen = cu_seqlens_q is not None
     _check_same_device(dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                             alibi_slopes=alibi_slopes))
@@ -259,8 +286,10 @@ def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
                    cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int,
                    max_seqlen_k: int, softmax_scale: Optional[float], causal: bool, window_left: int,
                    window_right: int, softcap: float, deterministic: bool,
-                   alibi_slopes: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-    """Backward: returns (dq, dk, dv) from the forward's inputs, its out and lse, and dout."""
+                   alibi_slopes: Optional[Tensor] = None, dropout_p: float = 0.0,
+                   dropout_rng: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Backward: returns (dq, dk, dv) from the forward's inputs, its out and lse, and dout. Dropout
+    needs the forward's own dropout_p and dropout_rng: the mask is regenerated, never stored."""
     _check_device(q, "q")
     _check_device(dout, "dout")
     _check_attention_ranks(q, k, v, cu_seqlens_q is not None)
@@ -272,7 +301,7 @@ def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     call = _attention(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                       causal, window_left, window_right, softcap, deterministic, grads=(dout, dq, dk, dv),
-                      alibi_slopes=alibi_slopes)
+                      alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_rng=dropout_rng)
     with _device_context(q.device):
         call.run(_workspace(call.plan_backward(_stream(q.device)), q.device))
     return dq, dk, dv
@@ -281,26 +310,28 @@ def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
 _define("attention_backward",
         "(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? cu_seqlens_q, "
         "Tensor? cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, float? softmax_scale, bool causal, "
-        "SymInt window_left, SymInt window_right, float softcap, bool deterministic, Tensor? alibi_slopes=None) "
-        "-> (Tensor, Tensor, Tensor)", _backward_impl)
+        "SymInt window_left, SymInt window_right, float softcap, bool deterministic, Tensor? alibi_slopes=None, "
+        "float dropout_p=0.0, Tensor? dropout_rng=None) -> (Tensor, Tensor, Tensor)", _backward_impl)
 attention_backward = torch.ops.tileattn.attention_backward
 
 
 @torch.library.register_fake("tileattn::attention_backward")
 def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-      window_left, window_right, softcap, deterministic, alibi_slopes=None):
+      window_left, window_right, softcap, deterministic, alibi_slopes=None, dropout_p=0.0, dropout_rng=None):
     _check_same_device(dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, alibi_slopes=alibi_slopes))
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 _FORWARD_OPTIONS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal",
-                    "window_left", "window_right", "softcap", "deterministic", "alibi_slopes")
+                    "window_left", "window_right", "softcap", "deterministic", "alibi_slopes", "dropout_p",
+                    "dropout_rng")
 
 
 def _forward_setup_context(ctx, inputs, output):
     q, k, v, cu_seqlens_q, cu_seqlens_k, *options = inputs
     out, lse = output
-    # Only Q, K, V, O and L are kept: nothing of size seqlen_q x seqlen_k.
+    # Only Q, K, V, O and L are kept: nothing of size seqlen_q x seqlen_k. The options carry
+    # dropout's seed and offset (dropout_rng), from which the backward regenerates the mask.
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
     ctx.options = options
     ctx.mark_non_differentiable(lse)
@@ -337,12 +368,13 @@ class _EagerAttention(torch.autograd.Function):
 def attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
               max_seqlen_q: int, max_seqlen_k: int, softmax_scale: Optional[float], causal: bool, window_left: int,
               window_right: int, softcap: float, deterministic: bool,
-              alibi_slopes: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+              alibi_slopes: Optional[Tensor] = None, dropout_p: float = 0.0,
+              dropout_rng: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(out, lse), differentiable in q, k, v: what the public functions call. Under torch.compile
     it is the ``tileattn::attention_forward`` operator (traced, no graph break), in eager mode the
     same computation without the operator dispatch."""
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
-            window_right, softcap, deterministic, alibi_slopes)
+            window_right, softcap, deterministic, alibi_slopes, dropout_p, dropout_rng)
     if torch.compiler.is_compiling() or not _plain_on_one_device(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes):
         # Meta and fake tensors, tensor subclasses and mixed devices keep the operator's handling
         # (shape inference, its error messages).

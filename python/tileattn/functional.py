@@ -32,12 +32,36 @@ _INT64_MAX = 2**63 - 1
 _FLOAT32_MAX = 3.4028234663852886e38
 
 
-def _reject_unsupported(dropout_p: float) -> None:
+def _dropout(dropout_p: float) -> float:
     p = float(dropout_p)
     if not 0.0 <= p <= 1.0:  # NaN fails too
         raise ValueError(f"dropout_p={dropout_p!r} must be in [0, 1]")
-    if p != 0.0:
-        raise NotImplementedError(f"dropout_p={dropout_p}: tileattn has no attention dropout; pass dropout_p=0.0")
+    # The library takes float32: a p just below 1 must not round up to it.
+    return p if p == 1.0 else min(p, 1.0 - 2.0**-24)
+
+
+def _dropout_rng(q: Tensor, p: float) -> Optional[Tensor]:
+    """The call's dropout seed and offset: two int64 draws (their bits read as uint64) from PyTorch's
+    default generator, so torch.manual_seed reproduces a run and every call advances the generator.
+    Drawn on the CPU generator for CPU tensors. CUDA tensors get None: the CUDA kernels do not
+    implement dropout yet and the library refuses the call; they will take the CUDA generator's
+    philox seed and offset instead (read on the device, so that graph capture stays valid)."""
+    if not 0.0 < p < 1.0 or q.device.type != "cpu":
+        return None
+    return torch.randint(-(2**63), 2**63 - 1, (2,), dtype=torch.int64)
+
+
+def dropout_keep_mask(dropout_rng: Optional[Tensor], dropout_p: float, batch: int, heads: int, seqlen_q: int,
+                      seqlen_k: int) -> Tensor:
+    """The keep mask of one dropout call as a bool tensor (batch, heads, seqlen_q, seqlen_k): True
+    where element (b, h, i, j) is kept, with i, j positions within sequence b (src/common/philox.hpp's
+    rule; docs/python.md). Every element is False for dropout_p = 1, True for dropout_p = 0."""
+    mask = torch.empty((batch, heads, seqlen_q, seqlen_k), dtype=torch.uint8)
+    if dropout_p >= 1.0:
+        return mask.zero_().view(torch.bool)
+    seed, offset = _ops.dropout_seed_offset(dropout_rng)
+    _ops._ext.dropout_keep_mask(_ops._capsule(mask), dropout_p, seed, offset)
+    return mask.view(torch.bool)
 
 
 def _float32(value, name: str) -> float:
@@ -161,7 +185,13 @@ class _EmptyAttention(torch.autograd.Function):
 
 
 def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, left, right,
-               softcap, deterministic, alibi_slopes=None):
+               softcap, deterministic, alibi_slopes=None, dropout_p=0.0, dropout_rng=None):
+    if dropout_p == 1.0:
+        # Every weight dropped: out is zeros and so are the gradients (out * 0 carries them); lse is
+        # the undropped one, as at any p. The library's rule is p < 1, as flash-attn's kernel's.
+        out, lse = _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                              causal, left, right, softcap, deterministic, alibi_slopes)
+        return out * 0.0, lse
     rank = 3 if cu_seqlens_q is not None else 4
     if q.dim() == rank and k.dim() == rank and _is_empty(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k):
         _check_empty_call(q, k, v, cu_seqlens_q, cu_seqlens_k)
@@ -170,15 +200,17 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
             _check_empty_offsets(cu_seqlens_k, "cu_seqlens_k", max_seqlen_k, "seqlen_k")
         return _EmptyAttention.apply(q, k, v, cu_seqlens_q is not None)
     return _ops.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                          left, right, softcap, deterministic, alibi_slopes)
+                          left, right, softcap, deterministic, alibi_slopes, dropout_p, dropout_rng)
 
 
-def _finish(out: Tensor, lse: Tensor, return_attn_probs: bool):
+def _finish(out: Tensor, lse: Tensor, return_attn_probs: bool, dropout=None):
     if not return_attn_probs:
         return out
-    # flash-attn returns S_dmask only when dropout is on; without dropout (the only mode here) it
-    # is None there too. lse is not differentiable, as in flash-attn.
-    return out, lse, None
+    # flash-attn returns S_dmask only when dropout is on (None without). In its place tileattn
+    # returns the keep mask as a bool tensor (docs/python.md). lse is not differentiable.
+    if dropout is None:
+        return out, lse, None
+    return out, lse, dropout_keep_mask(*dropout)
 
 
 def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
@@ -201,11 +233,13 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
     exact unless ``torch.get_float32_matmul_precision()`` is "high" or "medium" (or
     ``torch.backends.cuda.matmul.allow_tf32``), which selects the TF32 fast mode on the GPU.
     """
-    _reject_unsupported(dropout_p)
+    p = _dropout(dropout_p)
     left, right = _window(window_size)
+    rng = _dropout_rng(q, p)
     out, lse = _attention(q, k, v, None, None, 0, 0, _scale(softmax_scale, "softmax_scale"), bool(causal), left,
-                              right, _float32(softcap, "softcap"), bool(deterministic), alibi_slopes)
-    return _finish(out, lse, return_attn_probs)
+                          right, _float32(softcap, "softcap"), bool(deterministic), alibi_slopes, p, rng)
+    mask = (rng, p, q.shape[0], q.shape[2], q.shape[1], k.shape[1]) if p > 0.0 and q.dim() == 4 else None
+    return _finish(out, lse, return_attn_probs, mask)
 
 
 def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
@@ -228,9 +262,12 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     of pages (chunked prefill). ``seqused_k`` (batch,) int32 uses only the first seqused_k[b] keys
     of sequence b. Either makes the call forward-only (no autograd), as in flash-attn.
     """
-    _reject_unsupported(dropout_p)
+    p = _dropout(dropout_p)
     left, right = _window(window_size)
     if block_table is not None or seqused_k is not None:
+        if p > 0.0:
+            raise NotImplementedError(f"dropout_p={dropout_p} with block_table or seqused_k: a key/value cache call "
+                                      "is inference only; pass dropout_p=0.0")
         if torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in (q, k, v)):
             raise NotImplementedError("block_table and seqused_k are forward-only (no backward, as in flash-attn); "
                                       "call under torch.no_grad() or with inputs that do not require grad")
@@ -240,11 +277,13 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
                                         bool(causal), left, right, _float32(softcap, "softcap"), alibi_slopes,
                                         seqused_k, block_table)
         return _finish(out, lse, return_attn_probs)
-    out, lse = _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, _int64(max_seqlen_q, "max_seqlen_q"),
-                              _int64(max_seqlen_k, "max_seqlen_k"), _scale(softmax_scale, "softmax_scale"),
-                              bool(causal), left, right, _float32(softcap, "softcap"), bool(deterministic),
-                              alibi_slopes)
-    return _finish(out, lse, return_attn_probs)
+    rng = _dropout_rng(q, p)
+    max_q, max_k = _int64(max_seqlen_q, "max_seqlen_q"), _int64(max_seqlen_k, "max_seqlen_k")
+    out, lse = _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, _scale(softmax_scale, "softmax_scale"),
+                          bool(causal), left, right, _float32(softcap, "softcap"), bool(deterministic),
+                          alibi_slopes, p, rng)
+    mask = (rng, p, cu_seqlens_q.shape[0] - 1, q.shape[1], max_q, max_k) if p > 0.0 and q.dim() == 3 else None
+    return _finish(out, lse, return_attn_probs, mask)
 
 
 def _unpack(packed: Tensor, name: str, count: int, rank: int, dims: str) -> tuple[Tensor, ...]:
@@ -339,7 +378,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     if attn_mask is not None:
         raise NotImplementedError("attn_mask: explicit masks are not supported; use is_causal, or flash_attn_func's "
                                   "window_size, or flash_attn_varlen_func for padded batches")
-    _reject_unsupported(dropout_p)
+    p = _dropout(dropout_p)
     rank = query.dim()
     if rank not in (3, 4) or key.dim() != rank or value.dim() != rank:
         raise ValueError("query, key and value must all be 4-D (batch, heads, seqlen, headdim) or all 3-D "
@@ -355,7 +394,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     masked = is_causal and query.numel() > 0 and key.numel() > 0
     causal, right = top_left_causal(query.shape[2], key.shape[2]) if masked else (False, -1)
     out, _ = _attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), None, None, 0, 0,
-                            _scale(scale, "scale"), causal, -1, right, 0.0, False)
+                        _scale(scale, "scale"), causal, -1, right, 0.0, False, None, p, _dropout_rng(query, p))
     out = out.transpose(1, 2)
     return out.squeeze(1) if rank == 3 else out
 

@@ -1,0 +1,199 @@
+"""Attention dropout through the Python API (flash-attn 2 semantics, docs/python.md "Dropout"):
+forward and gradients against a float64 reference that applies the returned keep mask, the 2x
+rule against the same computation in the inputs' precision, binomial kept fractions, the
+generator (torch.manual_seed reproduces, each call advances), bitwise repeats, p = 0 and p = 1,
+the argument errors and the CUDA refusal."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import tileattn
+
+_FLOOR = {torch.float32: 1e-6, torch.float16: 2e-4, torch.bfloat16: 2e-3}
+
+
+def _reference(q, k, v, keep, p, causal=False, scale=None, dtype=torch.float64):
+    """softmax(Q K^T scale) with flash-attn's bottom-right causal mask, then P * M / (1 - p), then V,
+    in `dtype` ((batch, seqlen, heads, dim) tensors; GQA by repetition). Returns (out, lse)."""
+    qh, kh, vh = (t.to(dtype).transpose(1, 2) for t in (q, k, v))
+    group = qh.shape[1] // kh.shape[1]
+    kh, vh = kh.repeat_interleave(group, 1), vh.repeat_interleave(group, 1)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = (qh @ kh.transpose(-1, -2)) * scale
+    sq, sk = s.shape[-2:]
+    if causal:
+        i = torch.arange(sq)[:, None]
+        j = torch.arange(sk)[None, :]
+        s = s.masked_fill(j > i + sk - sq, -math.inf)
+    lse = torch.logsumexp(s, -1)
+    prob = torch.softmax(s, -1)
+    out = (prob * keep.to(dtype) / (1 - p)) @ vh
+    return out.transpose(1, 2), lse
+
+
+def _inputs(b, sq, sk, h, hk, d, dtype, seed=None):
+    g = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
+    q = torch.randn(b, sq, h, d, generator=g).to(dtype).requires_grad_()
+    k = torch.randn(b, sk, hk, d, generator=g).to(dtype).requires_grad_()
+    v = torch.randn(b, sk, hk, d, generator=g).to(dtype).requires_grad_()
+    dout = torch.randn(b, sq, h, d, generator=g).to(dtype)
+    return q, k, v, dout
+
+
+def _max_err(x, ref):
+    return (x.double() - ref).abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_forward_and_gradients_against_float64(dtype, causal, p):
+    q, k, v, dout = _inputs(2, 70, 90, 4, 2, 32, dtype)
+    out, lse, keep = tileattn.flash_attn_func(q, k, v, dropout_p=p, causal=causal, return_attn_probs=True)
+    assert keep.dtype == torch.bool and keep.shape == (2, 4, 70, 90)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref, ref_lse = _reference(*leaves, keep, p, causal)
+    ref_grads = torch.autograd.grad(ref, leaves, dout.double())
+    low = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    naive, _ = _reference(*low, keep, p, causal, dtype=dtype)
+    naive_grads = torch.autograd.grad(naive, low, dout)
+
+    floor = _FLOOR[dtype]
+    assert torch.allclose(lse.double(), ref_lse, rtol=1e-5, atol=1e-5), "lse is the undropped LSE"
+    for name, got, want, base, f in (("out", out, ref, naive, floor), ("dq", dq, ref_grads[0], naive_grads[0], 2 * floor),
+                                     ("dk", dk, ref_grads[1], naive_grads[1], 2 * floor),
+                                     ("dv", dv, ref_grads[2], naive_grads[2], 2 * floor)):
+        err, naive_err = _max_err(got, want), _max_err(base, want)
+        assert err <= 2 * naive_err + f, f"{name}: error {err:.3g} > 2 x naive {naive_err:.3g} + {f}"
+
+
+@pytest.mark.parametrize("p", [0.05, 0.3, 0.7])
+def test_kept_fraction_is_binomial(p):
+    q, k, v, _ = _inputs(2, 64, 200, 3, 3, 8, torch.float32)
+    _, _, keep = tileattn.flash_attn_func(q, k, v, dropout_p=p, return_attn_probs=True)
+    n = keep.numel()
+    sd = math.sqrt(n * p * (1 - p))
+    assert abs(keep.sum().item() - n * (1 - p)) <= 5 * sd
+    # The mask is what the forward applied: with Q = 0 every weight is 1/sk, so with V = 1 each output
+    # row is its kept count / (sk (1 - p)).
+    ones = torch.ones(2, 200, 3, 1)
+    out, _, keep = tileattn.flash_attn_func(torch.zeros(2, 64, 3, 8), torch.randn(2, 200, 3, 8), ones, dropout_p=p,
+                                            return_attn_probs=True)
+    want = keep.double().sum(-1).transpose(1, 2) / (200 * (1 - p))
+    assert torch.allclose(out[..., 0].double(), want, atol=1e-5)
+
+
+def test_manual_seed_reproduces_and_calls_advance():
+    q, k, v, dout = _inputs(1, 40, 50, 2, 2, 16, torch.bfloat16, seed=3)
+
+    def run():
+        out = tileattn.flash_attn_func(q, k, v, dropout_p=0.4)
+        return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+    torch.manual_seed(1234)
+    first, second = run(), run()
+    torch.manual_seed(1234)
+    again = run()
+    for a, b in zip(first, again):
+        assert torch.equal(a, b), "same seed: bitwise the same output and gradients"
+    assert not torch.equal(first[0], second[0]), "each call advances the generator"
+    torch.manual_seed(1235)
+    assert not torch.equal(run()[0], first[0]), "another seed, another mask"
+
+
+def test_deterministic_is_bitwise():
+    q, k, v, dout = _inputs(2, 100, 100, 4, 1, 32, torch.float32, seed=5)
+    results = []
+    for _ in range(2):
+        torch.manual_seed(9)
+        out = tileattn.flash_attn_func(q, k, v, dropout_p=0.25, causal=True, deterministic=True)
+        results.append((out, *torch.autograd.grad(out, (q, k, v), dout)))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_p_zero_is_no_dropout_exactly():
+    q, k, v, dout = _inputs(2, 33, 47, 2, 1, 24, torch.float16, seed=7)
+    out0, lse0, none = tileattn.flash_attn_func(q, k, v, return_attn_probs=True)
+    out1 = tileattn.flash_attn_func(q, k, v, dropout_p=0.0)
+    assert none is None and torch.equal(out0, out1)
+    assert torch.equal(torch.autograd.grad(out0, q, dout)[0], torch.autograd.grad(out1, q, dout)[0])
+
+
+def test_p_one_gives_zeros_and_zero_gradients():
+    q, k, v, dout = _inputs(1, 20, 30, 2, 2, 16, torch.float32, seed=11)
+    out, lse, keep = tileattn.flash_attn_func(q, k, v, dropout_p=1.0, return_attn_probs=True)
+    assert torch.equal(out, torch.zeros_like(out)) and not keep.any()
+    _, ref_lse = _reference(q.detach().double(), k.detach().double(), v.detach().double(), keep, 0.0)
+    assert torch.allclose(lse.double(), ref_lse, atol=1e-5)
+    for g in torch.autograd.grad(out, (q, k, v), dout):
+        assert torch.equal(g, torch.zeros_like(g))
+
+
+def test_varlen_and_packed_forms_use_positions_within_sequences():
+    torch.manual_seed(0)
+    lens = [13, 40, 7]
+    cu = torch.tensor([0, 13, 53, 60], dtype=torch.int32)
+    qkv = torch.randn(60, 3, 2, 16, dtype=torch.float64).float().requires_grad_()
+    out, _, keep = tileattn.flash_attn_varlen_qkvpacked_func(qkv, cu, 40, dropout_p=0.3, causal=True,
+                                                             return_attn_probs=True)
+    assert keep.shape == (3, 2, 40, 40)
+    dout = torch.randn_like(out)
+    (dqkv,) = torch.autograd.grad(out, qkv, dout)
+    leaf = qkv.detach().double().requires_grad_()
+    parts = []
+    for b, n in enumerate(lens):
+        rows = leaf[cu[b]:cu[b + 1]].unsqueeze(0)
+        o, _ = _reference(rows[:, :, 0], rows[:, :, 1], rows[:, :, 2], keep[b:b + 1, :, :n, :n], 0.3, causal=True)
+        parts.append(o[0])
+    ref = torch.cat(parts)
+    (ref_grad,) = torch.autograd.grad(ref, leaf, dout.double())
+    assert torch.allclose(out.double(), ref, atol=1e-5)
+    assert torch.allclose(dqkv.double(), ref_grad, atol=1e-4)
+
+
+def test_sdpa_dropout_matches_flash_attn_with_the_same_generator_state():
+    q, k, v, _ = _inputs(1, 30, 30, 2, 2, 16, torch.float32, seed=13)
+    torch.manual_seed(21)
+    a = tileattn.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), dropout_p=0.2, is_causal=True)
+    torch.manual_seed(21)
+    b = tileattn.flash_attn_func(q, k, v, dropout_p=0.2, causal=True)
+    assert torch.equal(a.transpose(1, 2), b)
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.5, math.nan, math.inf])
+def test_dropout_p_outside_0_1_is_a_value_error(value):
+    q, k, v, _ = _inputs(1, 8, 8, 1, 1, 8, torch.float32, seed=1)
+    with pytest.raises(ValueError, match=rf"dropout_p={value!r} must be in \[0, 1\]"):
+        tileattn.flash_attn_func(q, k, v, dropout_p=value)
+
+
+def test_cache_calls_refuse_dropout():
+    q = torch.randn(8, 1, 8)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    with torch.no_grad(), pytest.raises(NotImplementedError, match=r"dropout_p=0.5 with block_table or seqused_k"):
+        tileattn.flash_attn_varlen_func(q, q, q, cu, cu, 8, 8, dropout_p=0.5, seqused_k=torch.tensor([8], dtype=torch.int32))
+
+
+def test_compiled_dropout_runs_forward_and_backward():
+    # fullgraph: the seed/offset draw and the operator trace without a graph break.
+    q, k, v, dout = _inputs(1, 32, 32, 2, 2, 16, torch.float32, seed=17)
+    f = torch.compile(lambda q, k, v: tileattn.flash_attn_func(q, k, v, dropout_p=0.5), fullgraph=True)
+    out = f(q, k, v)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert all(torch.isfinite(g).all() for g in grads)
+    assert not torch.equal(out, tileattn.flash_attn_func(q, k, v)), "dropout took effect"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not tileattn._ext.built_with_cuda, reason="needs a CUDA build and GPU")
+def test_cuda_refuses_dropout():
+    q = torch.randn(1, 16, 2, 64, device="cuda", dtype=torch.float16)
+    with pytest.raises(NotImplementedError, match=r"dropout_p > 0 runs on the CPU backend only in this build; "
+                                                  r"the CUDA kernels do not implement dropout yet"):
+        tileattn.flash_attn_func(q, q, q, dropout_p=0.1)
