@@ -17,7 +17,8 @@ transformers' own flash-attention path are served:
   restart at each sequence, give the boundaries, and no token attends across one.
 - everything else: one ``flash_attn_func`` call.
 
-Attention dropout raises NotImplementedError instead of being ignored.
+Attention dropout (``attention_dropout`` of the config, in training mode) is applied with the
+library's dropout (flash-attn's semantics; on the CPU backend for now).
 """
 
 from __future__ import annotations
@@ -95,16 +96,14 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     """transformers' attention-function contract: (batch, heads, seqlen, headdim) in,
     (attn_output (batch, seqlen, heads, headdim), attn_weights=None) out. ``attention_mask`` is
     the 2-D padding mask (batch, kv_length) this module's mask function hands over, or None."""
-    if dropout != 0.0:
-        raise NotImplementedError(f"dropout={dropout}: tileattn has no attention dropout (use model.eval() or "
-                                  "attention_dropout=0)")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     left = -1
     if sliding_window is not None:
         if not causal:
             raise NotImplementedError("sliding_window without a causal mask is not supported by this integration")
         left = sliding_window - 1  # transformers: query i sees keys i - sliding_window < j <= i
-    options = dict(softmax_scale=scaling, causal=bool(causal), window_size=(left, -1), softcap=softcap or 0.0)
+    options = dict(dropout_p=float(dropout), softmax_scale=scaling, causal=bool(causal), window_size=(left, -1),
+                   softcap=softcap or 0.0)
     query, key, value = (x.transpose(1, 2) for x in (query, key, value))
 
     if attention_mask is not None:

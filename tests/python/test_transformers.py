@@ -165,3 +165,31 @@ def test_padded_generation_matches_sdpa():
     kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
     with torch.no_grad():
         assert torch.equal(ours.generate(prompt, **kwargs), reference.generate(prompt, **kwargs))
+
+
+def test_llama_training_dropout_reaches_the_kernel():
+    # attention_dropout in training mode is the library's dropout: the step is reproducible from
+    # torch.manual_seed, changes with the seed, and differs from the same step without dropout.
+    name = tileattn.hf.register()
+    model = _tiny_llama(torch.float32, "cpu")
+    model.config.attention_dropout = 0.5
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.5
+    _use(model, name)
+    model.train()
+    ids = torch.randint(1, 256, (2, 24))
+
+    def step(seed):
+        torch.manual_seed(seed)
+        return _run(model, ids)
+
+    _, loss_a, grads_a = step(7)
+    _, loss_b, grads_b = step(7)
+    _, loss_c, _ = step(8)
+    assert torch.equal(loss_a, loss_b)
+    assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
+    assert not torch.equal(loss_a, loss_c)
+    model.eval()
+    _, loss_eval, _ = _run(model, ids)
+    assert not torch.equal(loss_a, loss_eval)
+    assert all(torch.isfinite(g).all() for g in grads_a)
