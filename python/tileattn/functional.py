@@ -40,15 +40,26 @@ def _dropout(dropout_p: float) -> float:
     return p if p == 1.0 else min(p, 1.0 - 2.0**-24)
 
 
+# Whether CUDA tensors get a dropout seed and offset (the CUDA kernels' dropout); off until the
+# library's validation lets dropout through on the CUDA backend.
+_CUDA_DROPOUT = True
+
+
 def _dropout_rng(q: Tensor, p: float) -> Optional[Tensor]:
     """The call's dropout seed and offset: two int64 draws (their bits read as uint64) from PyTorch's
-    default generator, so torch.manual_seed reproduces a run and every call advances the generator.
-    Drawn on the CPU generator for CPU tensors. CUDA tensors get None: the CUDA kernels do not
-    implement dropout yet and the library refuses the call; they will take the CUDA generator's
-    philox seed and offset instead (read on the device, so that graph capture stays valid)."""
-    if not 0.0 < p < 1.0 or q.device.type != "cpu":
+    default generator of the tensor's device, so torch.manual_seed reproduces a run and every call
+    advances the generator. Always returned on the CPU: the library takes seed and offset as host
+    integers. For CUDA tensors the draw is made on the device's default CUDA generator and copied
+    back, which synchronizes: a dropout call cannot be captured into a CUDA graph (reading the
+    generator's philox state on the device would lift that). CUDA tensors get None while
+    _CUDA_DROPOUT is off (the library then refuses the call)."""
+    if not 0.0 < p < 1.0:
         return None
-    return torch.randint(-(2**63), 2**63 - 1, (2,), dtype=torch.int64)
+    if q.device.type == "cpu":
+        return torch.randint(-(2**63), 2**63 - 1, (2,), dtype=torch.int64)
+    if q.device.type == "cuda" and _CUDA_DROPOUT:
+        return torch.randint(-(2**63), 2**63 - 1, (2,), dtype=torch.int64, device=q.device).cpu()
+    return None
 
 
 def dropout_keep_mask(dropout_rng: Optional[Tensor], dropout_p: float, batch: int, heads: int, seqlen_q: int,
@@ -210,7 +221,8 @@ def _finish(out: Tensor, lse: Tensor, return_attn_probs: bool, dropout=None):
     # returns the keep mask as a bool tensor (docs/python.md). lse is not differentiable.
     if dropout is None:
         return out, lse, None
-    return out, lse, dropout_keep_mask(*dropout)
+    # Computed on the host; on the output's device like flash-attn's (a no-op on the CPU).
+    return out, lse, dropout_keep_mask(*dropout).to(out.device)
 
 
 def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,

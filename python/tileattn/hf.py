@@ -18,7 +18,7 @@ transformers' own flash-attention path are served:
 - everything else: one ``flash_attn_func`` call.
 
 Attention dropout (``attention_dropout`` of the config, in training mode) is applied with the
-library's dropout (flash-attn's semantics; on the CPU backend for now).
+library's dropout (flash-attn's semantics).
 """
 
 from __future__ import annotations

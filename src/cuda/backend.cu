@@ -12,6 +12,7 @@
 
 #include "common/key_rows.hpp"
 #include "common/online_softmax.hpp"
+#include "common/philox.hpp"
 #include "common/score_mod.hpp"
 #include "common/backend_plan.hpp"
 #include "cuda/common/check.cuh"
@@ -141,6 +142,7 @@ FwdParams make_params(const AttentionProblem& p) {
   f.mod = score_mod(p);
   f.scale_log2 = f.mod.scale_log2;
   f.softcap_pre = f.mod.softcap_pre, f.softcap_post = f.mod.softcap_post;
+  f.dropout = make_dropout(p.dropout_p, p.dropout_seed, p.dropout_offset, p.heads_q);
   f.vec_q = vectorizable(p.q, p.headdim_qk, varlen);
   f.keys = key_layout(p);
   // A paged or batch-indexed K/V is addressed through its batch (page) stride even when varlen.
@@ -178,14 +180,15 @@ class ForwardPlan final : public detail::BackendPlan {
     params_.fwd = make_params(problem);  // params_.fwd is what the sm80 kernel reads too
     // GQA decode packs the query heads of a group into one tile of the portable kernel, which
     // then reads each K/V byte once per group (ALiBi's per-head slope is per tile there, so not
-    // with it). ALiBi and key/value caches run on the portable kernels only (the Hopper forward
-    // reads keys through one tensor map per problem, and has no bias yet).
+    // with it). ALiBi, dropout and key/value caches run on the portable kernels only (the Hopper
+    // forward reads keys through one tensor map per problem, and has no bias or dropout yet).
     const bool pack = problem.heads_q > problem.heads_kv && problem.seqlen_q <= kPackMaxSeqlenQ &&
                       problem.alibi_slopes == nullptr;
     // Up to 16 (packed) rows is decoding: the portable decode kernel, which keeps more of K and V
     // in flight than the Hopper forward's 128-row tiles.
     const int64_t rows = problem.seqlen_q * (pack ? problem.heads_q / problem.heads_kv : 1);
-    if (!pack && rows > kDecodeRows && problem.alibi_slopes == nullptr && !problem.has_kv_cache())
+    if (!pack && rows > kDecodeRows && problem.alibi_slopes == nullptr && problem.dropout_p == 0.0f &&
+        !problem.has_kv_cache())
       sm90_ = pick_forward_sm90(problem);
     if (sm90_ && !sm90_->make_maps(problem, params_)) sm90_.reset();
     if (sm90_) {
@@ -231,7 +234,10 @@ class Fp32ForwardPlan final : public detail::BackendPlan {
  public:
   explicit Fp32ForwardPlan(const AttentionProblem& problem)
       : problem_(problem), uncovered_(packed_rows(problem, problem.o, false, problem.heads_q, problem.headdim_v,
-                                                 problem.lse)) {}
+                                                 problem.lse)) {
+    if (problem.dropout_p > 0.0f)
+      throw Error(ErrorKind::unsupported, "dropout with fp32 inputs runs on the CPU backend only");
+  }
   size_t workspace_size() const override { return 0; }
   const char* kernel_name() const override { return "fp32"; }
   void run(void*, size_t) const override {

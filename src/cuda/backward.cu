@@ -72,8 +72,8 @@ struct BwdPlan {
 
 BwdPlan pick_kernels(const AttentionProblem& p) {
   BwdPlan plan;
-  // ALiBi runs on the portable kernels only (the Hopper backward has no bias).
-  if (p.alibi_slopes == nullptr) plan.sm90 = pick_backward_sm90(p, headdim_bucket(p));
+  // ALiBi and dropout run on the portable kernels only (the Hopper backward has neither).
+  if (p.alibi_slopes == nullptr && p.dropout_p == 0.0f) plan.sm90 = pick_backward_sm90(p, headdim_bucket(p));
   if (plan.sm90 && !plan.sm90->make_maps(p, plan.params)) plan.sm90.reset();
   return plan;
 }
@@ -143,6 +143,8 @@ class BackwardPlan final : public detail::BackendPlan {
         uncovered_{packed_rows(p, p.dq, false, p.heads_q, p.headdim_qk),
                    packed_rows(p, p.dk, true, p.heads_kv, p.headdim_qk),
                    packed_rows(p, p.dv, true, p.heads_kv, p.headdim_v)} {
+    if (p.dtype == DType::f32 && p.dropout_p > 0.0f)
+      throw Error(ErrorKind::unsupported, "dropout with fp32 inputs runs on the CPU backend only");
     plan_ = pick_kernels(p);
     layout_ = workspace_layout(p, plan_);
     bwd::BwdParams& params = params_;
@@ -174,6 +176,7 @@ class BackwardPlan final : public detail::BackendPlan {
     params.scale_log2 = params.mod.scale_log2;
     params.softcap = params.mod.softcap;
     params.scale_over_cap = params.mod.softcap_pre;
+    params.dropout = make_dropout(p.dropout_p, p.dropout_seed, p.dropout_offset, p.heads_q);
     params.vec_io = vector_io_ok(p);
     params.pair_grads = pair_stores_ok(p);
     params.seqlen_q_rounded = int(layout_.rows / (p.batch * p.heads_q));

@@ -384,10 +384,6 @@ AttentionProblem validate_attention(const AttentionProblem& problem, Pass pass, 
     invalid("dropout_p=" + str(p.dropout_p) +
             " must be finite and in [0, 1) (1 would drop every weight; 0 disables dropout)");
   }
-  if (p.dropout_p > 0.0f && backend == Backend::cuda) {
-    fail(ErrorKind::unsupported,
-         "dropout_p > 0 runs on the CPU backend only in this build; the CUDA kernels do not implement dropout yet");
-  }
   if (p.window_left < -1) invalid("window_left=" + str(p.window_left) + " must be >= -1 (-1 = unbounded)");
   if (p.window_right < -1) invalid("window_right=" + str(p.window_right) + " must be >= -1 (-1 = unbounded)");
   // causal sets the right bound to 0 whatever window_right says, and the left bound stays: the

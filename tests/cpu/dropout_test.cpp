@@ -391,9 +391,7 @@ TEST(DropoutValidation, Messages) {
   p.dropout_p = std::numeric_limits<float>::infinity();
   expect_error(p, Backend::cpu, ErrorKind::invalid_argument, "dropout_p=inf" + rule);
   p.dropout_p = 0.5f;
-  expect_error(p, Backend::cuda, ErrorKind::unsupported,
-               "dropout_p > 0 runs on the CPU backend only in this build; the CUDA kernels do not implement dropout "
-               "yet");
+  EXPECT_NO_THROW(host::validate_attention(p, host::Pass::forward, Backend::cuda));
   EXPECT_NO_THROW(host::validate_attention(p, host::Pass::forward, Backend::cpu));
   p.dropout_p = 0.0f;
   EXPECT_NO_THROW(host::validate_attention(p, host::Pass::forward, Backend::cuda));

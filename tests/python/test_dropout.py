@@ -191,9 +191,49 @@ def test_compiled_dropout_runs_forward_and_backward():
     assert not torch.equal(out, tileattn.flash_attn_func(q, k, v)), "dropout took effect"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or not tileattn._ext.built_with_cuda, reason="needs a CUDA build and GPU")
-def test_cuda_refuses_dropout():
-    q = torch.randn(1, 16, 2, 64, device="cuda", dtype=torch.float16)
-    with pytest.raises(NotImplementedError, match=r"dropout_p > 0 runs on the CPU backend only in this build; "
-                                                  r"the CUDA kernels do not implement dropout yet"):
+CUDA = pytest.mark.skipif(not torch.cuda.is_available() or not tileattn._ext.built_with_cuda,
+                          reason="needs a CUDA build and GPU")
+
+
+@CUDA
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_cuda_dropout_matches_cpu_with_the_same_mask(dtype, causal):
+    # The GPU draws the same mask as the CPU from the same seed: the keep mask it returns rebuilds
+    # a float64 reference that its output and gradients must follow (the 2x rule's floor).
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(2, 70, 4, 64, device="cuda", dtype=dtype).requires_grad_() for _ in range(3))
+    out, lse, keep = tileattn.flash_attn_func(q, k, v, dropout_p=0.3, causal=causal, return_attn_probs=True)
+    assert keep.device == out.device and keep.shape == (2, 4, 70, 70)
+    kept = keep.float().mean().item()
+    assert abs(kept - 0.7) < 0.02, kept
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    qd, kd, vd, dd = (x.detach().double().requires_grad_() for x in (q, k, v, dout))
+    s = torch.einsum("bqhd,bkhd->bhqk", qd, kd) / 8.0
+    if causal:
+        s = s.masked_fill(torch.ones(70, 70, dtype=torch.bool, device="cuda").triu(1), float("-inf"))
+    ref = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1) * keep.double() / 0.7, vd)
+    ref.backward(dd)
+    tol = 4e-3 if dtype == torch.float16 else 3e-2
+    for got, want in ((out, ref), (q.grad, qd.grad), (k.grad, kd.grad), (v.grad, vd.grad)):
+        err = (got.double() - want.detach()).abs().max().item()
+        assert err <= tol * max(1.0, want.detach().abs().max().item()), err
+
+
+@CUDA
+def test_cuda_dropout_is_reproducible_from_the_seed():
+    q = torch.randn(1, 40, 2, 64, device="cuda", dtype=torch.float16)
+    torch.manual_seed(11)
+    a = tileattn.flash_attn_func(q, q, q, dropout_p=0.2)
+    torch.manual_seed(11)
+    b = tileattn.flash_attn_func(q, q, q, dropout_p=0.2)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, tileattn.flash_attn_func(q, q, q, dropout_p=0.2))
+
+
+@CUDA
+def test_cuda_refuses_fp32_dropout():
+    q = torch.randn(1, 16, 2, 64, device="cuda", dtype=torch.float32)
+    with pytest.raises(NotImplementedError, match=r"dropout with fp32 inputs runs on the CPU backend only"):
         tileattn.flash_attn_func(q, q, q, dropout_p=0.1)

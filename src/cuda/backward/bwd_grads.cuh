@@ -14,6 +14,7 @@
 
 #include "common/mask.hpp"
 #include "common/online_softmax.hpp"
+#include "common/philox.hpp"
 #include "common/score_mod.hpp"
 #include "cuda/arch/warp_mma_sm80.cuh"
 #include "cuda/common/bwd_params.hpp"
@@ -61,12 +62,16 @@ __device__ __forceinline__ float grad_of_prob(float pe, float dp, float d, float
 // the tile (fp32: row max and row_sum, see bwd_params.hpp). P goes to sP (when kStoreP) and dS
 // to sdS, both at the same (row, column). Soft-capping and masking are template flags so that
 // the common tile runs neither test per element; scores_to_grads below picks the variant.
-// kAlibi adds ALiBi's bias of slope `slope` (natural units) at the mask's indices.
-template <class T, bool kRowsAreKeys, bool kStoreP, bool kCapped, bool kMasked, bool kAlibi = false, int MT, int NT>
+// kAlibi adds ALiBi's bias of slope `slope` (natural units) at the mask's indices. kDropout
+// redraws the forward's mask (common/philox.hpp) for sequence b and query head hq: the stored P
+// (dV's) and dP take the factor keep / (1 - p), dS = P (dP keep / (1 - p) - D) keeps the undropped P.
+template <class T, bool kRowsAreKeys, bool kStoreP, bool kCapped, bool kMasked, bool kAlibi = false,
+          bool kDropout = false, int MT, int NT>
 __device__ __forceinline__ void scores_to_grads_tile(const float (&s)[MT][NT][4], const float (&dp)[MT][NT][4],
                                                      const float* lse2, const float* row_sum, const float* dsum,
                                                      int row0, int col0, int q0, int k0, const Mask& mask,
-                                                     const BwdParams& p, T* sP, T* sdS, int ld, float slope = 0.0f) {
+                                                     const BwdParams& p, T* sP, T* sdS, int ld, float slope = 0.0f,
+                                                     int b = 0, int hq = 0) {
   const int lane = threadIdx.x & 31;
 #pragma unroll
   for (int j = 0; j < NT; ++j) {
@@ -87,6 +92,20 @@ __device__ __forceinline__ void scores_to_grads_tile(const float (&s)[MT][NT][4]
       for (int h = 0; h < 2; ++h) {
         const int r = row0 + i * 16 + (lane >> 2) + h * 8;
         float pv[2], ds[2];
+        // Dropout's factor per element: keep / (1 - p). Columns are two queries of one key (two
+        // Philox calls) or two neighbouring keys of one query (k0 + c is even: one call).
+        float drop[2] = {1.0f, 1.0f};
+        if constexpr (kDropout) {
+          const Dropout& dr = p.dropout;
+          if constexpr (kRowsAreKeys) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) drop[e] = dr.keep(b, hq, q0 + c + e, k0 + r) ? dr.scale : 0.0f;
+          } else {
+            const Philox4 words = dr.draws(b, hq, q0 + r, k0 + c);
+#pragma unroll
+            for (int e = 0; e < 2; ++e) drop[e] = dropout_word(words, k0 + c + e) >= dr.threshold ? dr.scale : 0.0f;
+          }
+        }
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const float l = kRowsAreKeys ? col_lse[e] : lse2[r];
@@ -102,8 +121,13 @@ __device__ __forceinline__ void scores_to_grads_tile(const float (&s)[MT][NT][4]
           if constexpr (kMasked) {
             if (!mask.visible(q0 + qi, k0 + kj)) pe = 0.0f;
           }
-          pv[e] = pe;
-          ds[e] = grad_of_prob<kCapped>(pe, dp[i][j][2 * h + e], d, cap, p);
+          if constexpr (kDropout) {
+            pv[e] = pe * drop[e];
+            ds[e] = grad_of_prob<kCapped>(pe, dp[i][j][2 * h + e] * drop[e], d, cap, p);
+          } else {
+            pv[e] = pe;
+            ds[e] = grad_of_prob<kCapped>(pe, dp[i][j][2 * h + e], d, cap, p);
+          }
         }
         if constexpr (kStoreP) store2(sP + r * ld + c, pv[0], pv[1]);
         store2(sdS + r * ld + c, ds[0], ds[1]);
@@ -122,6 +146,26 @@ __device__ __forceinline__ void scores_to_grads(const float (&s)[MT][NT][4], con
 #define TA_BWD_GRADS(capped, msk)                                                                                      \
   scores_to_grads_tile<T, kRowsAreKeys, kStoreP, capped, msk>(s, dp, lse2, row_sum, dsum, row0, col0, q0, k0, mask, p, \
                                                               sP, sdS, ld)
+  // Dropout (16-bit inputs only: the fp32 plan refuses it) takes its own variants, masked per
+  // element, behind one uniform branch like ALiBi.
+  if constexpr (!std::is_same_v<T, float>) {
+    if (p.dropout.on) {
+      const bool alibi = p.mod.has_alibi();
+      const float slope = alibi ? p.mod.slope(b, h) : 0.0f;
+#define TA_BWD_DROP(capped, ali)                                                                             \
+  scores_to_grads_tile<T, kRowsAreKeys, kStoreP, capped, true, ali, true>(s, dp, lse2, row_sum, dsum, row0, col0, q0, \
+                                                                          k0, mask, p, sP, sdS, ld, slope, b, h)
+      if (p.softcap > 0.0f) {
+        if (alibi) TA_BWD_DROP(true, true);
+        else TA_BWD_DROP(true, false);
+      } else {
+        if (alibi) TA_BWD_DROP(false, true);
+        else TA_BWD_DROP(false, false);
+      }
+#undef TA_BWD_DROP
+      return;
+    }
+  }
   if (p.mod.has_alibi()) {
     const float slope = p.mod.slope(b, h);
     if (p.softcap > 0.0f)

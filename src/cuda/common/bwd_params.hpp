@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "common/mask.hpp"
+#include "common/philox.hpp"
 #include "common/score_mod.hpp"
 #include "common/varlen.hpp"
 #include "tileattn/problem.hpp"
@@ -31,6 +32,7 @@ struct BwdParams {
   float softcap;         // 0 = off
   float scale_over_cap;  // scale / softcap: capped = softcap * tanh(s * scale_over_cap)
   ScoreMod mod;          // the one preparation the four fields above are copied from; ALiBi
+  Dropout dropout;       // the forward's mask (common/philox.hpp), redrawn; portable kernels only
 
   // 16-byte copies are legal for every tensor (head dims and strides multiples of 8 elements,
   // 16-byte aligned bases); otherwise tiles are gathered element by element.

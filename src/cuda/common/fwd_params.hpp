@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "common/key_rows.hpp"
+#include "common/philox.hpp"
 #include "common/score_mod.hpp"
 
 namespace tileattn::cuda {
@@ -47,6 +48,9 @@ struct FwdParams {
   // The problem's one preparation (src/common/score_mod.hpp): the fields above are copied from it,
   // and ALiBi's slopes and LSE form are read from it.
   ScoreMod mod;
+  // Attention dropout (common/philox.hpp): the weights are dropped after the row statistics, and
+  // O is scaled by dropout.scale with the row sum (1 when off). Portable kernels only.
+  Dropout dropout;
 
   // 16-byte loads are legal: 16-byte aligned base, strides multiple of 8, dim multiple of 8.
   bool vec_q = false, vec_k = false, vec_v = false;

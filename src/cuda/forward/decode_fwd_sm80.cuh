@@ -177,6 +177,7 @@ __global__ void __launch_bounds__(DecodeTraits<T, kHeadDim>::kThreads)
       if (!(key0 >= tiles.full_begin && key0 + 16 <= tiles.full_end)) mask_scores(s, mask, row0, key0, p.pack);
 
       stats.update(s, acc_o, p.scale_log2);
+      if (p.dropout.on) dropout_weights(s, p.dropout, blk.batch, blk.head, row0, key0, p.pack);
       uint32_t pa[4] = {pack2<T>(s[0][0][0], s[0][0][1]), pack2<T>(s[0][0][2], s[0][0][3]),
                         pack2<T>(s[0][1][0], s[0][1][1]), pack2<T>(s[0][1][2], s[0][1][3])};
 #pragma unroll

@@ -101,7 +101,8 @@ __device__ __forceinline__ void store_fwd_output(const FwdParams& p, const FwdBl
       const int packed_row = row0 + mt * 16 + half * 8;
       const int row = packed_row / p.pack, head = blk.head * p.pack + packed_row % p.pack;
       if (row >= blk.seqlen_q) continue;
-      const float inv = inverse_row_sum(stats.sum[mt][half]);
+      // Dropout's 1 / (1 - p) rides on the row sum (split partials too: combining is linear in O).
+      const float inv = inverse_row_sum(stats.sum[mt][half]) * p.dropout.scale;
       float lse = finish_lse(stats.max_log2[mt][half], stats.sum[mt][half]);
       // ALiBi's causal form: L as flash-attn returns it (ScoreMod::lse_offset); split partials
       // carry it too, and the combine's logsumexp keeps it once.

@@ -175,6 +175,7 @@ __global__ void __launch_bounds__(FwdTraits<T, kHeadDim>::kThreads)
       __syncthreads();  // V(n) landed; every warp is done with K(n)
 
       stats.update(s, acc_o, p.scale_log2);
+      if (p.dropout.on) dropout_weights(s, p.dropout, blk.batch, blk.head, row0, key0, p.pack);
       // P rounded to T, in the A layout of the P V mma (an S n-tile pair is one A k-step).
       uint32_t pa[kMTiles][kBlockN / 16][4];
 #pragma unroll
