@@ -34,8 +34,9 @@ Kernel pick(const FwdParams& p) {
       return {reinterpret_cast<const void*>(fwd_decode_kernel_sm80<T, kHeadDim>), Decode::kThreads,
               Decode::kSmemBytes, Decode::kBlockM, Decode::kBlockN};
   }
-  return {reinterpret_cast<const void*>(fwd_kernel_sm80<T, kHeadDim>), Traits::kThreads, Traits::kSmemBytes,
-          Traits::kBlockM, Traits::kBlockN};
+  const void* fn = p.dropout.on ? reinterpret_cast<const void*>(fwd_kernel_sm80<T, kHeadDim, true>)
+                                : reinterpret_cast<const void*>(fwd_kernel_sm80<T, kHeadDim, false>);
+  return {fn, Traits::kThreads, Traits::kSmemBytes, Traits::kBlockM, Traits::kBlockN};
 }
 
 inline void prepare(const Kernel& k) {
