@@ -178,24 +178,25 @@ class ForwardPlan final : public detail::BackendPlan {
         uncovered_(packed_rows(problem, problem.o, false, problem.heads_q, problem.headdim_v, problem.lse)) {
     if (empty_) return;
     params_.fwd = make_params(problem);  // params_.fwd is what the sm80 kernel reads too
-    // GQA decode packs the query heads of a group into one tile of the portable kernel, which
-    // then reads each K/V byte once per group (ALiBi's per-head slope is per tile there, so not
-    // with it). ALiBi, dropout and key/value caches run on the portable kernels only (the Hopper
-    // forward reads keys through one tensor map per problem, and has no bias or dropout yet).
-    const bool pack = problem.heads_q > problem.heads_kv && problem.seqlen_q <= kPackMaxSeqlenQ &&
-                      problem.alibi_slopes == nullptr;
-    // Up to 16 (packed) rows is decoding: the portable decode kernel, which keeps more of K and V
-    // in flight than the Hopper forward's 128-row tiles.
-    const int64_t rows = problem.seqlen_q * (pack ? problem.heads_q / problem.heads_kv : 1);
-    if (!pack && rows > kDecodeRows && problem.alibi_slopes == nullptr && problem.dropout_p == 0.0f &&
-        !problem.has_kv_cache())
-      sm90_ = pick_forward_sm90(problem);
+    // GQA packing: the query heads of a group share one tile of the portable kernels, which then
+    // read each K/V byte once per group (not with ALiBi, whose slope is per head). Up to 16
+    // (packed) rows is decoding: the decode kernel, which keeps more of K and V in flight than the
+    // Hopper forward's 128-row tiles. ALiBi, dropout and key/value caches run on the portable
+    // kernels only (the Hopper forward reads keys through one tensor map per problem, and has no
+    // bias or dropout yet).
+    const int64_t group = problem.heads_q / problem.heads_kv;
+    const bool packable = group > 1 && problem.seqlen_q <= kPackMaxSeqlenQ && problem.alibi_slopes == nullptr;
+    const bool decode = problem.seqlen_q * (packable ? group : 1) <= kDecodeRows;
+    const bool portable_only = problem.alibi_slopes != nullptr || problem.dropout_p > 0.0f || problem.has_kv_cache();
+    if (!decode && !portable_only) sm90_ = pick_forward_sm90(problem);
     if (sm90_ && !sm90_->make_maps(problem, params_)) sm90_.reset();
     if (sm90_) {
       params_.fwd.num_splits = sm90_->num_splits(params_);
     } else {
       sm80_ = pick_forward(problem);
-      if (pack) params_.fwd.pack = int(problem.heads_q / problem.heads_kv);
+      // Wherever the portable kernels run, packing only saves reads; beside the Hopper kernel
+      // (17..64 packed rows) it was not measured, so that case keeps the Hopper kernel.
+      if (packable) params_.fwd.pack = int(group);
       params_.fwd.num_splits = sm80_.num_splits(params_.fwd);
     }
     // A requested split count replaces the heuristic's (empty splits are harmless: they combine as
