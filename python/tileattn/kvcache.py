@@ -113,8 +113,8 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     device = q.device
     splits = _splits(num_splits)
     paged = block_table is not None
-    left, right = window_size
-    left, right = int(left), int(right)
+    from .functional import _float32, _scale, _window  # noqa: PLC0415 (functional imports this module)
+    left, right = _window(window_size)
 
     if paged:
         if not isinstance(block_table, Tensor) or block_table.dim() != 2 or block_table.shape[0] != batch:
@@ -196,7 +196,6 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     if seqused is None and (cache_leftpad is not None or paged):
         seqused = torch.full((batch,), capacity, dtype=torch.int32, device=device)
 
-    from .functional import _float32, _scale  # noqa: PLC0415 (functional imports this module)
     scale, cap = _scale(softmax_scale, "softmax_scale"), _float32(softcap, "softcap")
     if q.numel() == 0 or capacity == 0:
         # Nothing to attend (no query rows, or a cache of no keys): what a fully masked row gives.
