@@ -10,6 +10,7 @@
 
 #include "common/backend_plan.hpp"
 #include "cpu/cpu_backend.hpp"
+#include "host/dispatch.hpp"
 #include "host/validate.hpp"
 #include "tileattn/attention.hpp"
 
@@ -26,42 +27,9 @@ namespace {
 
 [[noreturn]] void invalid(const std::string& message) { throw Error(ErrorKind::invalid_argument, message); }
 
-// `automatic` follows the memory the data lives in; an explicit choice (or an invalid enum value,
-// which validation rejects) passes through unchanged.
-Backend resolve(Backend requested, const void* data) {
-  if (requested != Backend::automatic) return requested;
-#ifdef TILEATTN_WITH_CUDA
-  if (data != nullptr && cuda::is_device_pointer(data)) return Backend::cuda;
-#else
-  (void)data;
-#endif
-  return Backend::cpu;
-}
-
-// Validation rejects every other value; only a CUDA request needs the runtime to answer.
-void check_backend_present(Backend backend) {
-  if (backend != Backend::cuda) return;
-#ifdef TILEATTN_WITH_CUDA
-  if (!cuda::device_available()) throw Error(ErrorKind::device, "backend=cuda requested, but no CUDA device is visible");
-#else
-  throw Error(ErrorKind::device,
-              "backend=cuda requested, but this build of tileattn has no CUDA backend (configure with -DTILEATTN_CUDA=ON)");
-#endif
-}
-
-// Which memory a pointer lives in must match the backend that will dereference it.
-void check_memory_space(const void* p, const char* name, Backend backend) {
-#ifdef TILEATTN_WITH_CUDA
-  if (p == nullptr || (backend != Backend::cpu && backend != Backend::cuda)) return;
-  const bool on_device = cuda::is_device_pointer(p);
-  if (backend == Backend::cuda && !on_device)
-    invalid(std::string(name) + " is not memory of the current CUDA device, but backend=cuda needs device memory");
-  if (backend == Backend::cpu && on_device)
-    invalid(std::string(name) + " is device memory, but backend=cpu needs host memory");
-#else
-  (void)p, (void)name, (void)backend;
-#endif
-}
+using host::check_backend_present;
+using host::check_memory_space;
+using host::resolve;
 
 void check_memory(const AttentionProblem& p, host::Pass pass, Backend backend) {
   check_memory_space(p.q.data, "q.data", backend);

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "cpu/merge.hpp"
+#include "host/dispatch.hpp"
 #include "tileattn/error.hpp"
 #include "tileattn/merge.hpp"
 
@@ -97,25 +98,7 @@ void check_backend_enum(Backend b) {
     invalid("backend=" + str(int64_t(b)) + " is not a Backend (automatic=0, cpu=1, cuda=2)");
 }
 
-Backend resolve(const MergeProblem& p) {
-  if (p.backend != Backend::automatic) return p.backend;
-#ifdef TILEATTN_WITH_CUDA
-  if (p.out.data != nullptr && cuda::is_device_pointer(p.out.data)) return Backend::cuda;
-#endif
-  return Backend::cpu;
-}
-
-void check_memory_space(const void* p, const char* name, Backend backend) {
-#ifdef TILEATTN_WITH_CUDA
-  const bool on_device = cuda::is_device_pointer(p);
-  if (backend == Backend::cuda && !on_device)
-    invalid(std::string(name) + " is not memory of the current CUDA device, but backend=cuda needs device memory");
-  if (backend == Backend::cpu && on_device)
-    invalid(std::string(name) + " is device memory, but backend=cpu needs host memory");
-#else
-  (void)p, (void)name, (void)backend;
-#endif
-}
+using host::check_memory_space;
 
 void validate(const MergeProblem& p, Backend backend) {
   check_dtype(p.out_dtype, "out_dtype");
@@ -166,15 +149,8 @@ void merge_attention(const MergeProblem& problem) {
     if (v < 0) invalid(std::string(name) + "=" + str(v) + " must be >= 0");
   if (p.batch == 0 || p.seqlen == 0 || p.heads == 0 || p.headdim == 0) return;
 
-  const Backend backend = resolve(p);
-#ifdef TILEATTN_WITH_CUDA
-  if (backend == Backend::cuda && !cuda::device_available())
-    throw Error(ErrorKind::device, "backend=cuda requested, but no CUDA device is visible");
-#else
-  if (backend == Backend::cuda)
-    throw Error(ErrorKind::device,
-                "backend=cuda requested, but this build of tileattn has no CUDA backend (configure with -DTILEATTN_CUDA=ON)");
-#endif
+  const Backend backend = host::resolve(p.backend, p.out.data);
+  host::check_backend_present(backend);
   validate(p, backend);
 #ifdef TILEATTN_WITH_CUDA
   if (backend == Backend::cuda) return cuda::merge_attention(p);
