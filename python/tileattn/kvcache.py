@@ -17,10 +17,7 @@ import torch
 from torch import Tensor
 
 from . import _ops
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+from .functional import _dtype_name, _float32, _scale, _window
 
 
 def _int32_table(t: Optional[Tensor], name: str, shape: tuple, device: torch.device) -> Optional[Tensor]:
@@ -113,7 +110,6 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     device = q.device
     splits = _splits(num_splits)
     paged = block_table is not None
-    from .functional import _float32, _scale, _window  # noqa: PLC0415 (functional imports this module)
     left, right = _window(window_size)
 
     if paged:

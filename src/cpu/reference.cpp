@@ -71,8 +71,10 @@ std::vector<double> gather_q(const AttentionProblem& p, const TensorView& t, con
 // Key-side tensors (k, v): wherever the problem's key layout puts them.
 std::vector<double> gather_k(const AttentionProblem& p, const TensorView& t, const Sequences& s, int64_t dim) {
   const KeyLayout keys = key_layout(p);
+  std::vector<KeySpan> spans;
+  for (int64_t b = 0; b < p.batch; ++b) spans.push_back(key_span(keys, int(b)));
   return gather(p, t, s.k_begin, s.k_len, s.rows_k, p.heads_kv, dim, [&](int64_t b, int64_t i) {
-    return key_offset(keys, key_span(keys, int(b)), int(i), t.batch_stride, t.seq_stride);
+    return key_offset(keys, spans[size_t(b)], int(i), t.batch_stride, t.seq_stride);
   });
 }
 
