@@ -2,10 +2,10 @@
 // dispatch on device, dtype and head-dim bucket: the Hopper kernels (src/cuda/backward/*_sm90*) where
 // they apply, else the portable ones (src/cuda/backward/bwd_*).
 //
-// The sm80 kernels sum dQ either by fp32 atomics from the dK/dV kernel into a workspace
-// accumulator (then scaled and converted), or by its own pass over key tiles (the deterministic
-// mode). The sm90 kernels always give dQ its own pass, so they are deterministic as they stand;
-// docs/perf.md ("Design decisions") gives the measured cost of each.
+// Both families sum dQ into a workspace fp32 accumulator (then scaled and converted) from the
+// kernel that computes dK and dV -- by atomics (sm80) or bulk reductions (sm90) -- or, in the
+// deterministic mode, give it its own pass over key tiles; docs/perf.md ("Design decisions")
+// gives the measured cost of each.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -78,9 +78,8 @@ BwdPlan pick_kernels(const AttentionProblem& p) {
   return plan;
 }
 
-// The sm80 kernels sum dQ by atomics unless asked for determinism (then dQ has its own pass);
-// the sm90 kernels always give dQ its own pass.
-bool uses_atomic_dq(const AttentionProblem& p, const BwdPlan& plan) { return !plan.sm90 && !p.deterministic; }
+// dQ is summed into the accumulator unless asked for determinism (then dQ has its own pass).
+bool uses_atomic_dq(const AttentionProblem& p) { return !p.deterministic; }
 
 // The workspace, carved in this order: lse2, dsum, row_sum (fp32 only), one float per padded
 // query row each, then the fp32 dQ accumulator when dQ is summed by atomics.
@@ -94,7 +93,7 @@ struct WorkspaceLayout {
   }
 };
 
-WorkspaceLayout workspace_layout(const AttentionProblem& p, const BwdPlan& plan) {
+WorkspaceLayout workspace_layout(const AttentionProblem& p) {
   WorkspaceLayout w;
   const int64_t rows_per_head =
       (p.seqlen_q + bwd::kWorkspaceRowTile - 1) / bwd::kWorkspaceRowTile * bwd::kWorkspaceRowTile;
@@ -102,7 +101,7 @@ WorkspaceLayout workspace_layout(const AttentionProblem& p, const BwdPlan& plan)
   w.dim = headdim_bucket(p);
   w.lse2 = w.dsum = size_t(w.rows) * sizeof(float);
   w.row_sum = p.dtype == DType::f32 ? size_t(w.rows) * sizeof(float) : 0;
-  w.accum = uses_atomic_dq(p, plan) ? size_t(w.rows) * size_t(w.dim) * sizeof(float) : 0;
+  w.accum = uses_atomic_dq(p) ? size_t(w.rows) * size_t(w.dim) * sizeof(float) : 0;
   return w;
 }
 
@@ -146,7 +145,7 @@ class BackwardPlan final : public detail::BackendPlan {
     if (p.dtype == DType::f32 && p.dropout_p > 0.0f)
       throw Error(ErrorKind::unsupported, "dropout with fp32 inputs runs on the CPU backend only");
     plan_ = pick_kernels(p);
-    layout_ = workspace_layout(p, plan_);
+    layout_ = workspace_layout(p);
     bwd::BwdParams& params = params_;
     params.q = strided(p.q);
     params.k = strided(p.k);

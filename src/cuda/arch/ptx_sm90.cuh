@@ -81,6 +81,15 @@ __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.comm
 // be in flight; they complete before the grid does).
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 
+// Adds a contiguous run of `bytes` fp32 values (a multiple of 16, both addresses 16-byte aligned)
+// from shared memory into global memory, element by element at the L2, as one bulk copy of this
+// thread's bulk group: the summing costs the issuing SM one instruction, not one per element.
+__device__ __forceinline__ void bulk_reduce_add(float* dst, const float* src, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
+               "r"(smem_address(src)), "r"(bytes)
+               : "memory");
+}
+
 // A contiguous run of `bytes` (a multiple of 16, both addresses 16-byte aligned), global -> shared.
 __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(

@@ -21,9 +21,12 @@
 
 namespace tileattn::cuda::bwd {
 
-// The scaled (soft-capped) score in the natural domain, as the fp32 path forms P from it.
+// The scaled (soft-capped) score in the natural domain, as the fp32 path forms P from it. The
+// products are rounded on their own (__fmul_rn: never contracted into a later add), so the fp32
+// row statistics and prob_of_score round every score identically; the row's largest score then
+// gives exp(s - max) = exp(0) = 1 exactly.
 __device__ __forceinline__ float scaled_score(float x, const BwdParams& p) {
-  return p.softcap > 0.0f ? p.softcap * tanhf(x * p.scale_over_cap) : x * p.scale;
+  return p.softcap > 0.0f ? __fmul_rn(p.softcap, tanhf(x * p.scale_over_cap)) : __fmul_rn(x, p.scale);
 }
 
 // P of one raw score x (q.k) of a query whose statistics are l (L * log2(e); fp32: the row max)
@@ -33,19 +36,25 @@ __device__ __forceinline__ float scaled_score(float x, const BwdParams& p) {
 template <class T, bool kCapped, bool kAlibi = false>
 __device__ __forceinline__ float prob_of_score(float x, float l, float row_sum, const BwdParams& p, float& cap,
                                                float bias = 0.0f) {
-  // The capped score, formed exactly as scaled_score does (fp32 statistics match it).
-  cap = kCapped ? p.softcap * tanhf(x * p.scale_over_cap) : 0.0f;
-  if constexpr (kAlibi) {
-    // The fp32 row statistics add the bias in this order too (bwd_row_stats_fp32.cuh).
-    const float sc = (kCapped ? cap : x * p.scale) + bias;
-    if constexpr (std::is_same_v<T, float>) return expf(sc - l) / row_sum;
-    else return exp2_fast(fmaf(sc, kLog2e, -l));
-  } else if constexpr (std::is_same_v<T, float>) {
-    return expf((kCapped ? cap : x * p.scale) - l) / row_sum;
-  } else if constexpr (kCapped) {
-    return exp2_fast(cap * kLog2e - l);
+  if constexpr (std::is_same_v<T, float>) {
+    // The score rounded exactly as scaled_score and the row statistics round it (the bias added
+    // in this order there too, bwd_row_stats_fp32.cuh): a multiply-add contracted into
+    // exp(x * scale - max) left the rounding residual of x * scale in the exponent, so a row's
+    // only visible key got P = exp(residual) != 1 and dQ, dK a few ulp where they are exactly 0.
+    cap = kCapped ? __fmul_rn(p.softcap, tanhf(x * p.scale_over_cap)) : 0.0f;
+    float sc = kCapped ? cap : __fmul_rn(x, p.scale);
+    if constexpr (kAlibi) sc = __fadd_rn(sc, bias);
+    return expf(sc - l) / row_sum;
   } else {
-    return exp2_fast(fmaf(x, p.scale_log2, -l));
+    cap = kCapped ? p.softcap * tanhf(x * p.scale_over_cap) : 0.0f;
+    if constexpr (kAlibi) {
+      const float sc = (kCapped ? cap : x * p.scale) + bias;
+      return exp2_fast(fmaf(sc, kLog2e, -l));
+    } else if constexpr (kCapped) {
+      return exp2_fast(cap * kLog2e - l);
+    } else {
+      return exp2_fast(fmaf(x, p.scale_log2, -l));
+    }
   }
 }
 

@@ -1,6 +1,7 @@
 #pragma once
 // The two light kernels around the main backward pass:
-//  - preprocess: D = rowsum(O * dO) and L * log2(e) per query row, into the workspace;
+//  - preprocess: D = rowsum(O * dO) (16-bit; fp32's D comes from bwd_row_stats_fp32.cuh) and
+//    L * log2(e) per query row, into the workspace;
 //  - convert: the fp32 dQ accumulator, scaled, into dQ in the problem's dtype and strides.
 // One warp per query row; rows past a sequence's end are workspace padding.
 #include <math.h>
@@ -46,22 +47,21 @@ __global__ void __launch_bounds__(kRowKernelThreads) preprocess_kernel(const Bwd
       static_cast<const T*>(p.o.ptr) + seq_base(p, p.o, b, true) + int64_t(i) * p.o.seq + int64_t(h) * p.o.head;
   const T* d = static_cast<const T*>(p.dout.ptr) + seq_base(p, p.dout, b, true) + int64_t(i) * p.dout.seq +
                int64_t(h) * p.dout.head;
-  // fp32 sums in double: dS = P (dP - D) cancels, so whatever D, dP and P round differently goes
-  // straight into dS. The fp32 backward also sums S and dP wide (warp_gemm's kWideSum). With all
-  // three in fp32, dQ broke the 2x rule in 6 of 80 checks of a causal GQA d128 case (H100, up to
-  // 1.19 of the bound); see docs/perf-log.md for the variants measured.
-  using Acc = std::conditional_t<std::is_same_v<T, float>, double, float>;
-  Acc acc = 0;
-  for (int c = lane; c < p.headdim_v; c += 32) acc = fma(Acc(to_float(o[c])), Acc(to_float(d[c])), acc);
+  // fp32 forms D = rowsum(P dP) / rowsum(P) in the row-statistics kernel instead, from the
+  // gradient passes' own P and dP (bwd_row_stats_fp32.cuh says why); 0 here until it does.
+  float acc = 0.0f;
+  if constexpr (!std::is_same_v<T, float>) {
+    for (int c = lane; c < p.headdim_v; c += 32) acc = fmaf(to_float(o[c]), to_float(d[c]), acc);
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  }
   if (lane == 0) {
     float l = p.lse[lse_index(p, s, b, h, i)];
     // ALiBi's causal form: L carries slope * (i + sk - sq) beyond the LSE of the scores that
     // P is recomputed from (ScoreMod::lse_offset); it comes off here, once per row.
     if (p.mod.alibi_lse_offset && l != -INFINITY) l -= p.mod.lse_offset(p.mod.slope(b, h), i, s.sq, s.sk);
     p.lse2[w] = l == -INFINITY ? INFINITY : l * kLog2e;
-    p.dsum[w] = float(acc);
+    p.dsum[w] = acc;
   }
 }
 

@@ -11,6 +11,16 @@
 // fragment rows over its columns, merged across the quad and the block's column warps at the end.
 // Writes lse2 := row max (natural domain) and row_sum; rows that see no key keep the preprocess's
 // +inf and 1, so their P is 0.
+//
+// A second pass over the same keys then forms D = rowsum(P dP) / rowsum(P) from the very P and dP
+// that the dK/dV and dQ kernels compute (same products, same prob_of_score), as the CPU backward's
+// compute_delta_consistent does. dS = P (dP - D) cancels D against dP, and D = rowsum(O dO) from
+// the forward's O agrees with the gradient passes' P and dP only up to O's rounding summed over
+// headdim_v: where the exact dQ and dK are ~0 (one visible key, identical keys or values, a row
+// one key dominates, headdim_v large) that rounding is the whole result, several times a naive
+// implementation's error (whose D comes from its own P and dP). With this D the row's dS sum to 0
+// up to D's own rounding, and one visible key gives P = 1, D = dP and dS = 0 exactly. The pass
+// costs two more tile products (S and dP) per key tile of the row.
 #include <math.h>
 
 #include <type_traits>
@@ -32,11 +42,15 @@ __device__ __forceinline__ void merge_stats(float& m, float& l, float m2, float 
   m = mn;
 }
 
+// Q, dO, K, V tiles; per (column warp, row): the D pass's double sums, then max and sum; per row:
+// the merged max and sum the D pass forms P from.
 template <int D>
 struct RowStatsTile {
   using Tile = DqTile<float, D>;
-  static constexpr int kSmemBytes = int(sizeof(float)) * (Tile::kBlockM * Tile::kLd + Tile::kBlockN * Tile::kLd +
-                                                          2 * Tile::kGridS.wn * Tile::kBlockM);
+  static constexpr int kSmemBytes =
+      int(sizeof(float)) * (2 * Tile::kBlockM * Tile::kLd + 2 * Tile::kBlockN * Tile::kLd) +
+      int(sizeof(double)) * 2 * Tile::kGridS.wn * Tile::kBlockM +
+      int(sizeof(float)) * (2 * Tile::kGridS.wn * Tile::kBlockM + 2 * Tile::kBlockM);
 };
 
 template <int D>
@@ -48,9 +62,15 @@ __global__ void __launch_bounds__(kThreads, 1) row_stats_kernel(const BwdParams 
 
   extern __shared__ __align__(16) unsigned char smem[];
   float* sQ = reinterpret_cast<float*>(smem);
-  float* sK = sQ + BM * LD;
-  float* sM = sK + BN * LD;  // [column warp][row]
+  float* sdO = sQ + BM * LD;
+  float* sK = sdO + BM * LD;
+  float* sV = sK + BN * LD;
+  double* sPdP = reinterpret_cast<double*>(sV + BN * LD);  // [column warp][row]: sum of P dP
+  double* sP = sPdP + GS.wn * BM;                           // [column warp][row]: sum of P
+  float* sM = reinterpret_cast<float*>(sP + GS.wn * BM);    // [column warp][row]
   float* sSum = sM + GS.wn * BM;
+  float* sRowM = sSum + GS.wn * BM;  // [row]: the statistics P is formed from (prob_of_score)
+  float* sRowSum = sRowM + BM;
 
   const int b = blockIdx.y, h = blockIdx.z, hk = h / p.group;
   const SeqInfo s = seq_info(p, b);
@@ -64,7 +84,12 @@ __global__ void __launch_bounds__(kThreads, 1) row_stats_kernel(const BwdParams 
   const float* gQ =
       static_cast<const float*>(p.q.ptr) + seq_base(p, p.q, b, true) + int64_t(h) * p.q.head + int64_t(q0) * p.q.seq;
   const float* gK = static_cast<const float*>(p.k.ptr) + seq_base(p, p.k, b, false) + int64_t(hk) * p.k.head;
+  const float* gV = static_cast<const float*>(p.v.ptr) + seq_base(p, p.v, b, false) + int64_t(hk) * p.v.head;
+  const float* gdO = static_cast<const float*>(p.dout.ptr) + seq_base(p, p.dout, b, true) + int64_t(h) * p.dout.head +
+                     int64_t(q0) * p.dout.seq;
   load_tile<float, BM, D, LD>(sQ, gQ, p.q.seq, q1 - q0, p.headdim_qk, p.vec_io);
+  load_tile<float, BM, D, LD>(sdO, gdO, p.dout.seq, q1 - q0, p.headdim_v, p.vec_io);
+  cp_async_commit();  // committed even when no key tile follows, so the final wait covers it
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   const int s_row = (warp / GS.wn) * GS.tm, s_col = (warp % GS.wn) * GS.tn;
@@ -102,7 +127,7 @@ __global__ void __launch_bounds__(kThreads, 1) row_stats_kernel(const BwdParams 
             for (int e = 0; e < 2; ++e) {
               const int c = s_col + j * 8 + (lane & 3) * 2 + e;
               float sc = scaled_score(st[i][j][2 * hh + e], p);
-              if constexpr (kAlibi) sc += ScoreMod::alibi_bias(slope, q0 + r, k0 + c, s.sq, s.sk);
+              if constexpr (kAlibi) sc = __fadd_rn(sc, ScoreMod::alibi_bias(slope, q0 + r, k0 + c, s.sq, s.sk));
               v[j][e] = (masked && !mask.visible(q0 + r, k0 + c)) ? -INFINITY : sc;
               tile_max = fmaxf(tile_max, v[j][e]);
             }
@@ -137,14 +162,94 @@ __global__ void __launch_bounds__(kThreads, 1) row_stats_kernel(const BwdParams 
     }
   cp_async_wait<0>();
   __syncthreads();
-  for (int r = threadIdx.x; r < q1 - q0; r += kThreads) {
-    float mr = sM[r], lr = sSum[r];
-    for (int w = 1; w < GS.wn; ++w) merge_stats(mr, lr, sM[w * BM + r], sSum[w * BM + r]);
-    if (lr > 0.0f) {
-      const int64_t w = ws_row(p, b, h) + q0 + r;
-      p.lse2[w] = mr;
-      p.row_sum[w] = lr;
+  for (int r = threadIdx.x; r < BM; r += kThreads) {
+    // What the gradient passes read for the row: (max, sum), or (+inf, 1) where P is 0.
+    float mr = INFINITY, lr = 1.0f;
+    if (r < q1 - q0) {
+      float m_all = sM[r], l_all = sSum[r];
+      for (int w = 1; w < GS.wn; ++w) merge_stats(m_all, l_all, sM[w * BM + r], sSum[w * BM + r]);
+      if (l_all > 0.0f) {
+        const int64_t w = ws_row(p, b, h) + q0 + r;
+        p.lse2[w] = mr = m_all;
+        p.row_sum[w] = lr = l_all;
+      }
     }
+    sRowM[r] = mr;
+    sRowSum[r] = lr;
+  }
+  __syncthreads();
+
+  // D = rowsum(P dP) / rowsum(P), P and dP summed in double over the row's keys (see the file
+  // comment). The products are the dQ kernel's (same tiles, warp grid and wide sums), whose
+  // elements equal the dK/dV kernel's transposed ones.
+  double pdp[MT][2], psum[MT][2];
+#pragma unroll
+  for (int i = 0; i < MT; ++i) pdp[i][0] = pdp[i][1] = psum[i][0] = psum[i][1] = 0.0;
+  for (int it = 0; it < n_tiles; ++it) {
+    const int k0 = (t0 + it) * BN;
+    load_tile<float, BN, D, LD>(sK, gK + int64_t(k0) * p.k.seq, p.k.seq, s.sk - k0, p.headdim_qk, p.vec_io);
+    load_tile<float, BN, D, LD>(sV, gV + int64_t(k0) * p.v.seq, p.v.seq, s.sk - k0, p.headdim_v, p.vec_io);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    float dp[MT][NT][4], st[MT][NT][4];
+    zero(dp);
+    zero(st);
+    warp_gemm<float, MT, NT, D, true, false, true>(dp, sdO + s_row * LD, LD, sV + s_col * LD, LD);
+    warp_gemm<float, MT, NT, D, true, false, true>(st, sQ + s_row * LD, LD, sK + s_col * LD, LD);
+    const bool masked = !(mask.full_begin_key(q1) <= k0 && mask.full_end_key(q0) >= k0 + BN);
+    auto tile_sums = [&](auto capped_c, auto alibi_c) {
+      constexpr bool kCapped = decltype(capped_c)::value, kAlibi = decltype(alibi_c)::value;
+#pragma unroll
+      for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int r = s_row + i * 16 + (lane >> 2) + hh * 8;
+          const float mr = sRowM[r], lr = sRowSum[r];
+#pragma unroll
+          for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int c = s_col + j * 8 + (lane & 3) * 2 + e;
+              float bias = 0.0f, cap;
+              if constexpr (kAlibi) bias = ScoreMod::alibi_bias(slope, q0 + r, k0 + c, s.sq, s.sk);
+              float pe = prob_of_score<float, kCapped, kAlibi>(st[i][j][2 * hh + e], mr, lr, p, cap, bias);
+              if (masked && !mask.visible(q0 + r, k0 + c)) pe = 0.0f;
+              pdp[i][hh] += double(pe) * double(dp[i][j][2 * hh + e]);
+              psum[i][hh] += double(pe);
+            }
+        }
+    };
+    if (p.softcap > 0.0f) {
+      if (alibi) tile_sums(std::true_type{}, std::true_type{});
+      else tile_sums(std::true_type{}, std::false_type{});
+    } else {
+      if (alibi) tile_sums(std::false_type{}, std::true_type{});
+      else tile_sums(std::false_type{}, std::false_type{});
+    }
+    __syncthreads();  // sK and sV are refilled next
+  }
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+#pragma unroll
+      for (int off = 1; off < 4; off <<= 1) {
+        pdp[i][hh] += __shfl_xor_sync(0xffffffffu, pdp[i][hh], off);
+        psum[i][hh] += __shfl_xor_sync(0xffffffffu, psum[i][hh], off);
+      }
+      if ((lane & 3) == 0) {
+        const int r = s_row + i * 16 + (lane >> 2) + hh * 8;
+        sPdP[(warp % GS.wn) * BM + r] = pdp[i][hh];
+        sP[(warp % GS.wn) * BM + r] = psum[i][hh];
+      }
+    }
+  cp_async_wait<0>();  // no copy may outlive the block (tiles loaded for an empty loop)
+  __syncthreads();
+  for (int r = threadIdx.x; r < q1 - q0; r += kThreads) {
+    double num = sPdP[r], den = sP[r];
+    for (int w = 1; w < GS.wn; ++w) num += sPdP[w * BM + r], den += sP[w * BM + r];
+    p.dsum[ws_row(p, b, h) + q0 + r] = den > 0.0 ? float(num / den) : 0.0f;
   }
 }
 

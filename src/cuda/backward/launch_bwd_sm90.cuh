@@ -6,7 +6,7 @@
 
 #include "cuda/common/check.cuh"
 #include "cuda/backward/bwd_preprocess.cuh"
-#include "cuda/backward/bwd_dkdv_kernel_sm90.cuh"
+#include "cuda/backward/bwd_kernel_sm90.cuh"
 #include "cuda/backward/bwd_dq_kernel_sm90.cuh"
 #include "cuda/backward/launch_bwd_sm90.hpp"
 #include "cuda/arch/tma_map.hpp"
@@ -31,9 +31,23 @@ bool BwdSm90<T, kHeadDim>::make_maps(const AttentionProblem& pr, BwdSm90Params& 
                                                  kBwdBoxRows));
 }
 
+namespace detail {
+// The main kernel over (key tiles, batch, kv heads).
+template <class T, int kHeadDim, bool kFusedDq>
+void launch_bwd_sm90(const BwdSm90Params& params, cudaStream_t stream) {
+  using Traits = BwdSm90Traits<T, kHeadDim, kFusedDq>;
+  const bwd::BwdParams& p = params.bwd;
+  TA_CUDA_CHECK(cudaFuncSetAttribute(bwd_kernel_sm90<T, kHeadDim, kFusedDq>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     Traits::kSmemBytes));
+  const dim3 grid((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, p.batch, p.heads_kv);
+  if (grid.x == 0) return;
+  bwd_kernel_sm90<T, kHeadDim, kFusedDq><<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
+  TA_CUDA_CHECK_LAUNCH("backward (sm90)");
+}
+}  // namespace detail
+
 template <class T, int kHeadDim>
 void BwdSm90<T, kHeadDim>::run(const BwdSm90Params& params, cudaStream_t stream) {
-  using KV = DkdvSm90Traits<T, kHeadDim>;
   using Q = DqSm90Traits<T, kHeadDim>;
   const bwd::BwdParams& p = params.bwd;
   if (p.batch == 0 || p.heads_q == 0 || p.seqlen_q == 0) return;
@@ -46,14 +60,15 @@ void BwdSm90<T, kHeadDim>::run(const BwdSm90Params& params, cudaStream_t stream)
   bwd::preprocess_kernel<T><<<row_blocks, bwd::kRowKernelThreads, 0, stream>>>(p);
   TA_CUDA_CHECK_LAUNCH("backward preprocess");
 
-  TA_CUDA_CHECK(cudaFuncSetAttribute(dkdv_kernel_sm90<T, kHeadDim>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     KV::kSmemBytes));
-  const dim3 kv_grid((p.seqlen_k + KV::kBlockN - 1) / KV::kBlockN, p.batch, p.heads_kv);
-  if (kv_grid.x > 0) {
-    dkdv_kernel_sm90<T, kHeadDim><<<kv_grid, KV::kThreads, KV::kSmemBytes, stream>>>(params);
-    TA_CUDA_CHECK_LAUNCH("backward dK/dV (sm90)");
+  if (p.dq_accum != nullptr) {
+    // The accumulator rows are kHeadDim floats: the workspace is laid out for this bucket.
+    detail::launch_bwd_sm90<T, kHeadDim, true>(params, stream);
+    convert_dq_tiles_sm90<T, kHeadDim><<<row_blocks, bwd::kRowKernelThreads, 0, stream>>>(p);
+    TA_CUDA_CHECK_LAUNCH("backward dQ convert");
+    return;
   }
 
+  detail::launch_bwd_sm90<T, kHeadDim, false>(params, stream);
   TA_CUDA_CHECK(cudaFuncSetAttribute(dq_kernel_sm90<T, kHeadDim>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      Q::kSmemBytes));
   const dim3 q_grid((p.seqlen_q + Q::kBlockM - 1) / Q::kBlockM, p.heads_q, p.batch);

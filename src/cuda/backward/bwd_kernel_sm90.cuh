@@ -1,0 +1,333 @@
+#pragma once
+// The Hopper backward: one block per (128 keys, batch, kv head), three warpgroups. The producer
+// loads K and V once, then streams (Q, dO, L, D) tiles of the query tiles that see these keys,
+// for every query head of the kv head's group; each consumer owns 64 keys:
+//   S^T  = K Q^T      dP^T = V dO^T      wgmma, all operands in shared memory
+//   P^T, dS^T         from S^T, dP^T and the queries' L and D (bwd_grads.cuh, per element)
+//   dV  += P^T dO     dK  += dS^T Q      wgmma, P^T and dS^T from registers (the accumulator
+//                                         layout of S^T is the A-fragment layout), dO and Q
+//                                         read N-major
+// dK and dV sum over the group in registers and are written once, in a fixed order.
+//
+// With kFusedDq (the default mode), dQ is the fifth product of the same step,
+//   dQ_tile = dS K       dS^T through shared memory, read M-major; K read N-major; the consumers
+//                        split the tile (by queries at D <= 64, by 64-column panels above)
+// and leaves in fp32 through shared memory: a warp of the producer warpgroup adds the whole tile
+// to the workspace accumulator with one bulk reduction, off the consumers' path, and
+// convert_dq_tiles_sm90 scales and converts it. The tile is stored in the order the consumers
+// hold it (DqTileOrder), so their shared-memory writes are whole 512-byte runs per warp and the
+// reduction is one contiguous run (row by row, the 256-byte reductions at D = 64 cost 28% of the
+// backward's time; docs/perf-log.md). Reductions land in any order, so dQ's low bits vary run to
+// run; the deterministic mode runs without kFusedDq and gives dQ its own pass
+// (bwd_dq_kernel_sm90.cuh).
+//
+// Named barriers (kFusedDq only): 1 both consumers' dS^T written; 2 a dQ tile written (consumers
+// arrive, the dQ warp waits); 3 the dQ tile's shared memory read (the dQ warp arrives).
+#include <cuda_runtime.h>
+
+#include <type_traits>
+
+#include "common/mask.hpp"
+#include "cuda/backward/bwd_grads.cuh"
+#include "cuda/backward/bwd_launch.hpp"
+#include "cuda/common/bwd_params.hpp"
+#include "cuda/backward/bwd_tile_io.cuh"
+#include "cuda/backward/bwd_params_sm90.hpp"
+#include "cuda/backward/bwd_preprocess.cuh"
+#include "cuda/arch/panel_tile_sm90.cuh"
+#include "cuda/arch/ptx_sm90.cuh"
+#include "cuda/arch/wgmma_ops.cuh"
+
+namespace tileattn::cuda {
+
+// Where element (r, c) of a (kBlockM x kHeadDim) fp32 dQ tile lives in the tile's run of floats:
+// the consumer's part (its 64 rows, or its 64-column panel), then 8-column group j, then the
+// thread of the warpgroup, then the accumulator register -- thread (warp w, g, t) holds rows
+// 16 w + g (+ 8) and columns 8 j + 2 t (+ 1) of its part as one float4 per j.
+template <int kHeadDim>
+struct DqTileOrder {
+  static constexpr int kBlockM = kHeadDim <= 64 ? 128 : 64;
+  static constexpr bool kSplitRows = kBlockM == 128;  // else by 64-column panels (96 = 64 + 32)
+  static constexpr int kPartFloats = 64 * (kSplitRows ? kHeadDim : 64);
+  __host__ __device__ static int offset(int r, int c) {
+    const int part = kSplitRows ? r / 64 : c / 64, rr = kSplitRows ? r % 64 : r, cc = kSplitRows ? c : c % 64;
+    const int thread = 32 * (rr / 16) + 4 * (rr % 8) + (cc % 8) / 2;
+    return part * kPartFloats + ((cc / 8) * 128 + thread) * 4 + 2 * ((rr % 16) / 8) + cc % 2;
+  }
+};
+
+template <class T, int kHeadDim, bool kFusedDq>
+struct BwdSm90Traits {
+  static constexpr int kConsumers = 2;
+  static constexpr int kThreads = 128 * (kConsumers + 1);
+  static constexpr int kBlockN = 64 * kConsumers;          // keys per block
+  static constexpr int kBlockM = kHeadDim <= 64 ? 128 : 64;  // queries per step (registers: S^T, dP^T)
+  static constexpr int kStages = 2;
+  using KVTile = sm90::PanelTile<kBlockN, kHeadDim>;
+  using QTile = sm90::PanelTile<kBlockM, kHeadDim>;
+  // dS^T (keys x queries). Two buffers: a consumer writes the next step's while the other may
+  // still read this one.
+  using DsTile = sm90::PanelTile<kBlockN, kBlockM>;
+  using DqOrder = DqTileOrder<kHeadDim>;
+  static constexpr bool kDqSplitRows = DqOrder::kSplitRows;
+  static constexpr int kDqTileBytes = kBlockM * kHeadDim * 4;
+  // K, V, then per stage: Q, dO, L * log2(e), D; then dS^T (1024-aligned: the swizzle is on
+  // address bits), the dQ tile and the barriers.
+  static constexpr int kStageBytes = 2 * QTile::kBytes + 2 * kBlockM * 4;
+  static constexpr int kStagesOffset = 2 * KVTile::kBytes;
+  static constexpr int kDsOffset = (kStagesOffset + kStages * kStageBytes + 1023) / 1024 * 1024;
+  static constexpr int kDqOffset = kDsOffset + (kFusedDq ? 2 * DsTile::kBytes : 0);
+  static constexpr int kBarrierOffset = kDqOffset + (kFusedDq ? kDqTileBytes : 0);
+  static constexpr int kSmemBytes = kBarrierOffset + 128 + 1024;
+  static constexpr int kProducerRegisters = 24;
+  static constexpr int kConsumerRegisters = 240;
+  // bar.sync counts: both consumers; both consumers and the dQ warp.
+  static constexpr int kConsumerThreads = 128 * kConsumers;
+  static constexpr int kDqBarrierThreads = kConsumerThreads + 32;
+  static_assert(kHeadDim % 16 == 0 && kHeadDim <= 128, "sm90 backward: head dims 16..128 in steps of 16");
+  static_assert(DqOrder::kBlockM == kBlockM, "one tile shape");
+  static_assert(bwd::kWorkspaceRowTile % kBlockM == 0, "query tiles never reach past the workspace padding");
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory");
+};
+
+template <class T, int kHeadDim, bool kFusedDq>
+__global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads, 1)
+    bwd_kernel_sm90(const __grid_constant__ BwdSm90Params params) {
+#if defined(TILEATTN_SM90_ENABLED)
+  using Traits = BwdSm90Traits<T, kHeadDim, kFusedDq>;
+  using KVTile = typename Traits::KVTile;
+  using QTile = typename Traits::QTile;
+  using DsTile = typename Traits::DsTile;
+  constexpr int BN = Traits::kBlockN, BM = Traits::kBlockM, kStages = Traits::kStages;
+  constexpr int kDsReady = 1, kDqFull = 2, kDqEmpty = 3;
+  const bwd::BwdParams& p = params.bwd;
+
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = sm90::swizzle_aligned(smem_raw);
+  unsigned char* sK = smem;
+  unsigned char* sV = sK + KVTile::kBytes;
+  auto stage_q = [&](int s) { return smem + Traits::kStagesOffset + s * Traits::kStageBytes; };
+  auto stage_dout = [&](int s) { return stage_q(s) + QTile::kBytes; };
+  auto stage_lse2 = [&](int s) { return reinterpret_cast<float*>(stage_q(s) + 2 * QTile::kBytes); };
+  auto stage_dsum = [&](int s) { return stage_lse2(s) + BM; };
+  auto ds_buffer = [&](int it) { return smem + Traits::kDsOffset + (it % 2) * DsTile::kBytes; };
+  float* sdq = reinterpret_cast<float*>(smem + Traits::kDqOffset);
+  uint64_t* kv_full = reinterpret_cast<uint64_t*>(smem + Traits::kBarrierOffset);
+  uint64_t* full = kv_full + 1;
+  uint64_t* empty = full + kStages;
+
+  const int b = blockIdx.y, hk = blockIdx.z;
+  const bwd::SeqInfo seq = bwd::seq_info(p, b);
+  const int k0 = blockIdx.x * BN;
+  if (k0 >= seq.sk) return;
+  const int k1 = min(k0 + BN, seq.sk);
+  const Mask mask = bwd::seq_mask(p, seq);
+  const bwd::TileSpan queries = bwd::tile_span(mask.tile_begin_query(k0), mask.tile_end_query(k1), BM);
+  const int n_iter = queries.count * p.group;
+  auto head_of = [&](int it) { return hk * p.group + it / queries.count; };
+  auto q0_of = [&](int it) { return (queries.first + it % queries.count) * BM; };
+
+  if (threadIdx.x == 0) {
+    sm90::barrier_init(kv_full, 1);
+    for (int s = 0; s < kStages; ++s) {
+      sm90::barrier_init(full + s, 1);
+      sm90::barrier_init(empty + s, 4 * Traits::kConsumers);  // one arrival per consumer warp
+    }
+    sm90::barrier_init_fence();
+  }
+  __syncthreads();
+
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  const int warpgroup = int(threadIdx.x) / 128;
+  if (warpgroup == 0) {
+    sm90::registers_decrease<Traits::kProducerRegisters>();
+    if constexpr (kFusedDq) {
+      if (threadIdx.x / 32 == 1) {
+        // The dQ warp: each step's tile into its place in the accumulator (rows past the
+        // sequence land in workspace padding). Whole warps take part in named barriers.
+        for (int it = 0; it < n_iter; ++it) {
+          sm90::named_barrier_sync(kDqFull, Traits::kDqBarrierThreads);
+          if (threadIdx.x == 32) {
+            sm90::bulk_reduce_add(p.dq_accum + (bwd::ws_row(p, b, head_of(it)) + q0_of(it)) * kHeadDim, sdq,
+                                  Traits::kDqTileBytes);
+            sm90::bulk_commit();
+            sm90::bulk_wait_read();
+          }
+          __syncwarp();
+          if (it + 1 < n_iter) sm90::named_barrier_arrive(kDqEmpty, Traits::kDqBarrierThreads);
+        }
+        return;
+      }
+    }
+    if (threadIdx.x != 0 || n_iter == 0) return;
+    const int batch = varlen ? 0 : b;
+    const int k_row = int(seq.row_k) + k0;
+    const int q_base = int(seq.row_q);
+    sm90::barrier_arrive_expect_bytes(kv_full, 2 * KVTile::kBytes);
+    KVTile::template load<kBwdBoxRows>(sK, &params.k, kv_full, k_row, hk, batch);
+    KVTile::template load<kBwdBoxRows>(sV, &params.v, kv_full, k_row, hk, batch);
+    for (int it = 0; it < n_iter; ++it) {
+      const int s = it % kStages;
+      const uint32_t phase = (it / kStages) & 1;
+      const int h = head_of(it), q0 = q0_of(it);
+      sm90::barrier_wait(empty + s, phase ^ 1);
+      sm90::barrier_arrive_expect_bytes(full + s, Traits::kStageBytes);
+      QTile::template load<kBwdBoxRows>(stage_q(s), &params.q, full + s, q_base + q0, h, batch);
+      QTile::template load<kBwdBoxRows>(stage_dout(s), &params.dout, full + s, q_base + q0, h, batch);
+      const int64_t w = bwd::ws_row(p, b, h) + q0;
+      sm90::bulk_load(stage_lse2(s), p.lse2 + w, BM * 4, full + s);
+      sm90::bulk_load(stage_dsum(s), p.dsum + w, BM * 4, full + s);
+    }
+    return;
+  }
+
+  sm90::registers_increase<Traits::kConsumerRegisters>();
+  const int consumer = warpgroup - 1;
+  const int warp = (int(threadIdx.x) / 32) % 4, lane = int(threadIdx.x) % 32;
+  const int key_row = 64 * consumer + 16 * warp + lane / 4;  // tile row of (g, e < 2)
+
+  float dk[1][kHeadDim / 8][4], dv[1][kHeadDim / 8][4];
+#pragma unroll
+  for (int j = 0; j < kHeadDim / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[0][j][e] = dv[0][j][e] = 0.0f;
+
+  // kDqCols: this consumer's columns of the dQ tile (all of them where the split is by rows).
+  auto steps = [&](auto dq_cols) {
+    constexpr int kDqCols = decltype(dq_cols)::value;
+    const uint32_t k_base = smem_address(sK) + consumer * 64 * 128;
+    const uint32_t v_base = smem_address(sV) + consumer * 64 * 128;
+    // dQ's operands and this thread's first dQ element: queries 64 c.. and K's panel 0, or all
+    // queries and K's panel c.
+    const int ds_panel = Traits::kDqSplitRows ? consumer : 0, k_panel = Traits::kDqSplitRows ? 0 : consumer;
+    const uint32_t k_dq = smem_address(sK) + k_panel * KVTile::kPanelBytes;
+    [[maybe_unused]] float* dq_part = sdq + ds_panel * Traits::DqOrder::kPartFloats + k_panel * Traits::DqOrder::kPartFloats +
+                     4 * (int(threadIdx.x) % 128);
+    sm90::barrier_wait(kv_full, 0);
+    for (int it = 0; it < n_iter; ++it) {
+      const int s = it % kStages;
+      const uint32_t phase = (it / kStages) & 1;
+      const int q0 = q0_of(it);
+      const uint32_t q_addr = smem_address(stage_q(s)), do_addr = smem_address(stage_dout(s));
+      sm90::barrier_wait(full + s, phase);
+
+      float st[1][BM / 8][4], dpt[1][BM / 8][4];
+      sm90::wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < kHeadDim / 16; ++ks)
+        sm90::Wgmma<T, BM>::ss(st[0], KVTile::k_major(k_base, ks), QTile::k_major(q_addr, ks), ks > 0);
+#pragma unroll
+      for (int ks = 0; ks < kHeadDim / 16; ++ks)
+        sm90::Wgmma<T, BM>::ss(dpt[0], KVTile::k_major(v_base, ks), QTile::k_major(do_addr, ks), ks > 0);
+      sm90::wgmma_commit();
+      sm90::wgmma_wait<0>();
+      sm90::fence_registers(st[0]);
+      sm90::fence_registers(dpt[0]);
+
+      // P^T and dS^T, rounded to T in the A-fragment layout (two column tiles = one k-step).
+      const int q1 = min(q0 + BM, seq.sq);
+      const bool masked = !(mask.full_begin_key(q1) <= k0 && mask.full_end_key(q0) >= k0 + BN);
+      const float* lse2 = stage_lse2(s);
+      const float* dsum = stage_dsum(s);
+      uint32_t pa[BM / 16][4], da[BM / 16][4];
+      const bwd::Fragment grads{lse2, dsum, {0.0f, 0.0f}, {0.0f, 0.0f}, q0, k0 + key_row, mask};
+      bwd::grads_to_fragments<T, true>(masked, st, dpt, grads, p, pa, da);
+
+      sm90::fence_registers(dv[0]);
+      sm90::fence_registers(dk[0]);
+      sm90::wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < BM / 16; ++ks)
+        sm90::Wgmma<T, kHeadDim>::template rs<1>(dv[0], pa[ks], QTile::n_major(do_addr, ks), 1);
+      sm90::wgmma_commit();
+
+      [[maybe_unused]] float dq[1][kDqCols / 8][4];
+      if constexpr (kFusedDq) {
+        // dS^T into shared memory in the tile format: A fragment (ks, i) holds rows g + 8 (i % 2)
+        // and columns 16 ks + 8 (i / 2) + 2 t, + 1.
+        unsigned char* ds = ds_buffer(it);
+#pragma unroll
+        for (int ks = 0; ks < BM / 16; ++ks)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int r = key_row + 8 * (i % 2), chunk = (2 * ks + i / 2) % 8;
+            *reinterpret_cast<uint32_t*>(ds + (ks / 4) * DsTile::kPanelBytes + r * 128 + ((chunk ^ (r % 8)) * 16) +
+                                         4 * (lane % 4)) = da[ks][i];
+          }
+        sm90::fence_shared_to_async();
+        sm90::named_barrier_sync(kDsReady, Traits::kConsumerThreads);
+        const uint32_t ds_addr = smem_address(ds) + ds_panel * DsTile::kPanelBytes;
+        sm90::wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < BN / 16; ++ks)
+          sm90::Wgmma<T, kDqCols>::template ss<1, 1>(dq[0], DsTile::n_major(ds_addr, ks), KVTile::n_major(k_dq, ks),
+                                                      ks > 0);
+        sm90::wgmma_commit();
+      }
+#pragma unroll
+      for (int ks = 0; ks < BM / 16; ++ks)
+        sm90::Wgmma<T, kHeadDim>::template rs<1>(dk[0], da[ks], QTile::n_major(q_addr, ks), 1);
+      sm90::wgmma_commit();
+
+      if constexpr (kFusedDq) {
+        sm90::wgmma_wait<1>();  // dV and dQ done; dK may still run
+        sm90::fence_registers(dq[0]);
+        if (it > 0) sm90::named_barrier_sync(kDqEmpty, Traits::kDqBarrierThreads);
+#pragma unroll
+        for (int j = 0; j < kDqCols / 8; ++j)
+          *reinterpret_cast<float4*>(dq_part + j * 512) = make_float4(dq[0][j][0], dq[0][j][1], dq[0][j][2], dq[0][j][3]);
+        sm90::fence_shared_to_async();
+        sm90::named_barrier_arrive(kDqFull, Traits::kDqBarrierThreads);
+      }
+      sm90::wgmma_wait<0>();
+      sm90::fence_registers(dv[0]);
+      sm90::fence_registers(dk[0]);
+      __syncwarp();
+      if (lane == 0) sm90::barrier_arrive(empty + s);
+    }
+  };
+  if (n_iter > 0) {
+    if constexpr (!kFusedDq || Traits::kDqSplitRows) {
+      steps(std::integral_constant<int, kHeadDim>{});
+    } else if constexpr (kHeadDim == 128) {
+      steps(std::integral_constant<int, 64>{});
+    } else {
+      if (consumer == 0) steps(std::integral_constant<int, 64>{});
+      else steps(std::integral_constant<int, kHeadDim - 64>{});
+    }
+  }
+
+  const int row0 = 64 * consumer + 16 * warp;  // this warp's first tile row
+  T* gdK = static_cast<T*>(p.dk.ptr) + bwd::seq_base(p, p.dk, b, false) + int64_t(hk) * p.dk.head +
+           int64_t(k0 + row0) * p.dk.seq;
+  T* gdV = static_cast<T*>(p.dv.ptr) + bwd::seq_base(p, p.dv, b, false) + int64_t(hk) * p.dv.head +
+           int64_t(k0 + row0) * p.dv.seq;
+  bwd::store_grad_frag<T>(p.pair_grads, dk, p.scale, gdK, p.dk.seq, k1 - k0 - row0, p.headdim_qk);
+  bwd::store_grad_frag<T>(p.pair_grads, dv, 1.0f, gdV, p.dv.seq, k1 - k0 - row0, p.headdim_v);
+#endif
+}
+
+// dQ = scale * the accumulator, from its tile order, in dQ's dtype and strides: one warp per
+// query row, two columns per lane (pairs stay adjacent in the tile order).
+template <class T, int kHeadDim>
+__global__ void __launch_bounds__(bwd::kRowKernelThreads) convert_dq_tiles_sm90(const bwd::BwdParams p) {
+  using Order = DqTileOrder<kHeadDim>;
+  int b, h, i;
+  if (!bwd::row_of_warp(p, b, h, i)) return;
+  const bwd::SeqInfo s = bwd::seq_info(p, b);
+  if (i >= s.sq) return;
+  const int r = i % Order::kBlockM;
+  const float* tile = p.dq_accum + (bwd::ws_row(p, b, h) + i - r) * kHeadDim;
+  T* dq = static_cast<T*>(p.dq.ptr) + bwd::seq_base(p, p.dq, b, true) + int64_t(i) * p.dq.seq + int64_t(h) * p.dq.head;
+  for (int c = 2 * (int(threadIdx.x) % 32); c < p.headdim_qk; c += 64) {
+    const float2 v = *reinterpret_cast<const float2*>(tile + Order::offset(r, c));
+    if (p.pair_grads && c + 1 < p.headdim_qk) {
+      *reinterpret_cast<uint32_t*>(dq + c) = pack2<T>(v.x * p.scale, v.y * p.scale);
+    } else {
+      dq[c] = from_float<T>(v.x * p.scale);
+      if (c + 1 < p.headdim_qk) dq[c + 1] = from_float<T>(v.y * p.scale);
+    }
+  }
+}
+
+}  // namespace tileattn::cuda
