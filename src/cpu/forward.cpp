@@ -31,16 +31,20 @@ struct OnlineRows {
 };
 
 // One online-softmax step over a key-major tile of scores s (n keys x kTileQ queries; masked
-// entries -inf; columns from `rows` on finite and ignored): rescales the running state to the
-// new max and replaces s by the weights (weight_lanes), which the caller then multiplies into V.
-// Each query's sum adds its keys in order, as a scalar loop would.
-void online_step(float* s, int64_t rows, int64_t n, int64_t dv, OnlineRows& st) {
+// entries -inf; columns from `rows` on finite and ignored): scales the scores by `scale` (1 where
+// the caller already did), rescales the running state to the new max and replaces s by the weights
+// (weight_lanes), which the caller then multiplies into V. Each query's sum adds its keys in
+// order, as a scalar loop would.
+void online_step(float* s, int64_t rows, int64_t n, int64_t dv, float scale, OnlineRows& st) {
   const int64_t vecs = ceil_div(rows, kLanes);  // only the columns the products filled
   float m_new[kTileQ], ref[kTileQ];
+  const f32xN scale_lanes = broadcast_lanes(scale);
   for (int64_t c = 0; c < vecs; ++c) {
     f32xN mx = load_lanes(st.m + c * kLanes);
     for (int64_t j = 0; j < n; ++j) {
-      const f32xN x = load_lanes(s + j * kTileQ + c * kLanes);
+      float* sj = s + j * kTileQ + c * kLanes;
+      const f32xN x = load_lanes(sj) * scale_lanes;
+      store_lanes(sj, x);
       mx = x > mx ? x : mx;
     }
     store_lanes(m_new + c * kLanes, mx);
@@ -76,74 +80,125 @@ float finish_lse_rounded_once(float m, float row_sum, float offset) {
   return float(double(m) + std::log(double(row_sum)) + double(offset));
 }
 
-struct ForwardScratch {
-  std::vector<float> qt, k, v, s;
-  std::vector<uint8_t> keep;  // dropout's keep mask of one tile, key-major like s
+struct SoftmaxMatmulScratch {
+  std::vector<float> v, s;
   OnlineRows rows;
 };
 
-void forward_tile(const AttentionProblem& p, const ScoreTransform& transform, int64_t b, int64_t h, int64_t tile,
-                  ForwardScratch& w) {
+// Query tiles one task carries through a single walk over the key tiles, so that each K and V
+// tile is read (and, when strided or not fp32, copied) once per group rather than once per query
+// tile. With flash-attn's layout the copies of K and V rows, each in its own 4 KiB page (no
+// hardware prefetch across them), measured ~13% of a forward at one tile per task.
+constexpr int64_t kGroupTiles = 4;
+
+// One query tile of a task: its transposed Q, running softmax state and key range.
+struct QueryTile {
+  std::vector<float> qt;
+  OnlineRows rows;
+};
+
+struct ForwardScratch {
+  std::vector<float> k, v, s;
+  std::vector<uint8_t> keep;  // dropout's keep mask of one tile, key-major like s
+  QueryTile tiles[kGroupTiles];
+};
+
+// Query tiles [tile0, tile0 + count) of (sequence b, head h). Each query tile sees the key tiles
+// of its mask on the grid of multiples of kTileK, in increasing order, whatever the group: the
+// keys a window hides in the first or last tile are masked (-inf, weight 0).
+void forward_tiles(const AttentionProblem& p, const ScoreTransform& transform, int64_t b, int64_t h, int64_t tile0,
+                   int64_t count, ForwardScratch& w) {
   const Sequence s = sequence(p, b);
-  const int64_t i0 = tile * kTileQ;
-  if (i0 >= s.len_q) return;
-  const int64_t rows = std::min(kTileQ, s.len_q - i0), i1 = i0 + rows;
   const int64_t dqk = p.headdim_qk, dv = p.headdim_v, hk = h / (p.heads_q / p.heads_kv);
-  // Products and the softmax step run over whole vectors of queries: `cols` columns, those past
-  // `rows` zero so that their padding scores are finite (a short tile then costs its own size,
-  // not a full tile's: a seqlen-1 call spent most of its time clearing 64 columns).
-  const int64_t cols = ceil_div(rows, kLanes) * kLanes;
-  w.qt.resize(size_t(dqk * kTileQ));
+  count = std::min(count, ceil_div(s.len_q, kTileQ) - tile0);
+  if (count <= 0) return;
+  const float slope = transform.mod.slope(b, h);
+  const int64_t shift = s.len_k - s.len_q;
+  // The scale folds into the softmax step's max pass unless the cap or ALiBi needs it first.
+  const bool scale_in_step = !(transform.softcap > 0.0f) && !transform.mod.has_alibi();
   w.k.resize(size_t(kTileK * dqk));
   w.v.resize(size_t(kTileK * dv));
   w.s.resize(size_t(kTileK * kTileQ));
-  w.rows.reset(rows, dv);
-  load_rows_transposed(p, p.q, s, true, h, i0, rows, dqk, w.qt.data(), kTileQ);
-  for (int64_t d = 0; d < dqk; ++d) std::fill(&w.qt[size_t(d * kTileQ + rows)], &w.qt[size_t(d * kTileQ + cols)], 0.0f);
 
-  const int64_t key_begin = s.mask.tile_begin_key(int(i0)), key_end = s.mask.tile_end_key(int(i1));
-  const float slope = transform.mod.slope(b, h);
-  const int64_t shift = s.len_k - s.len_q;
-  const int64_t full_begin = s.mask.full_begin_key(int(i1)), full_end = s.mask.full_end_key(int(i0));
-  for (int64_t j0 = key_begin; j0 < key_end; j0 += kTileK) {
-    const int64_t n = std::min(kTileK, key_end - j0);
+  int64_t begin[kGroupTiles], end[kGroupTiles], group_begin = s.len_k, group_end = 0;
+  for (int64_t t = 0; t < count; ++t) {
+    const int64_t i0 = (tile0 + t) * kTileQ, rows = std::min(kTileQ, s.len_q - i0);
+    // Products and the softmax step run over whole vectors of queries: `cols` columns, those past
+    // `rows` zero so that their padding scores are finite (a short tile then costs its own size,
+    // not a full tile's: a seqlen-1 call spent most of its time clearing 64 columns).
+    const int64_t cols = ceil_div(rows, kLanes) * kLanes;
+    QueryTile& q = w.tiles[t];
+    q.qt.resize(size_t(dqk * kTileQ));
+    q.rows.reset(rows, dv);
+    load_rows_transposed(p, p.q, s, true, h, i0, rows, dqk, q.qt.data(), kTileQ);
+    for (int64_t d = 0; d < dqk; ++d) std::fill(&q.qt[size_t(d * kTileQ + rows)], &q.qt[size_t(d * kTileQ + cols)], 0.0f);
+    begin[t] = s.mask.tile_begin_key(int(i0));
+    end[t] = s.mask.tile_end_key(int(i0 + rows));
+    if (begin[t] < end[t]) {
+      group_begin = std::min(group_begin, begin[t] / kTileK * kTileK);
+      group_end = std::max(group_end, end[t]);
+    }
+  }
+
+  for (int64_t j0 = group_begin; j0 < group_end; j0 += kTileK) {
+    const int64_t n = std::min(kTileK, group_end - j0);
     const RowsView k = view_rows(p, p.k, s, false, hk, j0, n, dqk, w.k.data());
     const RowsView v = view_rows(p, p.v, s, false, hk, j0, n, dv, w.v.data());
-    // S^T = K Q^T; only tiles straddling the mask edge pay for masking.
-    gemm(k.data, k.ld, 1, w.qt.data(), kTileQ, w.s.data(), kTileQ, n, cols, dqk);
-    for (int64_t j = 0; j < n; ++j) transform.apply(&w.s[size_t(j * kTileQ)], rows, nullptr);
-    if (transform.mod.has_alibi())
-      for (int64_t j = 0; j < n; ++j)
-        ScoreTransform::add_alibi(&w.s[size_t(j * kTileQ)], rows, slope, i0 + shift - (j0 + j), 1);
-    if (j0 < full_begin || j0 + n > full_end) {
-      for (int64_t i = 0; i < rows; ++i) {
-        const int64_t lo = std::clamp<int64_t>(s.mask.begin_key(int(i0 + i)) - j0, 0, n);
-        const int64_t hi = std::clamp<int64_t>(s.mask.end_key(int(i0 + i)) - j0, lo, n);
-        for (int64_t j = 0; j < lo; ++j) w.s[size_t(j * kTileQ + i)] = -INFINITY;
-        for (int64_t j = hi; j < n; ++j) w.s[size_t(j * kTileQ + i)] = -INFINITY;
+    for (int64_t t = 0; t < count; ++t) {
+      if (j0 + n <= begin[t] || j0 >= end[t]) continue;  // no key of this tile is visible
+      QueryTile& q = w.tiles[t];
+      const int64_t i0 = (tile0 + t) * kTileQ, rows = std::min(kTileQ, s.len_q - i0), i1 = i0 + rows;
+      const int64_t cols = ceil_div(rows, kLanes) * kLanes;
+      // S^T = K Q^T; only tiles straddling the mask edge pay for masking.
+      gemm(k.data, k.ld, 1, q.qt.data(), kTileQ, w.s.data(), kTileQ, n, cols, dqk);
+      if (!scale_in_step) {
+        for (int64_t j = 0; j < n; ++j) transform.apply(&w.s[size_t(j * kTileQ)], rows, nullptr);
+        if (transform.mod.has_alibi())
+          for (int64_t j = 0; j < n; ++j)
+            ScoreTransform::add_alibi(&w.s[size_t(j * kTileQ)], rows, slope, i0 + shift - (j0 + j), 1);
       }
+      if (j0 < s.mask.full_begin_key(int(i1)) || j0 + n > s.mask.full_end_key(int(i0))) {
+        for (int64_t i = 0; i < rows; ++i) {
+          const int64_t lo = std::clamp<int64_t>(s.mask.begin_key(int(i0 + i)) - j0, 0, n);
+          const int64_t hi = std::clamp<int64_t>(s.mask.end_key(int(i0 + i)) - j0, lo, n);
+          for (int64_t j = 0; j < lo; ++j) w.s[size_t(j * kTileQ + i)] = -INFINITY;
+          for (int64_t j = hi; j < n; ++j) w.s[size_t(j * kTileQ + i)] = -INFINITY;
+        }
+      }
+      online_step(w.s.data(), rows, n, dv, scale_in_step ? transform.scale : 1.0f, q.rows);
+      // Dropout acts on the weights after the row sums took them whole (L is the undropped LSE);
+      // 1 / (1 - p) is folded into the final 1 / l.
+      if (transform.dropout.on) {
+        w.keep.resize(size_t(kTileK * kTileQ));
+        dropout_keep_tile(transform.dropout, b, h, i0, rows, j0, n, w.keep.data(), 1, kTileQ);
+        for (int64_t j = 0; j < n; ++j)
+          for (int64_t i = 0; i < rows; ++i)
+            if (!w.keep[size_t(j * kTileQ + i)]) w.s[size_t(j * kTileQ + i)] = 0.0f;
+      }
+      // O += P V, P read through its transpose
+      gemm_accumulate(w.s.data(), 1, kTileQ, v.data, v.ld, q.rows.acc.data(), dv, rows, dv, n);
     }
-    online_step(w.s.data(), rows, n, dv, w.rows);
-    // Dropout acts on the weights after the row sums took them whole (L is the undropped LSE);
-    // 1 / (1 - p) is folded into the final 1 / l.
-    if (transform.dropout.on) {
-      w.keep.resize(size_t(kTileK * kTileQ));
-      dropout_keep_tile(transform.dropout, b, h, i0, rows, j0, n, w.keep.data(), 1, kTileQ);
-      for (int64_t j = 0; j < n; ++j)
-        for (int64_t i = 0; i < rows; ++i)
-          if (!w.keep[size_t(j * kTileQ + i)]) w.s[size_t(j * kTileQ + i)] = 0.0f;
-    }
-    // O += P V, P read through its transpose
-    gemm_accumulate(w.s.data(), 1, kTileQ, v.data, v.ld, w.rows.acc.data(), dv, rows, dv, n);
   }
 
-  float* inv = w.rows.l;  // l is finished: reuse it for 1/l
-  for (int64_t i = 0; i < rows; ++i) {
-    const float offset = transform.mod.lse_offset(slope, int(i0 + i), int(s.len_q), int(s.len_k));
-    p.lse[lse_index(p, s, i0 + i, h)] = finish_lse_rounded_once(w.rows.m[i], inv[i], offset);
-    inv[i] = inverse_row_sum(inv[i]) * transform.dropout.scale;
+  for (int64_t t = 0; t < count; ++t) {
+    QueryTile& q = w.tiles[t];
+    const int64_t i0 = (tile0 + t) * kTileQ, rows = std::min(kTileQ, s.len_q - i0);
+    float* inv = q.rows.l;  // l is finished: reuse it for 1/l
+    for (int64_t i = 0; i < rows; ++i) {
+      const float offset = transform.mod.lse_offset(slope, int(i0 + i), int(s.len_q), int(s.len_k));
+      p.lse[lse_index(p, s, i0 + i, h)] = finish_lse_rounded_once(q.rows.m[i], inv[i], offset);
+      inv[i] = inverse_row_sum(inv[i]) * transform.dropout.scale;
+    }
+    store_rows(p, p.o, s, true, h, i0, rows, dv, q.rows.acc.data(), dv, inv);
   }
-  store_rows(p, p.o, s, true, h, i0, rows, dv, w.rows.acc.data(), dv, inv);
+}
+
+// Query tiles per task: kGroupTiles where that still leaves every thread several tasks (uneven
+// under causal masks), fewer otherwise.
+int64_t group_tiles(int64_t heads_tasks, int64_t tiles, int threads) {
+  int64_t g = kGroupTiles;
+  while (g > 1 && heads_tasks * ceil_div(tiles, g) < 8 * int64_t(threads)) g /= 2;
+  return g;
 }
 
 }  // namespace
@@ -154,10 +209,12 @@ void forward(const AttentionProblem& p) {
   const int64_t tiles = ceil_div(max_q, kTileQ);
   const ScoreTransform transform = ScoreTransform::from(p);
   const double flops = 2.0 * double(p.batch * p.heads_q) * double(max_q) * double(max_k) * double(p.headdim_qk + p.headdim_v);
-  parallel_for(p.batch * p.heads_q * tiles, threads_for(p.num_threads, flops), [&](int64_t task) {
+  const int threads = threads_for(p.num_threads, flops);
+  const int64_t group = group_tiles(p.batch * p.heads_q, tiles, threads), groups = ceil_div(tiles, group);
+  parallel_for(p.batch * p.heads_q * groups, threads, [&](int64_t task) {
     thread_local ForwardScratch scratch;
-    const int64_t tile = task % tiles, bh = task / tiles;
-    forward_tile(p, transform, bh / p.heads_q, bh % p.heads_q, tile, scratch);
+    const int64_t g = task % groups, bh = task / groups;
+    forward_tiles(p, transform, bh / p.heads_q, bh % p.heads_q, g * group, group, scratch);
   });
   if (p.is_varlen()) {
     const int64_t r0 = first_uncovered_row(p, true);
@@ -170,7 +227,7 @@ void softmax_matmul(const SoftmaxMatmulProblem& p) {
   const int64_t tiles = ceil_div(p.d1, kTileQ);
   const double flops = 2.0 * double(p.batch) * double(p.d1) * double(p.d2) * double(p.d3);
   parallel_for(p.batch * tiles, threads_for(p.num_threads, flops), [&](int64_t task) {
-    thread_local ForwardScratch w;
+    thread_local SoftmaxMatmulScratch w;
     const int64_t b = task / tiles, r0 = (task % tiles) * kTileQ;
     const int64_t rows = std::min(kTileQ, p.d1 - r0), dv = p.d3;
     w.s.assign(size_t(kTileK * kTileQ), 0.0f);  // columns past `rows` stay finite
@@ -186,7 +243,7 @@ void softmax_matmul(const SoftmaxMatmulProblem& p) {
       for (int64_t j = 0; j < n; ++j)
         for (int64_t d = 0; d < dv; ++d)
           w.v[size_t(j * dv + d)] = load_element(p.v, b * p.v_batch_stride + (c0 + j) * p.v_row_stride + d, p.dtype);
-      online_step(w.s.data(), rows, n, dv, w.rows);
+      online_step(w.s.data(), rows, n, dv, 1.0f, w.rows);
       gemm_accumulate(w.s.data(), 1, kTileQ, w.v.data(), dv, w.rows.acc.data(), dv, rows, dv, n);
     }
     for (int64_t i = 0; i < rows; ++i) {

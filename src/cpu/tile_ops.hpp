@@ -96,9 +96,11 @@ inline void load_rows(const AttentionProblem& p, const TensorView& t, const Sequ
   }
 }
 
-// Rows i0.. of head h as an fp32 row-major operand: fp32 tensors are read in place (row stride
-// seq_stride, which a product reads through its own strides), other dtypes are widened into
-// `scratch` (ld = dim). Copying K and V tiles measured ~7% of an fp32 forward.
+// Rows i0.. of head h as an fp32 row-major operand: fp32 tensors whose rows are dense (row
+// stride = dim, as in SDPA's (B, H, N, D) layout) are read in place; other dtypes, and rows
+// strided apart, are copied into `scratch` (ld = dim). Rows heads * dim apart (flash-attn's
+// (B, N, H, D) layout) often lie a multiple of 4 KiB apart, so the tile's rows share a few L1
+// sets: read in place, P V ran at ~25 GFLOP/s against ~75 from a dense copy (one AVX2 core).
 struct RowsView {
   const float* data;
   int64_t ld;
@@ -106,7 +108,7 @@ struct RowsView {
 inline RowsView view_rows(const AttentionProblem& p, const TensorView& t, const Sequence& s, bool query_side,
                           int64_t h, int64_t i0, int64_t rows, int64_t dim, float* scratch) {
   // Paged keys are not one strided block: they are copied like other dtypes.
-  if (p.dtype == DType::f32 && (query_side || !s.key.pages))
+  if (p.dtype == DType::f32 && t.seq_stride == dim && (query_side || !s.key.pages))
     return {static_cast<const float*>(t.data) + row_offset(p, t, s, query_side, i0, h), t.seq_stride};
   load_rows(p, t, s, query_side, h, i0, rows, dim, scratch, dim);
   return {scratch, dim};
@@ -159,9 +161,6 @@ constexpr int kLanes = 4;
 #endif
 using f32xN = float __attribute__((vector_size(4 * kLanes)));
 using i32xN = int32_t __attribute__((vector_size(4 * kLanes)));
-constexpr int kGemmRows = kLanes == 8 ? 4 : 2;  // measured best: SSE 2 x 16, AVX2 4 x 16
-constexpr int kGemmVecs = 16 / kLanes;
-constexpr int kGemmCols = kLanes * kGemmVecs;
 
 inline f32xN load_lanes(const float* p) {
   f32xN v;
@@ -200,65 +199,11 @@ inline float fma_scalar(float a, float b, float c) {
 constexpr int64_t kGemmChunk = 16;
 
 // C[m x n] += A[m x k] B[k x n] for the small tile products. A is read through two strides
-// (row, column) so that a transposed operand (dS^T) costs nothing; B and C are row-major.
-// Register blocking: an MR x (kLanes * NV) block of partial sums stays in registers for a whole
-// run of k terms and each B row is loaded once per MR rows, where a row-by-row loop would load
-// and store C on every multiply-add. Blocks, edges and dot_chunked compute every element with
-// the same operations in the same order, so its value does not depend on where the tiling puts
-// it.
-template <int MR, int NV>
-inline void gemm_block(const float* a, int64_t a_row, int64_t a_col, const float* b, int64_t ldb, float* c,
-                       int64_t ldc, int64_t k) {
-  for (int64_t d0 = 0; d0 < k; d0 += kGemmChunk) {
-    const int64_t d1 = std::min(k, d0 + kGemmChunk);
-    f32xN acc[MR][NV] = {};
-    for (int64_t d = d0; d < d1; ++d) {
-      f32xN bd[NV];
-      for (int v = 0; v < NV; ++v) bd[v] = load_lanes(b + d * ldb + kLanes * v);
-      for (int r = 0; r < MR; ++r) {
-        const f32xN x = broadcast_lanes(a[r * a_row + d * a_col]);
-        for (int v = 0; v < NV; ++v) acc[r][v] = fma_lanes(x, bd[v], acc[r][v]);
-      }
-    }
-    for (int r = 0; r < MR; ++r)
-      for (int v = 0; v < NV; ++v) store_lanes(c + r * ldc + kLanes * v, load_lanes(c + r * ldc + kLanes * v) + acc[r][v]);
-  }
-}
-
-inline void gemm_edge(const float* a, int64_t a_row, int64_t a_col, const float* b, int64_t ldb, float* c, int64_t ldc,
-                      int64_t m, int64_t n, int64_t k) {
-  constexpr int64_t kCols = 64;
-  float run[kCols];
-  for (int64_t r = 0; r < m; ++r)
-    for (int64_t j0 = 0; j0 < n; j0 += kCols) {
-      const int64_t cols = std::min(kCols, n - j0);
-      for (int64_t d0 = 0; d0 < k; d0 += kGemmChunk) {
-        const int64_t d1 = std::min(k, d0 + kGemmChunk);
-        std::fill(run, run + cols, 0.0f);
-        for (int64_t d = d0; d < d1; ++d) {
-          const float x = a[r * a_row + d * a_col];
-          const float* bd = b + d * ldb + j0;
-          for (int64_t j = 0; j < cols; ++j) run[j] = fma_scalar(x, bd[j], run[j]);
-        }
-        float* cr = c + r * ldc + j0;
-        for (int64_t j = 0; j < cols; ++j) cr[j] += run[j];
-      }
-    }
-}
-
-inline void gemm_accumulate(const float* a, int64_t a_row, int64_t a_col, const float* b, int64_t ldb, float* c,
-                            int64_t ldc, int64_t m, int64_t n, int64_t k) {
-  int64_t i = 0;
-  for (; i + kGemmRows <= m; i += kGemmRows) {
-    const float* ai = a + i * a_row;
-    float* ci = c + i * ldc;
-    int64_t j = 0;
-    for (; j + kGemmCols <= n; j += kGemmCols)
-      gemm_block<kGemmRows, kGemmVecs>(ai, a_row, a_col, b + j, ldb, ci + j, ldc, k);
-    if (j < n) gemm_edge(ai, a_row, a_col, b + j, ldb, ci + j, ldc, kGemmRows, n - j, k);
-  }
-  if (i < m) gemm_edge(a + i * a_row, a_row, a_col, b, ldb, c + i * ldc, ldc, m - i, n, k);
-}
+// (row, column) so that a transposed operand (dS^T) costs nothing; B and C are row-major. Each
+// element of C gets its k terms in runs of kGemmChunk (see above), whatever its place in the
+// tiling (src/cpu/gemm.cpp).
+void gemm_accumulate(const float* a, int64_t a_row, int64_t a_col, const float* b, int64_t ldb, float* c,
+                     int64_t ldc, int64_t m, int64_t n, int64_t k);
 
 // x . y rounded exactly as an element of gemm(x as a 1 x k row, y as a k x 1 column) is: the
 // backward forms D = dO . O with it so that D and dP = dO V^T share their rounding (with one
@@ -274,12 +219,9 @@ inline float dot_chunked(const float* x, const float* y, int64_t k) {
   return sum;
 }
 
-// C = A B (overwrites the m x n block of C).
-inline void gemm(const float* a, int64_t a_row, int64_t a_col, const float* b, int64_t ldb, float* c, int64_t ldc,
-                 int64_t m, int64_t n, int64_t k) {
-  for (int64_t r = 0; r < m; ++r) std::fill(c + r * ldc, c + r * ldc + n, 0.0f);
-  gemm_accumulate(a, a_row, a_col, b, ldb, c, ldc, m, n, k);
-}
+// C = A B (overwrites the m x n block of C; the same values as zeroing C, then gemm_accumulate).
+void gemm(const float* a, int64_t a_row, int64_t a_col, const float* b, int64_t ldb, float* c, int64_t ldc,
+          int64_t m, int64_t n, int64_t k);
 
 // x[j] = 2^(x[j] - sub) for a row, kLanes at a time (libm's scalar exp2f measured ~10% of
 // the whole backward). 2^x = 2^n * 2^f with n = round(x), |f| <= 1/2, and 2^f a degree-6 fit
