@@ -89,12 +89,18 @@ def _num_threads(device: torch.device) -> int:
     return torch.get_num_threads() if device.type == "cpu" else 0
 
 
+# The raw getters behind torch.get_float32_matmul_precision() and
+# torch.backends.cuda.matmul.allow_tf32; the latter goes through a module __getattr__ that costs
+# more than the rest of this check.
+_matmul_precision = getattr(torch._C, "_get_float32_matmul_precision", torch.get_float32_matmul_precision)
+_allow_tf32 = getattr(torch._C, "_get_cublas_allow_tf32", lambda: torch.backends.cuda.matmul.allow_tf32)
+
+
 def _fp32_fast(t: Tensor) -> bool:
     # PyTorch's own switch for fp32 matmuls, read at each call: "high" or "medium" precision (or
     # allow_tf32) lets fp32 inputs use tensor cores (TF32); "highest" keeps exact fp32 products.
     # The CPU backend computes fp32 exactly either way.
-    return t.dtype == torch.float32 and (torch.get_float32_matmul_precision() != "highest"
-                                         or torch.backends.cuda.matmul.allow_tf32)
+    return t.dtype == torch.float32 and (_matmul_precision() != "highest" or _allow_tf32())
 
 
 def _workspace(nbytes: int, device: torch.device) -> Optional[Tensor]:
@@ -192,6 +198,42 @@ def _attention(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
                           _capsule(dout), _capsule(dq), _capsule(dk), _capsule(dv), alibi_slopes=alibi)
 
 
+# The unchecked calls below (_forward_impl, _backward_impl) are a tiny call's whole host cost, so
+# they do no Python-side check: the extension checks every rule, and whatever it refuses (or any
+# other surprise before the run) is done again by the checked path, which raises what it always
+# raised, in its order. Dropout keeps the checked path (its seed and offset change every call).
+
+
+def _call_options(q: Tensor, cuda: bool, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+                  window_right, softcap, deterministic):
+    return _options(max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
+                    deterministic, _fp32_fast(q), 0 if cuda else torch.get_num_threads(), _checks["cu_seqlens"])
+
+
+def _optional_capsule(t: Optional[Tensor]):
+    return None if t is None else _to_dlpack(t)
+
+
+def _plan_and_run(call, plan, cuda: bool, device: torch.device) -> bool:
+    """Plans `call` (plan: its plan_forward or plan_backward) and runs it with the workspace the
+    plan asks for. False, having run nothing, where planning raised (the checked path redoes it)."""
+    try:
+        if cuda:
+            with _device_context(device):
+                nbytes = plan(_stream(device))
+        else:
+            nbytes = plan(0)
+    except Exception:
+        return False
+    workspace = torch.empty(nbytes, dtype=torch.uint8, device=device) if nbytes else None
+    if cuda:
+        with _device_context(device):
+            call.run(workspace)
+    else:
+        call.run(workspace)
+    return True
+
+
 def _forward_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
                   cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
                   softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int,
@@ -200,6 +242,35 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor
                   dropout_rng: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Forward: returns (out, lse). ``deterministic`` is only carried to the backward. With
     ``dropout_p`` > 0, ``dropout_rng`` (int64 (2,), on the CPU) holds the call's seed and offset."""
+    if not dropout_p:
+        cuda = q.is_cuda
+        try:
+            dtype, device = q.dtype, q.device
+            # Sizes as separate arguments: torch.empty parses them faster than a tuple.
+            if cu_seqlens_q is None:
+                batch, seqlen, heads, _ = q.shape
+                out = torch.empty(batch, seqlen, heads, v.shape[-1], dtype=dtype, device=device)
+                lse = torch.empty(batch, heads, seqlen, dtype=torch.float32, device=device)
+            else:
+                total, heads, _ = q.shape
+                out = torch.empty(total, heads, v.shape[-1], dtype=dtype, device=device)
+                lse = torch.empty(heads, total, dtype=torch.float32, device=device)
+            options = _call_options(q, cuda, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+                                    window_right, softcap, deterministic)
+            call = _ext.Attention(_to_dlpack(q), _to_dlpack(k), _to_dlpack(v), _to_dlpack(out), _to_dlpack(lse),
+                                  _optional_capsule(cu_seqlens_q), _optional_capsule(cu_seqlens_k), options,
+                                  alibi_slopes=_optional_capsule(alibi_slopes))
+        except Exception:
+            pass
+        else:
+            if _plan_and_run(call, call.plan_forward, cuda, device):
+                return out, lse
+    return _checked_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                            window_left, window_right, softcap, deterministic, alibi_slopes, dropout_p, dropout_rng)
+
+
+def _checked_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                     window_left, window_right, softcap, deterministic, alibi_slopes, dropout_p, dropout_rng):
     _check_device(q, "q")
     varlen = cu_seqlens_q is not None
     _check_attention_ranks(q, k, v, varlen)
@@ -290,6 +361,34 @@ def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
                    dropout_rng: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """Backward: returns (dq, dk, dv) from the forward's inputs, its out and lse, and dout. Dropout
     needs the forward's own dropout_p and dropout_rng: the mask is regenerated, never stored."""
+    if not dropout_p:
+        cuda = q.is_cuda
+        try:
+            if dout.stride(-1) != 1:  # as the checked path: the gradient of a sum is an expanded tensor
+                dout = dout.contiguous()
+            dtype, device = q.dtype, q.device
+            dq = torch.empty(*q.shape, dtype=dtype, device=device)
+            dk = torch.empty(*k.shape, dtype=dtype, device=device)
+            dv = torch.empty(*v.shape, dtype=dtype, device=device)
+            options = _call_options(q, cuda, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+                                    window_right, softcap, deterministic)
+            call = _ext.Attention(_to_dlpack(q), _to_dlpack(k), _to_dlpack(v), _to_dlpack(out), _to_dlpack(lse),
+                                  _optional_capsule(cu_seqlens_q), _optional_capsule(cu_seqlens_k), options,
+                                  _to_dlpack(dout), _to_dlpack(dq), _to_dlpack(dk), _to_dlpack(dv),
+                                  alibi_slopes=_optional_capsule(alibi_slopes))
+        except Exception:
+            pass
+        else:
+            if _plan_and_run(call, call.plan_backward, cuda, device):
+                return dq, dk, dv
+    return _checked_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                             softmax_scale, causal, window_left, window_right, softcap, deterministic, alibi_slopes,
+                             dropout_p, dropout_rng)
+
+
+def _checked_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                      causal, window_left, window_right, softcap, deterministic, alibi_slopes, dropout_p,
+                      dropout_rng):
     _check_device(q, "q")
     _check_device(dout, "dout")
     _check_attention_ranks(q, k, v, cu_seqlens_q is not None)
@@ -344,25 +443,59 @@ def _forward_backward(ctx, grad_out, grad_lse):
     return (dq, dk, dv) + (None,) * len(_FORWARD_OPTIONS)
 
 
-torch.library.register_autograd("tileattn::attention_forward", _forward_backward,
-                                setup_context=_forward_setup_context)
-
-
 class _EagerAttention(torch.autograd.Function):
-    """The operators' eager path: the same implementations and gradient without torch.library's
-    dispatch, which costs tens of microseconds a call -- as much as a short sequence's kernel."""
+    """The operator's autograd for plain tensors, without torch.library's generated Function (which
+    dispatches the operator again below autograd, tens of microseconds a call -- as much as a short
+    sequence's kernel). The scalar options travel as one tuple: apply() looks at every argument."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, *options):
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, options):
         out, lse = _forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, *options)
-        _forward_setup_context(ctx, (q, k, v, cu_seqlens_q, cu_seqlens_k, *options), (out, lse))
+        # As _forward_setup_context: Q, K, V, O and L only; the options hold dropout_rng.
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+        ctx.options = options
+        ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
         dq, dk, dv = _backward_impl(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.options)
-        return (dq, dk, dv) + (None,) * (2 + len(ctx.options))
+        return dq, dk, dv, None, None, None
+
+
+_AFTER_AUTOGRAD = torch._C._after_autograd_keyset
+_BACKEND_KEYS = (torch._C.DispatchKey.CPU, torch._C.DispatchKey.CUDA)
+
+
+def _forward_autograd_kernel(traced):
+    """The operator's Autograd kernel. A compiled graph calls the operator at every run with plain
+    tensors and nothing between autograd and the backend: that call goes straight to the
+    implementation (through _EagerAttention where a gradient is wanted). Anything else -- fake or
+    functional tensors, dispatch modes, tracing -- takes torch.library's kernel, ``traced``."""
+
+    def kernel(keyset, *args):
+        if (keyset & _AFTER_AUTOGRAD).highestPriorityTypeId() not in _BACKEND_KEYS:
+            return traced(keyset, *args)
+        if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+            return _EagerAttention.apply(*args[:5], args[5:])
+        return _forward_impl(*args)
+
+    return kernel
+
+
+try:
+    from torch._library.autograd import Info as _AutogradInfo, make_autograd_impl as _make_autograd_impl
+except ImportError:  # a torch without these internals keeps the public registration alone
+    _make_autograd_impl = None
+if _make_autograd_impl is not None:
+    _lib.impl("attention_forward",
+              _forward_autograd_kernel(_make_autograd_impl(torch.ops.tileattn.attention_forward.default,
+                                                           _AutogradInfo(_forward_backward, _forward_setup_context))),
+              "Autograd", with_keyset=True)
+else:
+    torch.library.register_autograd("tileattn::attention_forward", _forward_backward,
+                                    setup_context=_forward_setup_context)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
@@ -373,26 +506,32 @@ def attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], c
     """(out, lse), differentiable in q, k, v: what the public functions call. Under torch.compile
     it is the ``tileattn::attention_forward`` operator (traced, no graph break), in eager mode the
     same computation without the operator dispatch."""
-    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
-            window_right, softcap, deterministic, alibi_slopes, dropout_p, dropout_rng)
+    options = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, deterministic,
+               alibi_slopes, dropout_p, dropout_rng)
     if torch.compiler.is_compiling() or not _plain_on_one_device(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes):
         # Meta and fake tensors, tensor subclasses and mixed devices keep the operator's handling
         # (shape inference, its error messages).
-        return torch.ops.tileattn.attention_forward(*args)
+        return torch.ops.tileattn.attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *options)
     if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         # Nothing to differentiate (inference): the autograd Function's bookkeeping is skipped.
-        return _forward_impl(*args)
-    return _EagerAttention.apply(*args)
+        return _forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, *options)
+    return _EagerAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, options)
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def _plain_on_one_device(*tensors) -> bool:
-    first = tensors[0]
-    if first.device.type not in _SUPPORTED_DEVICES:
+def _plain_on_one_device(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes) -> bool:
+    # Unrolled and without device.type (which builds a string): this runs on every eager call.
+    if type(q) not in _PLAIN or type(k) not in _PLAIN or type(v) not in _PLAIN or not (q.is_cpu or q.is_cuda):
         return False
-    return all(t is None or (type(t) in _PLAIN and t.device == first.device) for t in tensors)
+    device = q.device
+    if k.device != device or v.device != device:
+        return False
+    for t in (cu_seqlens_q, cu_seqlens_k, alibi_slopes):
+        if t is not None and (type(t) not in _PLAIN or t.device != device):
+            return False
+    return True
 
 
 def _check_softmax_matmul_inputs(x: Tensor, v: Tensor) -> None:

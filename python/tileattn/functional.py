@@ -32,12 +32,17 @@ _INT64_MAX = 2**63 - 1
 _FLOAT32_MAX = 3.4028234663852886e38
 
 
+_BELOW_ONE = 1.0 - 2.0**-24  # the largest float32 below 1
+
+
 def _dropout(dropout_p: float) -> float:
+    if type(dropout_p) is float and 0.0 <= dropout_p < _BELOW_ONE:  # every call without dropout
+        return dropout_p
     p = float(dropout_p)
     if not 0.0 <= p <= 1.0:  # NaN fails too
         raise ValueError(f"dropout_p={dropout_p!r} must be in [0, 1]")
     # The library takes float32: a p just below 1 must not round up to it.
-    return p if p == 1.0 else min(p, 1.0 - 2.0**-24)
+    return p if p == 1.0 else min(p, _BELOW_ONE)
 
 
 # Whether CUDA tensors get a dropout seed and offset (the CUDA kernels' dropout); off until the
@@ -102,7 +107,13 @@ def _int64(value, name: str) -> int:
     return x
 
 
+_NO_WINDOW = (-1, -1)
+
+
 def _window(window_size: Sequence[int]) -> tuple[int, int]:
+    if (type(window_size) is tuple and window_size == _NO_WINDOW and type(window_size[0]) is int
+            and type(window_size[1]) is int):  # the default
+        return _NO_WINDOW
     if len(window_size) != 2:
         raise ValueError(f"window_size={tuple(window_size)} must be a pair (left, right)")
     return _int64(window_size[0], "window_size[0]"), _int64(window_size[1], "window_size[1]")
@@ -159,7 +170,8 @@ def _is_empty(q: Tensor, k: Tensor, cu_seqlens_q: Optional[Tensor], max_seqlen_q
     if cu_seqlens_q is not None:
         return (q.shape[0] == 0 or q.shape[1] == 0 or k.shape[0] == 0 or cu_seqlens_q.shape[0] <= 1
                 or max_seqlen_q == 0 or max_seqlen_k == 0)
-    return q.shape[0] == 0 or q.shape[1] == 0 or q.shape[2] == 0 or k.shape[1] == 0
+    shape = q.shape  # read once: each read of a shape builds it
+    return shape[0] == 0 or shape[1] == 0 or shape[2] == 0 or k.shape[1] == 0
 
 
 def _check_empty_offsets(cu: Tensor, name: str, max_len: int, max_name: str) -> None:
