@@ -72,8 +72,11 @@ struct BwdPlan {
 
 BwdPlan pick_kernels(const AttentionProblem& p) {
   BwdPlan plan;
-  // ALiBi and dropout run on the portable kernels only (the Hopper backward has neither).
-  if (p.alibi_slopes == nullptr && p.dropout_p == 0.0f) plan.sm90 = pick_backward_sm90(p, headdim_bucket(p));
+  // ALiBi and dropout run on the portable kernels only (the Hopper backward has neither), and so
+  // does the deterministic mode above D = 128 (the wide Hopper kernel only sums dQ by reduction).
+  const int bucket = headdim_bucket(p);
+  if (p.alibi_slopes == nullptr && p.dropout_p == 0.0f && !(p.deterministic && bucket > 128))
+    plan.sm90 = pick_backward_sm90(p, bucket);
   if (plan.sm90 && !plan.sm90->make_maps(p, plan.params)) plan.sm90.reset();
   return plan;
 }

@@ -15,7 +15,7 @@
 // and leaves in fp32 through shared memory: a warp of the producer warpgroup adds the whole tile
 // to the workspace accumulator with one bulk reduction, off the consumers' path, and
 // convert_dq_tiles_sm90 scales and converts it. The tile is stored in the order the consumers
-// hold it (DqTileOrder), so their shared-memory writes are whole 512-byte runs per warp and the
+// hold it (DqTileOrder, bwd_dq_tiles_sm90.cuh), so their shared-memory writes are whole 512-byte runs per warp and the
 // reduction is one contiguous run (row by row, the 256-byte reductions at D = 64 cost 28% of the
 // backward's time; docs/perf-log.md). Reductions land in any order, so dQ's low bits vary run to
 // run; the deterministic mode runs without kFusedDq and gives dQ its own pass
@@ -33,28 +33,12 @@
 #include "cuda/common/bwd_params.hpp"
 #include "cuda/backward/bwd_tile_io.cuh"
 #include "cuda/backward/bwd_params_sm90.hpp"
-#include "cuda/backward/bwd_preprocess.cuh"
+#include "cuda/backward/bwd_dq_tiles_sm90.cuh"
 #include "cuda/arch/panel_tile_sm90.cuh"
 #include "cuda/arch/ptx_sm90.cuh"
 #include "cuda/arch/wgmma_ops.cuh"
 
 namespace tileattn::cuda {
-
-// Where element (r, c) of a (kBlockM x kHeadDim) fp32 dQ tile lives in the tile's run of floats:
-// the consumer's part (its 64 rows, or its 64-column panel), then 8-column group j, then the
-// thread of the warpgroup, then the accumulator register -- thread (warp w, g, t) holds rows
-// 16 w + g (+ 8) and columns 8 j + 2 t (+ 1) of its part as one float4 per j.
-template <int kHeadDim>
-struct DqTileOrder {
-  static constexpr int kBlockM = kHeadDim <= 64 ? 128 : 64;
-  static constexpr bool kSplitRows = kBlockM == 128;  // else by 64-column panels (96 = 64 + 32)
-  static constexpr int kPartFloats = 64 * (kSplitRows ? kHeadDim : 64);
-  __host__ __device__ static int offset(int r, int c) {
-    const int part = kSplitRows ? r / 64 : c / 64, rr = kSplitRows ? r % 64 : r, cc = kSplitRows ? c : c % 64;
-    const int thread = 32 * (rr / 16) + 4 * (rr % 8) + (cc % 8) / 2;
-    return part * kPartFloats + ((cc / 8) * 128 + thread) * 4 + 2 * ((rr % 16) / 8) + cc % 2;
-  }
-};
 
 template <class T, int kHeadDim, bool kFusedDq>
 struct BwdSm90Traits {
@@ -305,29 +289,6 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
   bwd::store_grad_frag<T>(p.pair_grads, dk, p.scale, gdK, p.dk.seq, k1 - k0 - row0, p.headdim_qk);
   bwd::store_grad_frag<T>(p.pair_grads, dv, 1.0f, gdV, p.dv.seq, k1 - k0 - row0, p.headdim_v);
 #endif
-}
-
-// dQ = scale * the accumulator, from its tile order, in dQ's dtype and strides: one warp per
-// query row, two columns per lane (pairs stay adjacent in the tile order).
-template <class T, int kHeadDim>
-__global__ void __launch_bounds__(bwd::kRowKernelThreads) convert_dq_tiles_sm90(const bwd::BwdParams p) {
-  using Order = DqTileOrder<kHeadDim>;
-  int b, h, i;
-  if (!bwd::row_of_warp(p, b, h, i)) return;
-  const bwd::SeqInfo s = bwd::seq_info(p, b);
-  if (i >= s.sq) return;
-  const int r = i % Order::kBlockM;
-  const float* tile = p.dq_accum + (bwd::ws_row(p, b, h) + i - r) * kHeadDim;
-  T* dq = static_cast<T*>(p.dq.ptr) + bwd::seq_base(p, p.dq, b, true) + int64_t(i) * p.dq.seq + int64_t(h) * p.dq.head;
-  for (int c = 2 * (int(threadIdx.x) % 32); c < p.headdim_qk; c += 64) {
-    const float2 v = *reinterpret_cast<const float2*>(tile + Order::offset(r, c));
-    if (p.pair_grads && c + 1 < p.headdim_qk) {
-      *reinterpret_cast<uint32_t*>(dq + c) = pack2<T>(v.x * p.scale, v.y * p.scale);
-    } else {
-      dq[c] = from_float<T>(v.x * p.scale);
-      if (c + 1 < p.headdim_qk) dq[c + 1] = from_float<T>(v.y * p.scale);
-    }
-  }
 }
 
 }  // namespace tileattn::cuda

@@ -6,7 +6,9 @@
 
 #include "cuda/common/check.cuh"
 #include "cuda/backward/bwd_preprocess.cuh"
+#include "cuda/backward/bwd_dq_tiles_sm90.cuh"
 #include "cuda/backward/bwd_kernel_sm90.cuh"
+#include "cuda/backward/bwd_kernel_wide_sm90.cuh"
 #include "cuda/backward/bwd_dq_kernel_sm90.cuh"
 #include "cuda/backward/launch_bwd_sm90.hpp"
 #include "cuda/arch/tma_map.hpp"
@@ -48,7 +50,6 @@ void launch_bwd_sm90(const BwdSm90Params& params, cudaStream_t stream) {
 
 template <class T, int kHeadDim>
 void BwdSm90<T, kHeadDim>::run(const BwdSm90Params& params, cudaStream_t stream) {
-  using Q = DqSm90Traits<T, kHeadDim>;
   const bwd::BwdParams& p = params.bwd;
   if (p.batch == 0 || p.heads_q == 0 || p.seqlen_q == 0) return;
   if (p.batch > 65535 || p.heads_q > 65535)
@@ -60,20 +61,31 @@ void BwdSm90<T, kHeadDim>::run(const BwdSm90Params& params, cudaStream_t stream)
   bwd::preprocess_kernel<T><<<row_blocks, bwd::kRowKernelThreads, 0, stream>>>(p);
   TA_CUDA_CHECK_LAUNCH("backward preprocess");
 
-  if (p.dq_accum != nullptr) {
+  if constexpr (kHeadDim > 128) {
+    // Only the summed dQ exists here (the planner sends deterministic calls to the portable kernels).
+    using Traits = BwdWideSm90Traits<T, kHeadDim>;
+    TA_CUDA_CHECK(cudaFuncSetAttribute(bwd_kernel_wide_sm90<T, kHeadDim>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes));
+    const dim3 grid((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, p.batch, p.heads_kv);
+    if (grid.x > 0) {
+      bwd_kernel_wide_sm90<T, kHeadDim><<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
+      TA_CUDA_CHECK_LAUNCH("backward (sm90, wide head dims)");
+    }
+  } else if (p.dq_accum != nullptr) {
     // The accumulator rows are kHeadDim floats: the workspace is laid out for this bucket.
     detail::launch_bwd_sm90<T, kHeadDim, true>(params, stream);
-    convert_dq_tiles_sm90<T, kHeadDim><<<row_blocks, bwd::kRowKernelThreads, 0, stream>>>(p);
-    TA_CUDA_CHECK_LAUNCH("backward dQ convert");
+  } else {
+    using Q = DqSm90Traits<T, kHeadDim>;
+    detail::launch_bwd_sm90<T, kHeadDim, false>(params, stream);
+    TA_CUDA_CHECK(cudaFuncSetAttribute(dq_kernel_sm90<T, kHeadDim>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       Q::kSmemBytes));
+    const dim3 q_grid((p.seqlen_q + Q::kBlockM - 1) / Q::kBlockM, p.heads_q, p.batch);
+    dq_kernel_sm90<T, kHeadDim><<<q_grid, Q::kThreads, Q::kSmemBytes, stream>>>(params);
+    TA_CUDA_CHECK_LAUNCH("backward dQ (sm90)");
     return;
   }
-
-  detail::launch_bwd_sm90<T, kHeadDim, false>(params, stream);
-  TA_CUDA_CHECK(cudaFuncSetAttribute(dq_kernel_sm90<T, kHeadDim>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     Q::kSmemBytes));
-  const dim3 q_grid((p.seqlen_q + Q::kBlockM - 1) / Q::kBlockM, p.heads_q, p.batch);
-  dq_kernel_sm90<T, kHeadDim><<<q_grid, Q::kThreads, Q::kSmemBytes, stream>>>(params);
-  TA_CUDA_CHECK_LAUNCH("backward dQ (sm90)");
+  convert_dq_tiles_sm90<T, kHeadDim><<<row_blocks, bwd::kRowKernelThreads, 0, stream>>>(p);
+  TA_CUDA_CHECK_LAUNCH("backward dQ convert");
 }
 
 }  // namespace tileattn::cuda

@@ -1,0 +1,262 @@
+#pragma once
+// The Hopper backward for head dims above 128: one block per (64 keys, batch, kv head), three
+// warpgroups. dK and dV of 64 keys at D = 256 are 128 fp32 registers per thread for one
+// warpgroup alone, so the consumers split the head dim instead of the keys: consumer c owns
+// columns [128 c, 128 c + 128) of dK, dV and dQ (192 splits 128 + 64), and each step shares the
+// tile's P^T and dS^T through shared memory:
+//   S^T, dP^T  of its 32 queries     K Q_c^T, V dO_c^T (all 64 keys; operands in shared memory)
+//   P^T, dS^T  of its 32 queries     into shared memory; both consumers' halves make the tile
+//   dV_c += P^T dO_c    dK_c += dS^T Q_c    dQ_c = dS K_c      A from shared memory (dS M-major)
+// dQ_c leaves through the stage's own Q and dO buffers (an fp32 tile is exactly their size): the
+// dQ warp adds the tile to the workspace accumulator with one bulk reduction and only then frees
+// the stage, so the producer reloads it. dK and dV sum over the group in registers and are
+// written once. Named barriers: 1 the step's P^T and dS^T written; 2 a dQ tile written
+// (consumers arrive, the dQ warp waits); 3 both consumers' products of the step done.
+#include <cuda_runtime.h>
+
+#include <type_traits>
+
+#include "common/mask.hpp"
+#include "cuda/arch/panel_tile_sm90.cuh"
+#include "cuda/arch/ptx_sm90.cuh"
+#include "cuda/arch/wgmma_ops.cuh"
+#include "cuda/backward/bwd_dq_tiles_sm90.cuh"
+#include "cuda/backward/bwd_grads.cuh"
+#include "cuda/backward/bwd_launch.hpp"
+#include "cuda/backward/bwd_params_sm90.hpp"
+#include "cuda/backward/bwd_tile_io.cuh"
+#include "cuda/common/bwd_params.hpp"
+
+namespace tileattn::cuda {
+
+template <class T, int kHeadDim>
+struct BwdWideSm90Traits {
+  static constexpr int kConsumers = 2;
+  static constexpr int kThreads = 128 * (kConsumers + 1);
+  static constexpr int kBlockN = 64;  // keys per block
+  static constexpr int kBlockM = 64;  // queries per step, 32 per consumer for S^T and dP^T
+  static constexpr int kStages = 2;
+  using KVTile = sm90::PanelTile<kBlockN, kHeadDim>;
+  using QTile = sm90::PanelTile<kBlockM, kHeadDim>;
+  using PTile = sm90::PanelTile<kBlockN, kBlockM>;  // P^T and dS^T: keys x queries
+  using DqOrder = DqTileOrder<kHeadDim>;
+  static constexpr int kCols0 = DqOrder::kPartCols;  // consumer 0's columns; consumer 1 has the rest
+  // K, V, then per stage: Q, dO (the dQ tile after them), L * log2(e), D; then P^T, dS^T and the
+  // barriers.
+  static constexpr int kStageBytes = 2 * QTile::kBytes + 2 * kBlockM * 4;
+  static constexpr int kStagesOffset = 2 * KVTile::kBytes;
+  static constexpr int kPOffset = (kStagesOffset + kStages * kStageBytes + 1023) / 1024 * 1024;
+  static constexpr int kBarrierOffset = kPOffset + 2 * PTile::kBytes;
+  static constexpr int kSmemBytes = kBarrierOffset + 128 + 1024;
+  static constexpr int kProducerRegisters = 24;
+  static constexpr int kConsumerRegisters = 240;
+  static constexpr int kConsumerThreads = 128 * kConsumers;
+  static constexpr int kDqBarrierThreads = kConsumerThreads + 32;
+  static_assert(kHeadDim % 64 == 0 && kHeadDim > 128 && kHeadDim <= 256, "wide sm90 backward: head dims 192, 256");
+  static_assert(DqOrder::kBlockM == kBlockM && !DqOrder::kSplitRows, "one tile shape");
+  static_assert(kBlockM * kHeadDim * 4 == 2 * QTile::kBytes, "the fp32 dQ tile fills the stage's Q and dO");
+  static_assert(bwd::kWorkspaceRowTile % kBlockM == 0, "query tiles never reach past the workspace padding");
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory");
+};
+
+template <class T, int kHeadDim>
+__global__ void __launch_bounds__(BwdWideSm90Traits<T, kHeadDim>::kThreads, 1)
+    bwd_kernel_wide_sm90(const __grid_constant__ BwdSm90Params params) {
+#if defined(TILEATTN_SM90_ENABLED)
+  using Traits = BwdWideSm90Traits<T, kHeadDim>;
+  using KVTile = typename Traits::KVTile;
+  using QTile = typename Traits::QTile;
+  using PTile = typename Traits::PTile;
+  constexpr int BN = Traits::kBlockN, BM = Traits::kBlockM, kStages = Traits::kStages;
+  constexpr int kPdsReady = 1, kDqFull = 2, kStepDone = 3;
+  const bwd::BwdParams& p = params.bwd;
+
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = sm90::swizzle_aligned(smem_raw);
+  unsigned char* sK = smem;
+  unsigned char* sV = sK + KVTile::kBytes;
+  auto stage_q = [&](int s) { return smem + Traits::kStagesOffset + s * Traits::kStageBytes; };
+  auto stage_dout = [&](int s) { return stage_q(s) + QTile::kBytes; };
+  auto stage_lse2 = [&](int s) { return reinterpret_cast<float*>(stage_q(s) + 2 * QTile::kBytes); };
+  auto stage_dsum = [&](int s) { return stage_lse2(s) + BM; };
+  unsigned char* sP = smem + Traits::kPOffset;
+  unsigned char* sdS = sP + PTile::kBytes;
+  uint64_t* kv_full = reinterpret_cast<uint64_t*>(smem + Traits::kBarrierOffset);
+  uint64_t* full = kv_full + 1;
+  uint64_t* empty = full + kStages;
+
+  const int b = blockIdx.y, hk = blockIdx.z;
+  const bwd::SeqInfo seq = bwd::seq_info(p, b);
+  const int k0 = blockIdx.x * BN;
+  if (k0 >= seq.sk) return;
+  const int k1 = min(k0 + BN, seq.sk);
+  const Mask mask = bwd::seq_mask(p, seq);
+  const bwd::TileSpan queries = bwd::tile_span(mask.tile_begin_query(k0), mask.tile_end_query(k1), BM);
+  const int n_iter = queries.count * p.group;
+  auto head_of = [&](int it) { return hk * p.group + it / queries.count; };
+  auto q0_of = [&](int it) { return (queries.first + it % queries.count) * BM; };
+
+  if (threadIdx.x == 0) {
+    sm90::barrier_init(kv_full, 1);
+    for (int s = 0; s < kStages; ++s) {
+      sm90::barrier_init(full + s, 1);
+      sm90::barrier_init(empty + s, 1);  // the dQ warp, once the stage's dQ tile is read
+    }
+    sm90::barrier_init_fence();
+  }
+  __syncthreads();
+
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  const int warpgroup = int(threadIdx.x) / 128;
+  if (warpgroup == 0) {
+    sm90::registers_decrease<Traits::kProducerRegisters>();
+    if (threadIdx.x / 32 == 1) {
+      // The dQ warp: each step's tile into its place in the accumulator (rows past the sequence
+      // land in workspace padding), then the stage is free.
+      for (int it = 0; it < n_iter; ++it) {
+        sm90::named_barrier_sync(kDqFull, Traits::kDqBarrierThreads);
+        if (threadIdx.x == 32) {
+          const int s = it % kStages;
+          sm90::bulk_reduce_add(p.dq_accum + (bwd::ws_row(p, b, head_of(it)) + q0_of(it)) * kHeadDim,
+                                reinterpret_cast<const float*>(stage_q(s)), 2 * QTile::kBytes);
+          sm90::bulk_commit();
+          sm90::bulk_wait_read();
+          sm90::barrier_arrive(empty + s);
+        }
+        __syncwarp();
+      }
+      return;
+    }
+    if (threadIdx.x != 0 || n_iter == 0) return;
+    const int batch = varlen ? 0 : b;
+    const int k_row = int(seq.row_k) + k0;
+    const int q_base = int(seq.row_q);
+    sm90::barrier_arrive_expect_bytes(kv_full, 2 * KVTile::kBytes);
+    KVTile::template load<kBwdBoxRows>(sK, &params.k, kv_full, k_row, hk, batch);
+    KVTile::template load<kBwdBoxRows>(sV, &params.v, kv_full, k_row, hk, batch);
+    for (int it = 0; it < n_iter; ++it) {
+      const int s = it % kStages;
+      const uint32_t phase = (it / kStages) & 1;
+      const int h = head_of(it), q0 = q0_of(it);
+      sm90::barrier_wait(empty + s, phase ^ 1);
+      sm90::barrier_arrive_expect_bytes(full + s, Traits::kStageBytes);
+      QTile::template load<kBwdBoxRows>(stage_q(s), &params.q, full + s, q_base + q0, h, batch);
+      QTile::template load<kBwdBoxRows>(stage_dout(s), &params.dout, full + s, q_base + q0, h, batch);
+      const int64_t w = bwd::ws_row(p, b, h) + q0;
+      sm90::bulk_load(stage_lse2(s), p.lse2 + w, BM * 4, full + s);
+      sm90::bulk_load(stage_dsum(s), p.dsum + w, BM * 4, full + s);
+    }
+    return;
+  }
+
+  sm90::registers_increase<Traits::kConsumerRegisters>();
+  const int consumer = warpgroup - 1;
+  const int warp = (int(threadIdx.x) / 32) % 4, lane = int(threadIdx.x) % 32;
+  const int key_row = 16 * warp + lane / 4;  // tile row of (g, e < 2)
+  const int col0 = Traits::kCols0 * consumer;   // this consumer's first column of dK, dV, dQ
+
+  auto run = [&](auto cols) {
+    constexpr int kCols = decltype(cols)::value;
+    float dk[1][kCols / 8][4], dv[1][kCols / 8][4];
+#pragma unroll
+    for (int j = 0; j < kCols / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dk[0][j][e] = dv[0][j][e] = 0.0f;
+
+    if (n_iter > 0) {
+      const uint32_t k_addr = smem_address(sK), v_addr = smem_address(sV);
+      const uint32_t p_addr = smem_address(sP), ds_addr = smem_address(sdS);
+      const uint32_t panel0 = (col0 / 64) * KVTile::kPanelBytes;  // the consumer's columns, in K, Q, dO
+      sm90::barrier_wait(kv_full, 0);
+      for (int it = 0; it < n_iter; ++it) {
+        const int s = it % kStages;
+        const uint32_t phase = (it / kStages) & 1;
+        const int q0 = q0_of(it);
+        const uint32_t q_addr = smem_address(stage_q(s)), do_addr = smem_address(stage_dout(s));
+        sm90::barrier_wait(full + s, phase);
+
+        // This consumer's 32 queries: rows 32 c.. of the Q and dO panels (4 KB apart: swizzle-aligned).
+        float st[1][BM / 16][4], dpt[1][BM / 16][4];
+        sm90::wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < kHeadDim / 16; ++ks)
+          sm90::Wgmma<T, BM / 2>::ss(st[0], KVTile::k_major(k_addr, ks), QTile::k_major(q_addr + consumer * 32 * 128, ks),
+                                     ks > 0);
+#pragma unroll
+        for (int ks = 0; ks < kHeadDim / 16; ++ks)
+          sm90::Wgmma<T, BM / 2>::ss(dpt[0], KVTile::k_major(v_addr, ks),
+                                     QTile::k_major(do_addr + consumer * 32 * 128, ks), ks > 0);
+        sm90::wgmma_commit();
+        sm90::wgmma_wait<0>();
+        sm90::fence_registers(st[0]);
+        sm90::fence_registers(dpt[0]);
+
+        const int q1 = min(q0 + BM, seq.sq);
+        const bool masked = !(mask.full_begin_key(q1) <= k0 && mask.full_end_key(q0) >= k0 + BN);
+        uint32_t pa[BM / 32][4], da[BM / 32][4];
+        const bwd::Fragment grads{stage_lse2(s) + 32 * consumer, stage_dsum(s) + 32 * consumer, {0.0f, 0.0f},
+                                  {0.0f, 0.0f}, q0 + 32 * consumer, k0 + key_row, mask};
+        bwd::grads_to_fragments<T, true>(masked, st, dpt, grads, p, pa, da);
+
+        // Into the (keys x queries) tiles: A fragment (ks, i) holds rows g + 8 (i % 2) and this
+        // consumer's columns 32 c + 16 ks + 8 (i / 2) + 2 t, + 1.
+#pragma unroll
+        for (int ks = 0; ks < BM / 32; ++ks)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int r = key_row + 8 * (i % 2), chunk = 4 * consumer + 2 * ks + i / 2;
+            const int at = r * 128 + ((chunk ^ (r % 8)) * 16) + 4 * (lane % 4);
+            *reinterpret_cast<uint32_t*>(sP + at) = pa[ks][i];
+            *reinterpret_cast<uint32_t*>(sdS + at) = da[ks][i];
+          }
+        sm90::fence_shared_to_async();
+        sm90::named_barrier_sync(kPdsReady, Traits::kConsumerThreads);
+
+        float dq[1][kCols / 8][4];
+        sm90::fence_registers(dv[0]);
+        sm90::fence_registers(dk[0]);
+        sm90::wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < BM / 16; ++ks)
+          sm90::Wgmma<T, kCols>::template ss<0, 1>(dv[0], PTile::k_major(p_addr, ks),
+                                                   QTile::n_major(do_addr + panel0, ks), 1);
+#pragma unroll
+        for (int ks = 0; ks < BM / 16; ++ks)
+          sm90::Wgmma<T, kCols>::template ss<0, 1>(dk[0], PTile::k_major(ds_addr, ks),
+                                                   QTile::n_major(q_addr + panel0, ks), 1);
+#pragma unroll
+        for (int ks = 0; ks < BN / 16; ++ks)
+          sm90::Wgmma<T, kCols>::template ss<1, 1>(dq[0], PTile::n_major(ds_addr, ks),
+                                                   KVTile::n_major(k_addr + panel0, ks), ks > 0);
+        sm90::wgmma_commit();
+        sm90::wgmma_wait<0>();
+        sm90::fence_registers(dv[0]);
+        sm90::fence_registers(dk[0]);
+        sm90::fence_registers(dq[0]);
+
+        // Both consumers' reads of the stage's Q and dO (and of P^T, dS^T) are done: the dQ tile
+        // goes over them.
+        sm90::named_barrier_sync(kStepDone, Traits::kConsumerThreads);
+        float* dq_part = reinterpret_cast<float*>(stage_q(s)) + consumer * Traits::DqOrder::kPartFloats +
+                         4 * (int(threadIdx.x) % 128);
+#pragma unroll
+        for (int j = 0; j < kCols / 8; ++j)
+          *reinterpret_cast<float4*>(dq_part + j * 512) = make_float4(dq[0][j][0], dq[0][j][1], dq[0][j][2], dq[0][j][3]);
+        sm90::fence_shared_to_async();
+        sm90::named_barrier_arrive(kDqFull, Traits::kDqBarrierThreads);
+      }
+    }
+
+    T* gdK = static_cast<T*>(p.dk.ptr) + bwd::seq_base(p, p.dk, b, false) + int64_t(hk) * p.dk.head +
+             int64_t(k0 + 16 * warp) * p.dk.seq + col0;
+    T* gdV = static_cast<T*>(p.dv.ptr) + bwd::seq_base(p, p.dv, b, false) + int64_t(hk) * p.dv.head +
+             int64_t(k0 + 16 * warp) * p.dv.seq + col0;
+    bwd::store_grad_frag<T>(p.pair_grads, dk, p.scale, gdK, p.dk.seq, k1 - k0 - 16 * warp, p.headdim_qk - col0);
+    bwd::store_grad_frag<T>(p.pair_grads, dv, 1.0f, gdV, p.dv.seq, k1 - k0 - 16 * warp, p.headdim_v - col0);
+  };
+  if (consumer == 0) run(std::integral_constant<int, Traits::kCols0>{});
+  else run(std::integral_constant<int, kHeadDim - Traits::kCols0>{});
+#endif
+}
+
+}  // namespace tileattn::cuda
