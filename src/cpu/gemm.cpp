@@ -11,7 +11,9 @@
 namespace tileattn::cpu {
 namespace {
 
-constexpr int kGemmRows = kLanes == 8 ? 4 : 2;  // measured best: SSE 2 x 16, AVX2 4 x 16
+// Rows of a register block, measured best: AVX2 4 x 16 (6 x 16 ran Q K^T and dS K ~10% slower on
+// Zen 3, its six row addresses crowding the registers), SSE 2 x 16.
+constexpr int kGemmRows = kLanes == 8 ? 4 : 2;
 constexpr int kGemmVecs = 16 / kLanes;
 constexpr int kGemmCols = kLanes * kGemmVecs;
 
@@ -84,6 +86,28 @@ void gemm_edge(const float* a, int64_t a_row, int64_t a_col, const float* b, int
     }
 }
 
+// Rows [i, m) in blocks of MR rows, then of fewer: 16 columns per block, then 8, then the edge.
+template <int MR, bool Overwrite>
+[[gnu::always_inline]] inline void gemm_rows(const float* a, int64_t a_row, int64_t a_col, const float* b, int64_t ldb,
+                                             float* c, int64_t ldc, int64_t i, int64_t m, int64_t n, int64_t k) {
+  for (; i + MR <= m; i += MR) {
+    const float* ai = a + i * a_row;
+    float* ci = c + i * ldc;
+    int64_t j = 0;
+    for (; j + kGemmCols <= n; j += kGemmCols)
+      gemm_block<MR, kGemmVecs, Overwrite>(ai, a_row, a_col, b + j, ldb, ci + j, ldc, k);
+    if (kGemmVecs > 1 && j + kLanes <= n) {
+      gemm_block<MR, 1, Overwrite>(ai, a_row, a_col, b + j, ldb, ci + j, ldc, k);
+      j += kLanes;
+    }
+    if (j < n) gemm_edge(ai, a_row, a_col, b + j, ldb, ci + j, ldc, MR, n - j, k, Overwrite);
+  }
+  if constexpr (MR > 1) {
+    constexpr int kNext = MR / 2;  // 4, 2, 1
+    if (i < m) gemm_rows<kNext, Overwrite>(a, a_row, a_col, b, ldb, c, ldc, i, m, n, k);
+  }
+}
+
 template <bool Overwrite>
 [[gnu::always_inline]] inline void gemm_tiles(const float* a, int64_t a_row, int64_t a_col, const float* b,
                                               int64_t ldb, float* c, int64_t ldc, int64_t m, int64_t n, int64_t k) {
@@ -91,16 +115,7 @@ template <bool Overwrite>
     if (Overwrite) gemm_edge(a, a_row, a_col, b, ldb, c, ldc, m, n, k, true);
     return;
   }
-  int64_t i = 0;
-  for (; i + kGemmRows <= m; i += kGemmRows) {
-    const float* ai = a + i * a_row;
-    float* ci = c + i * ldc;
-    int64_t j = 0;
-    for (; j + kGemmCols <= n; j += kGemmCols)
-      gemm_block<kGemmRows, kGemmVecs, Overwrite>(ai, a_row, a_col, b + j, ldb, ci + j, ldc, k);
-    if (j < n) gemm_edge(ai, a_row, a_col, b + j, ldb, ci + j, ldc, kGemmRows, n - j, k, Overwrite);
-  }
-  if (i < m) gemm_edge(a + i * a_row, a_row, a_col, b, ldb, c + i * ldc, ldc, m - i, n, k, Overwrite);
+  gemm_rows<kGemmRows, Overwrite>(a, a_row, a_col, b, ldb, c, ldc, 0, m, n, k);
 }
 
 // Every call site reads A either along its rows (a_col = 1) or down its columns (a_row = 1):
