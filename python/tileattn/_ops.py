@@ -455,11 +455,15 @@ class _EagerAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
         ctx.options = options
         ctx.mark_non_differentiable(lse)
+        # lse never has a gradient: without this, every backward would allocate zeros for it.
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
         dq, dk, dv = _backward_impl(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.options)
         return dq, dk, dv, None, None, None
 
