@@ -1,6 +1,6 @@
 #pragma once
-// The Hopper backward: one block per SM walks (128 keys, batch, kv head) tiles, three
-// warpgroups. For each tile the producer loads K and V once, then streams (Q, dO, L, D) tiles of the query tiles that see these keys,
+// The Hopper backward: one block per (128 keys, batch, kv head), three warpgroups. The producer
+// loads K and V once, then streams (Q, dO, L, D) tiles of the query tiles that see these keys,
 // for every query head of the kv head's group; each consumer owns 64 keys:
 //   S^T  = K Q^T      dP^T = V dO^T      wgmma, all operands in shared memory
 //   P^T, dS^T         from S^T, dP^T and the queries' L and D (bwd_grads.cuh, per element)
@@ -74,33 +74,6 @@ struct BwdSm90Traits {
   static_assert(kSmemBytes <= 227 * 1024, "shared memory");
 };
 
-// One block's share of the work: (key block, batch, kv head) tiles, key blocks fastest (under a
-// causal mask the heavy first blocks of each head come early), every gridDim.x-th one.
-struct BwdSm90Tile {
-  int k0, k1, b, hk;
-  bwd::SeqInfo seq;
-  Mask mask;
-  bwd::TileSpan queries;
-  int n_iter;  // query tiles x heads of the group; 0: nothing to load (dK, dV are 0 or absent)
-};
-
-template <int BN, int BM>
-__device__ __forceinline__ BwdSm90Tile bwd_sm90_tile(const bwd::BwdParams& p, int t) {
-  const int key_blocks = (p.seqlen_k + BN - 1) / BN;
-  BwdSm90Tile w;
-  w.k0 = (t % key_blocks) * BN;
-  w.b = (t / key_blocks) % p.batch;
-  w.hk = t / (key_blocks * p.batch);
-  w.seq = bwd::seq_info(p, w.b);
-  w.k1 = min(w.k0 + BN, w.seq.sk);
-  w.mask = bwd::seq_mask(p, w.seq);
-  w.queries = bwd::tile_span(w.mask.tile_begin_query(w.k0), w.mask.tile_end_query(w.k1), BM);
-  w.n_iter = w.k0 < w.seq.sk ? w.queries.count * p.group : 0;
-  return w;
-}
-
-// Persistent: each block walks its tiles, and the producer loads the next tile's K and V while
-// the consumers store the last one's dK and dV.
 template <class T, int kHeadDim, bool kFusedDq>
 __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads, 1)
     bwd_kernel_sm90(const __grid_constant__ BwdSm90Params params) {
@@ -121,21 +94,25 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
   auto stage_dout = [&](int s) { return stage_q(s) + QTile::kBytes; };
   auto stage_lse2 = [&](int s) { return reinterpret_cast<float*>(stage_q(s) + 2 * QTile::kBytes); };
   auto stage_dsum = [&](int s) { return stage_lse2(s) + BM; };
-  auto ds_buffer = [&](int step) { return smem + Traits::kDsOffset + (step % 2) * DsTile::kBytes; };
+  auto ds_buffer = [&](int it) { return smem + Traits::kDsOffset + (it % 2) * DsTile::kBytes; };
   float* sdq = reinterpret_cast<float*>(smem + Traits::kDqOffset);
   uint64_t* kv_full = reinterpret_cast<uint64_t*>(smem + Traits::kBarrierOffset);
-  uint64_t* kv_empty = kv_full + 1;
-  uint64_t* full = kv_empty + 1;
+  uint64_t* full = kv_full + 1;
   uint64_t* empty = full + kStages;
 
-  const int n_tiles = (p.seqlen_k + BN - 1) / BN * p.batch * p.heads_kv;
-  auto tile = [&](int t) { return bwd_sm90_tile<BN, BM>(p, t); };
-  auto head_of = [&](const BwdSm90Tile& w, int it) { return w.hk * p.group + it / w.queries.count; };
-  auto q0_of = [&](const BwdSm90Tile& w, int it) { return (w.queries.first + it % w.queries.count) * BM; };
+  const int b = blockIdx.y, hk = blockIdx.z;
+  const bwd::SeqInfo seq = bwd::seq_info(p, b);
+  const int k0 = blockIdx.x * BN;
+  if (k0 >= seq.sk) return;
+  const int k1 = min(k0 + BN, seq.sk);
+  const Mask mask = bwd::seq_mask(p, seq);
+  const bwd::TileSpan queries = bwd::tile_span(mask.tile_begin_query(k0), mask.tile_end_query(k1), BM);
+  const int n_iter = queries.count * p.group;
+  auto head_of = [&](int it) { return hk * p.group + it / queries.count; };
+  auto q0_of = [&](int it) { return (queries.first + it % queries.count) * BM; };
 
   if (threadIdx.x == 0) {
     sm90::barrier_init(kv_full, 1);
-    sm90::barrier_init(kv_empty, 4 * Traits::kConsumers);
     for (int s = 0; s < kStages; ++s) {
       sm90::barrier_init(full + s, 1);
       sm90::barrier_init(empty + s, 4 * Traits::kConsumers);  // one arrival per consumer warp
@@ -144,8 +121,6 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
   }
   __syncthreads();
 
-  // Steps (query tiles) and loaded tiles count across the block's tiles: they index the stage
-  // ring, the barrier phases and the dS^T buffers.
   const bool varlen = p.cu_seqlens_q != nullptr;
   const int warpgroup = int(threadIdx.x) / 128;
   if (warpgroup == 0) {
@@ -153,51 +128,39 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
     if constexpr (kFusedDq) {
       if (threadIdx.x / 32 == 1) {
         // The dQ warp: each step's tile into its place in the accumulator (rows past the
-        // sequence land in workspace padding). Whole warps take part in named barriers; the
-        // previous tile's buffer is released when the next one is awaited, so no arrival is
-        // left over at the end.
-        int step = 0;
-        for (int t = blockIdx.x; t < n_tiles; t += gridDim.x) {
-          const BwdSm90Tile w = tile(t);
-          for (int it = 0; it < w.n_iter; ++it, ++step) {
-            if (step > 0) sm90::named_barrier_arrive(kDqEmpty, Traits::kDqBarrierThreads);
-            sm90::named_barrier_sync(kDqFull, Traits::kDqBarrierThreads);
-            if (threadIdx.x == 32) {
-              sm90::bulk_reduce_add(p.dq_accum + (bwd::ws_row(p, w.b, head_of(w, it)) + q0_of(w, it)) * kHeadDim, sdq,
-                                    Traits::kDqTileBytes);
-              sm90::bulk_commit();
-              sm90::bulk_wait_read();
-            }
-            __syncwarp();
+        // sequence land in workspace padding). Whole warps take part in named barriers.
+        for (int it = 0; it < n_iter; ++it) {
+          sm90::named_barrier_sync(kDqFull, Traits::kDqBarrierThreads);
+          if (threadIdx.x == 32) {
+            sm90::bulk_reduce_add(p.dq_accum + (bwd::ws_row(p, b, head_of(it)) + q0_of(it)) * kHeadDim, sdq,
+                                  Traits::kDqTileBytes);
+            sm90::bulk_commit();
+            sm90::bulk_wait_read();
           }
+          __syncwarp();
+          if (it + 1 < n_iter) sm90::named_barrier_arrive(kDqEmpty, Traits::kDqBarrierThreads);
         }
         return;
       }
     }
-    if (threadIdx.x != 0) return;
-    int step = 0, loaded = 0;
-    for (int t = blockIdx.x; t < n_tiles; t += gridDim.x) {
-      const BwdSm90Tile w = tile(t);
-      if (w.n_iter == 0) continue;
-      const int batch = varlen ? 0 : w.b;
-      const int q_base = int(w.seq.row_q);
-      sm90::barrier_wait(kv_empty, (loaded & 1) ^ 1);
-      sm90::barrier_arrive_expect_bytes(kv_full, 2 * KVTile::kBytes);
-      KVTile::template load<kBwdBoxRows>(sK, &params.k, kv_full, int(w.seq.row_k) + w.k0, w.hk, batch);
-      KVTile::template load<kBwdBoxRows>(sV, &params.v, kv_full, int(w.seq.row_k) + w.k0, w.hk, batch);
-      ++loaded;
-      for (int it = 0; it < w.n_iter; ++it, ++step) {
-        const int s = step % kStages;
-        const uint32_t phase = (step / kStages) & 1;
-        const int h = head_of(w, it), q0 = q0_of(w, it);
-        sm90::barrier_wait(empty + s, phase ^ 1);
-        sm90::barrier_arrive_expect_bytes(full + s, Traits::kStageBytes);
-        QTile::template load<kBwdBoxRows>(stage_q(s), &params.q, full + s, q_base + q0, h, batch);
-        QTile::template load<kBwdBoxRows>(stage_dout(s), &params.dout, full + s, q_base + q0, h, batch);
-        const int64_t ws = bwd::ws_row(p, w.b, h) + q0;
-        sm90::bulk_load(stage_lse2(s), p.lse2 + ws, BM * 4, full + s);
-        sm90::bulk_load(stage_dsum(s), p.dsum + ws, BM * 4, full + s);
-      }
+    if (threadIdx.x != 0 || n_iter == 0) return;
+    const int batch = varlen ? 0 : b;
+    const int k_row = int(seq.row_k) + k0;
+    const int q_base = int(seq.row_q);
+    sm90::barrier_arrive_expect_bytes(kv_full, 2 * KVTile::kBytes);
+    KVTile::template load<kBwdBoxRows>(sK, &params.k, kv_full, k_row, hk, batch);
+    KVTile::template load<kBwdBoxRows>(sV, &params.v, kv_full, k_row, hk, batch);
+    for (int it = 0; it < n_iter; ++it) {
+      const int s = it % kStages;
+      const uint32_t phase = (it / kStages) & 1;
+      const int h = head_of(it), q0 = q0_of(it);
+      sm90::barrier_wait(empty + s, phase ^ 1);
+      sm90::barrier_arrive_expect_bytes(full + s, Traits::kStageBytes);
+      QTile::template load<kBwdBoxRows>(stage_q(s), &params.q, full + s, q_base + q0, h, batch);
+      QTile::template load<kBwdBoxRows>(stage_dout(s), &params.dout, full + s, q_base + q0, h, batch);
+      const int64_t w = bwd::ws_row(p, b, h) + q0;
+      sm90::bulk_load(stage_lse2(s), p.lse2 + w, BM * 4, full + s);
+      sm90::bulk_load(stage_dsum(s), p.dsum + w, BM * 4, full + s);
     }
     return;
   }
@@ -207,129 +170,124 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
   const int warp = (int(threadIdx.x) / 32) % 4, lane = int(threadIdx.x) % 32;
   const int key_row = 64 * consumer + 16 * warp + lane / 4;  // tile row of (g, e < 2)
 
+  float dk[1][kHeadDim / 8][4], dv[1][kHeadDim / 8][4];
+#pragma unroll
+  for (int j = 0; j < kHeadDim / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[0][j][e] = dv[0][j][e] = 0.0f;
+
   // kDqCols: this consumer's columns of the dQ tile (all of them where the split is by rows).
-  auto run = [&](auto dq_cols) {
+  auto steps = [&](auto dq_cols) {
     constexpr int kDqCols = decltype(dq_cols)::value;
     const uint32_t k_base = smem_address(sK) + consumer * 64 * 128;
     const uint32_t v_base = smem_address(sV) + consumer * 64 * 128;
-    // dQ's operands and this thread's place in the dQ tile: queries 64 c.. and K's panel 0, or
-    // all queries and K's panel c.
-    [[maybe_unused]] const int ds_panel = Traits::kDqSplitRows ? consumer : 0;
-    const int k_panel = Traits::kDqSplitRows ? 0 : consumer;
+    // dQ's operands and this thread's first dQ element: queries 64 c.. and K's panel 0, or all
+    // queries and K's panel c.
+    const int ds_panel = Traits::kDqSplitRows ? consumer : 0, k_panel = Traits::kDqSplitRows ? 0 : consumer;
     const uint32_t k_dq = smem_address(sK) + k_panel * KVTile::kPanelBytes;
-    [[maybe_unused]] float* dq_part = sdq + consumer * Traits::DqOrder::kPartFloats + 4 * (int(threadIdx.x) % 128);
-    int step = 0, loaded = 0;
-    for (int t = blockIdx.x; t < n_tiles; t += gridDim.x) {
-      const BwdSm90Tile w = tile(t);
-      if (w.k0 >= w.seq.sk) continue;  // past this sequence's keys: no rows of dK, dV
-      float dk[1][kHeadDim / 8][4], dv[1][kHeadDim / 8][4];
-#pragma unroll
-      for (int j = 0; j < kHeadDim / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dk[0][j][e] = dv[0][j][e] = 0.0f;
+    [[maybe_unused]] float* dq_part = sdq + ds_panel * Traits::DqOrder::kPartFloats + k_panel * Traits::DqOrder::kPartFloats +
+                     4 * (int(threadIdx.x) % 128);
+    sm90::barrier_wait(kv_full, 0);
+    for (int it = 0; it < n_iter; ++it) {
+      const int s = it % kStages;
+      const uint32_t phase = (it / kStages) & 1;
+      const int q0 = q0_of(it);
+      const uint32_t q_addr = smem_address(stage_q(s)), do_addr = smem_address(stage_dout(s));
+      sm90::barrier_wait(full + s, phase);
 
-      if (w.n_iter > 0) sm90::barrier_wait(kv_full, loaded & 1);
-      for (int it = 0; it < w.n_iter; ++it, ++step) {
-        const int s = step % kStages;
-        const uint32_t phase = (step / kStages) & 1;
-        const int q0 = q0_of(w, it);
-        const uint32_t q_addr = smem_address(stage_q(s)), do_addr = smem_address(stage_dout(s));
-        sm90::barrier_wait(full + s, phase);
-
-        float st[1][BM / 8][4], dpt[1][BM / 8][4];
-        sm90::wgmma_fence();
+      float st[1][BM / 8][4], dpt[1][BM / 8][4];
+      sm90::wgmma_fence();
 #pragma unroll
-        for (int ks = 0; ks < kHeadDim / 16; ++ks)
-          sm90::Wgmma<T, BM>::ss(st[0], KVTile::k_major(k_base, ks), QTile::k_major(q_addr, ks), ks > 0);
+      for (int ks = 0; ks < kHeadDim / 16; ++ks)
+        sm90::Wgmma<T, BM>::ss(st[0], KVTile::k_major(k_base, ks), QTile::k_major(q_addr, ks), ks > 0);
 #pragma unroll
-        for (int ks = 0; ks < kHeadDim / 16; ++ks)
-          sm90::Wgmma<T, BM>::ss(dpt[0], KVTile::k_major(v_base, ks), QTile::k_major(do_addr, ks), ks > 0);
-        sm90::wgmma_commit();
-        sm90::wgmma_wait<0>();
-        sm90::fence_registers(st[0]);
-        sm90::fence_registers(dpt[0]);
+      for (int ks = 0; ks < kHeadDim / 16; ++ks)
+        sm90::Wgmma<T, BM>::ss(dpt[0], KVTile::k_major(v_base, ks), QTile::k_major(do_addr, ks), ks > 0);
+      sm90::wgmma_commit();
+      sm90::wgmma_wait<0>();
+      sm90::fence_registers(st[0]);
+      sm90::fence_registers(dpt[0]);
 
-        // P^T and dS^T, rounded to T in the A-fragment layout (two column tiles = one k-step).
-        const int q1 = min(q0 + BM, w.seq.sq);
-        const bool masked = !(w.mask.full_begin_key(q1) <= w.k0 && w.mask.full_end_key(q0) >= w.k0 + BN);
-        uint32_t pa[BM / 16][4], da[BM / 16][4];
-        const bwd::Fragment grads{stage_lse2(s), stage_dsum(s), {0.0f, 0.0f}, {0.0f, 0.0f}, q0, w.k0 + key_row, w.mask};
-        bwd::grads_to_fragments<T, true>(masked, st, dpt, grads, p, pa, da);
+      // P^T and dS^T, rounded to T in the A-fragment layout (two column tiles = one k-step).
+      const int q1 = min(q0 + BM, seq.sq);
+      const bool masked = !(mask.full_begin_key(q1) <= k0 && mask.full_end_key(q0) >= k0 + BN);
+      const float* lse2 = stage_lse2(s);
+      const float* dsum = stage_dsum(s);
+      uint32_t pa[BM / 16][4], da[BM / 16][4];
+      const bwd::Fragment grads{lse2, dsum, {0.0f, 0.0f}, {0.0f, 0.0f}, q0, k0 + key_row, mask};
+      bwd::grads_to_fragments<T, true>(masked, st, dpt, grads, p, pa, da);
 
-        sm90::fence_registers(dv[0]);
-        sm90::fence_registers(dk[0]);
-        sm90::wgmma_fence();
+      sm90::fence_registers(dv[0]);
+      sm90::fence_registers(dk[0]);
+      sm90::wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < BM / 16; ++ks)
+        sm90::Wgmma<T, kHeadDim>::template rs<1>(dv[0], pa[ks], QTile::n_major(do_addr, ks), 1);
+      sm90::wgmma_commit();
+
+      [[maybe_unused]] float dq[1][kDqCols / 8][4];
+      if constexpr (kFusedDq) {
+        // dS^T into shared memory in the tile format: A fragment (ks, i) holds rows g + 8 (i % 2)
+        // and columns 16 ks + 8 (i / 2) + 2 t, + 1.
+        unsigned char* ds = ds_buffer(it);
 #pragma unroll
         for (int ks = 0; ks < BM / 16; ++ks)
-          sm90::Wgmma<T, kHeadDim>::template rs<1>(dv[0], pa[ks], QTile::n_major(do_addr, ks), 1);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int r = key_row + 8 * (i % 2), chunk = (2 * ks + i / 2) % 8;
+            *reinterpret_cast<uint32_t*>(ds + (ks / 4) * DsTile::kPanelBytes + r * 128 + ((chunk ^ (r % 8)) * 16) +
+                                         4 * (lane % 4)) = da[ks][i];
+          }
+        sm90::fence_shared_to_async();
+        sm90::named_barrier_sync(kDsReady, Traits::kConsumerThreads);
+        const uint32_t ds_addr = smem_address(ds) + ds_panel * DsTile::kPanelBytes;
+        sm90::wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < BN / 16; ++ks)
+          sm90::Wgmma<T, kDqCols>::template ss<1, 1>(dq[0], DsTile::n_major(ds_addr, ks), KVTile::n_major(k_dq, ks),
+                                                      ks > 0);
         sm90::wgmma_commit();
-
-        [[maybe_unused]] float dq[1][kDqCols / 8][4];
-        if constexpr (kFusedDq) {
-          // dS^T into shared memory in the tile format: A fragment (ks, i) holds rows g + 8 (i % 2)
-          // and columns 16 ks + 8 (i / 2) + 2 t, + 1.
-          unsigned char* ds = ds_buffer(step);
-#pragma unroll
-          for (int ks = 0; ks < BM / 16; ++ks)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              const int r = key_row + 8 * (i % 2), chunk = (2 * ks + i / 2) % 8;
-              *reinterpret_cast<uint32_t*>(ds + (ks / 4) * DsTile::kPanelBytes + r * 128 + ((chunk ^ (r % 8)) * 16) +
-                                           4 * (lane % 4)) = da[ks][i];
-            }
-          sm90::fence_shared_to_async();
-          sm90::named_barrier_sync(kDsReady, Traits::kConsumerThreads);
-          const uint32_t ds_addr = smem_address(ds) + ds_panel * DsTile::kPanelBytes;
-          sm90::wgmma_fence();
-#pragma unroll
-          for (int ks = 0; ks < BN / 16; ++ks)
-            sm90::Wgmma<T, kDqCols>::template ss<1, 1>(dq[0], DsTile::n_major(ds_addr, ks), KVTile::n_major(k_dq, ks),
-                                                        ks > 0);
-          sm90::wgmma_commit();
-        }
-#pragma unroll
-        for (int ks = 0; ks < BM / 16; ++ks)
-          sm90::Wgmma<T, kHeadDim>::template rs<1>(dk[0], da[ks], QTile::n_major(q_addr, ks), 1);
-        sm90::wgmma_commit();
-
-        if constexpr (kFusedDq) {
-          sm90::wgmma_wait<1>();  // dV and dQ done; dK may still run
-          sm90::fence_registers(dq[0]);
-          if (step > 0) sm90::named_barrier_sync(kDqEmpty, Traits::kDqBarrierThreads);
-#pragma unroll
-          for (int j = 0; j < kDqCols / 8; ++j)
-            *reinterpret_cast<float4*>(dq_part + j * 512) = make_float4(dq[0][j][0], dq[0][j][1], dq[0][j][2], dq[0][j][3]);
-          sm90::fence_shared_to_async();
-          sm90::named_barrier_arrive(kDqFull, Traits::kDqBarrierThreads);
-        }
-        sm90::wgmma_wait<0>();
-        sm90::fence_registers(dv[0]);
-        sm90::fence_registers(dk[0]);
-        __syncwarp();
-        if (lane == 0) {
-          sm90::barrier_arrive(empty + s);
-          if (it + 1 == w.n_iter) sm90::barrier_arrive(kv_empty);  // K and V read for the last time
-        }
       }
-      if (w.n_iter > 0) ++loaded;
+#pragma unroll
+      for (int ks = 0; ks < BM / 16; ++ks)
+        sm90::Wgmma<T, kHeadDim>::template rs<1>(dk[0], da[ks], QTile::n_major(q_addr, ks), 1);
+      sm90::wgmma_commit();
 
-      const int row0 = 64 * consumer + 16 * warp;  // this warp's first tile row
-      T* gdK = static_cast<T*>(p.dk.ptr) + bwd::seq_base(p, p.dk, w.b, false) + int64_t(w.hk) * p.dk.head +
-               int64_t(w.k0 + row0) * p.dk.seq;
-      T* gdV = static_cast<T*>(p.dv.ptr) + bwd::seq_base(p, p.dv, w.b, false) + int64_t(w.hk) * p.dv.head +
-               int64_t(w.k0 + row0) * p.dv.seq;
-      bwd::store_grad_frag<T>(p.pair_grads, dk, p.scale, gdK, p.dk.seq, w.k1 - w.k0 - row0, p.headdim_qk);
-      bwd::store_grad_frag<T>(p.pair_grads, dv, 1.0f, gdV, p.dv.seq, w.k1 - w.k0 - row0, p.headdim_v);
+      if constexpr (kFusedDq) {
+        sm90::wgmma_wait<1>();  // dV and dQ done; dK may still run
+        sm90::fence_registers(dq[0]);
+        if (it > 0) sm90::named_barrier_sync(kDqEmpty, Traits::kDqBarrierThreads);
+#pragma unroll
+        for (int j = 0; j < kDqCols / 8; ++j)
+          *reinterpret_cast<float4*>(dq_part + j * 512) = make_float4(dq[0][j][0], dq[0][j][1], dq[0][j][2], dq[0][j][3]);
+        sm90::fence_shared_to_async();
+        sm90::named_barrier_arrive(kDqFull, Traits::kDqBarrierThreads);
+      }
+      sm90::wgmma_wait<0>();
+      sm90::fence_registers(dv[0]);
+      sm90::fence_registers(dk[0]);
+      __syncwarp();
+      if (lane == 0) sm90::barrier_arrive(empty + s);
     }
   };
-  if constexpr (!kFusedDq || Traits::kDqSplitRows) {
-    run(std::integral_constant<int, kHeadDim>{});
-  } else if constexpr (kHeadDim == 128) {
-    run(std::integral_constant<int, 64>{});
-  } else {
-    if (consumer == 0) run(std::integral_constant<int, 64>{});
-    else run(std::integral_constant<int, kHeadDim - 64>{});
+  if (n_iter > 0) {
+    if constexpr (!kFusedDq || Traits::kDqSplitRows) {
+      steps(std::integral_constant<int, kHeadDim>{});
+    } else if constexpr (kHeadDim == 128) {
+      steps(std::integral_constant<int, 64>{});
+    } else {
+      if (consumer == 0) steps(std::integral_constant<int, 64>{});
+      else steps(std::integral_constant<int, kHeadDim - 64>{});
+    }
   }
+
+  const int row0 = 64 * consumer + 16 * warp;  // this warp's first tile row
+  T* gdK = static_cast<T*>(p.dk.ptr) + bwd::seq_base(p, p.dk, b, false) + int64_t(hk) * p.dk.head +
+           int64_t(k0 + row0) * p.dk.seq;
+  T* gdV = static_cast<T*>(p.dv.ptr) + bwd::seq_base(p, p.dv, b, false) + int64_t(hk) * p.dv.head +
+           int64_t(k0 + row0) * p.dv.seq;
+  bwd::store_grad_frag<T>(p.pair_grads, dk, p.scale, gdK, p.dk.seq, k1 - k0 - row0, p.headdim_qk);
+  bwd::store_grad_frag<T>(p.pair_grads, dv, 1.0f, gdV, p.dv.seq, k1 - k0 - row0, p.headdim_v);
 #endif
 }
 

@@ -2,8 +2,6 @@
 // Launch side of the sm90 backward. Included only by the generated instantiation units.
 #include <cuda_runtime.h>
 
-#include <algorithm>
-#include <cstdint>
 #include <string>
 
 #include "cuda/common/check.cuh"
@@ -36,23 +34,16 @@ bool BwdSm90<T, kHeadDim>::make_maps(const AttentionProblem& pr, BwdSm90Params& 
 }
 
 namespace detail {
-// The main kernel, persistent over (key tiles, batch, kv heads).
+// The main kernel over (key tiles, batch, kv heads).
 template <class T, int kHeadDim, bool kFusedDq>
 void launch_bwd_sm90(const BwdSm90Params& params, cudaStream_t stream) {
   using Traits = BwdSm90Traits<T, kHeadDim, kFusedDq>;
   const bwd::BwdParams& p = params.bwd;
   TA_CUDA_CHECK(cudaFuncSetAttribute(bwd_kernel_sm90<T, kHeadDim, kFusedDq>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      Traits::kSmemBytes));
-  const int64_t tiles = int64_t((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN) * p.batch * p.heads_kv;
-  if (tiles == 0) return;
-  if (tiles > INT32_MAX)
-    throw Error(ErrorKind::unsupported, "CUDA backward: " + std::to_string(tiles) +
-                                            " key tiles (seqlen_k / 128 x batch x heads_kv) exceed 2^31 - 1");
-  int device = 0, sms = 0;
-  TA_CUDA_CHECK(cudaGetDevice(&device));
-  TA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const unsigned blocks = unsigned(std::min<int64_t>(tiles, sms));  // one block per SM (launch bounds)
-  bwd_kernel_sm90<T, kHeadDim, kFusedDq><<<blocks, Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
+  const dim3 grid((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, p.batch, p.heads_kv);
+  if (grid.x == 0) return;
+  bwd_kernel_sm90<T, kHeadDim, kFusedDq><<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
   TA_CUDA_CHECK_LAUNCH("backward (sm90)");
 }
 }  // namespace detail
