@@ -114,11 +114,16 @@ void probabilities_and_dp(const AttentionProblem& p, const ScoreTransform& trans
       std::fill(&w.ds[size_t(i * kTileK)], &w.ds[size_t(i * kTileK)] + n, 0.0f);
       continue;
     }
+    const float norm = w.norm[size_t(i)];
+    if (!capped && !transform.mod.has_alibi()) {  // one pass; masking before the scale gives the same -inf
+      if (boundary) mask_row(s.mask, i0 + i, j0, n, pi);
+      scaled_weights_row(pi, n, transform.scale, lse, norm);
+      continue;
+    }
     transform.apply(pi, n, capped ? &w.th[size_t(i * kTileK)] : nullptr);
     if (transform.mod.has_alibi()) ScoreTransform::add_alibi(pi, n, w.slope, i0 + i + s.len_k - s.len_q - j0, -1);
     if (boundary) mask_row(s.mask, i0 + i, j0, n, pi);
     weights_row(pi, n, lse);
-    const float norm = w.norm[size_t(i)];
     if (norm != 1.0f)
       for (int64_t j = 0; j < n; ++j) pi[j] *= norm;
   }
@@ -194,21 +199,19 @@ void compute_delta_consistent(const AttentionProblem& p, const ScoreTransform& t
     w.head = h;
     for (int64_t i = 0; i < rows; ++i) w.lse[size_t(i)] = row_lse(p, transform, s, i0 + i, h, w.slope);
     std::fill(w.norm.begin(), w.norm.end(), 1.0f);
-    double sums[kTileQ] = {}, weights[kTileQ] = {};
+    f64x4 sum_lanes[kTileQ] = {}, weight_sum_lanes[kTileQ] = {};
     const int64_t key_end = s.mask.tile_end_key(int(i1));
     for (int64_t j0 = first_key_tile(s, i0); j0 < key_end; j0 += kTileK) {
       const int64_t n = std::min(kTileK, key_end - j0);
       load_rows_transposed(p, p.k, s, false, hk, j0, n, dqk, w.kt.data(), kTileK);
       load_rows_transposed(p, p.v, s, false, hk, j0, n, dv, w.vt.data(), kTileK);
       probabilities_and_dp(p, transform, s, i0, rows, j0, n, w);
-      for (int64_t i = 0; i < rows; ++i) {
-        const float* pi = &w.p[size_t(i * kTileK)];
-        const float* dpi = &w.ds[size_t(i * kTileK)];
-        for (int64_t j = 0; j < n; ++j) {
-          sums[i] += double(pi[j]) * double(dpi[j]);
-          weights[i] += double(pi[j]);
-        }
-      }
+      add_row_products(w.p.data(), w.ds.data(), kTileK, rows, n, sum_lanes, weight_sum_lanes);
+    }
+    double sums[kTileQ], weights[kTileQ];
+    for (int64_t i = 0; i < rows; ++i) {
+      sums[i] = (sum_lanes[i][0] + sum_lanes[i][1]) + (sum_lanes[i][2] + sum_lanes[i][3]);
+      weights[i] = (weight_sum_lanes[i][0] + weight_sum_lanes[i][1]) + (weight_sum_lanes[i][2] + weight_sum_lanes[i][3]);
     }
     for (int64_t i = 0; i < rows; ++i) {
       const int64_t li = lse_index(p, s, i0 + i, h);

@@ -366,6 +366,52 @@ inline void weights_row(float* x, int64_t n, float lse) {
   }
 }
 
+// weights_row of the scores scale * x[j], times norm, in one pass over the row: the same
+// operations as scaling the row, weights_row, then multiplying by norm (x * 1 is x, so norm = 1
+// needs no branch), for rows with neither cap nor ALiBi (masked entries may already be -inf).
+inline void scaled_weights_row(float* x, int64_t n, float scale, float lse, float norm) {
+  const f32xN ref = f32xN{} + lse, sc = broadcast_lanes(scale), nm = broadcast_lanes(norm);
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) store_lanes(x + j, weight_lanes(load_lanes(x + j) * sc, ref) * nm);
+  if (j < n) {
+    float tail[kLanes];
+    std::fill(tail, tail + kLanes, -INFINITY);
+    std::copy(x + j, x + n, tail);
+    const f32xN r = weight_lanes(load_lanes(tail) * sc, ref) * nm;
+    std::memcpy(x + j, &r, size_t(n - j) * sizeof(float));
+  }
+}
+
+// sums[i] += sum_j double(x_ij) * double(y_ij) and weights[i] += sum_j double(x_ij) for the rows of
+// two row-major tiles (ld), in lanes of four doubles (summed across lanes by the caller, in a
+// fixed order): each product is exact in double, and a serial double sum per row was latency
+// bound (~4% of a backward).
+using f64x4 = double __attribute__((vector_size(32)));
+inline void add_row_products(const float* x, const float* y, int64_t ld, int64_t rows, int64_t n, f64x4* sums,
+                             f64x4* weights) {
+  using f32x4 = float __attribute__((vector_size(16)));
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* xi = x + i * ld;
+    const float* yi = y + i * ld;
+    f64x4 s = sums[i], w = weights[i];
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+      f32x4 a, b;
+      std::memcpy(&a, xi + j, sizeof a);
+      std::memcpy(&b, yi + j, sizeof b);
+      const f64x4 ad = __builtin_convertvector(a, f64x4), bd = __builtin_convertvector(b, f64x4);
+      s += ad * bd;
+      w += ad;
+    }
+    for (int k = 0; j < n; ++j, ++k) {  // the tail into lanes 0.. in order
+      s[k] += double(xi[j]) * double(yi[j]);
+      w[k] += double(xi[j]);
+    }
+    sums[i] = s;
+    weights[i] = w;
+  }
+}
+
 // keep[i * row_step + j * col_step] = 1 where element (query i0 + i, key j0 + j) of sequence b,
 // head h is kept, else 0 (common/philox.hpp's rule): one Philox call per four aligned keys.
 inline void dropout_keep_tile(const Dropout& d, int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t j0, int64_t n,
