@@ -1,7 +1,6 @@
-// Tiled CPU backward. P is recomputed from the saved L, and D = rowsum(P * dP) of the softmax
-// gradient is summed in a pass of its own (compute_delta_consistent), so nothing quadratic is
-// stored. Every output element is written by one task in a fixed order: race-free and bitwise
-// deterministic.
+// Tiled CPU backward. P is recomputed from the saved L, and D = rowsum(O * dO) replaces the
+// rowsum(P * dP) of the softmax gradient, so nothing quadratic is stored. Every output element is
+// written by one task in a fixed order: race-free and bitwise deterministic.
 //
 // dK and dV of a key tile accumulate locally over the query tiles that see it and over every
 // query head of the GQA group. dQ needs a sum over key tiles, which are spread across tasks, so
@@ -30,7 +29,7 @@ namespace {
 // (causal, varlen) tasks; below it the split schedule's finer tasks win.
 constexpr int64_t kFusedTasksPerThread = 2;
 
-// Per (row, head), in L's layout: D, and 1 / rowsum(P), by which
+// Per (row, head), in L's layout: D, and (compute_delta_consistent only) 1 / rowsum(P), by which
 // every P of the row is multiplied, so that the weights sum to 1 as a softmax's do: the P
 // recomputed from the stored fp32 L carry L's rounding (up to ~|L| 2^-24) as one factor per row,
 // which a D formed from those same P would otherwise turn into an error of D itself.
@@ -171,17 +170,34 @@ void probabilities_and_ds(const AttentionProblem& p, const ScoreTransform& trans
 // first tile add exact zeros.
 int64_t first_key_tile(const Sequence& s, int64_t i0) { return s.mask.tile_begin_key(int(i0)) / kTileK * kTileK; }
 
+// D = rowsum(O * dO) per (row, head), in L's layout. dS = P (dP - D) cancels D against dP, so D is
+// rounded exactly as an element of dP = dO V^T is (dot_chunked): with one visible key
+// O = V, and dS is then exactly 0, as in a naive implementation (D = rowsum(P * dP) there); a D
+// rounded differently from dP left dP - D at a few ulp of |dP| and dQ, dK at ~1e-5 instead of 0.
+void compute_delta(const AttentionProblem& p, int threads, int64_t tiles, std::vector<float>& delta) {
+  parallel_for(p.batch * p.heads_q * tiles, threads, [&](int64_t task) {
+    const int64_t tile = task % tiles, bh = task / tiles, b = bh / p.heads_q, h = bh % p.heads_q;
+    const Sequence s = sequence(p, b);
+    const int64_t i0 = tile * kTileQ;
+    if (i0 >= s.len_q) return;
+    const int64_t rows = std::min(kTileQ, s.len_q - i0), dv = p.headdim_v;
+    thread_local std::vector<float> o, dout;
+    o.resize(size_t(rows * dv));
+    dout.resize(size_t(rows * dv));
+    load_rows(p, p.o, s, true, h, i0, rows, dv, o.data(), dv);
+    load_rows(p, p.dout, s, true, h, i0, rows, dv, dout.data(), dv);
+    for (int64_t i = 0; i < rows; ++i)
+      delta[size_t(lse_index(p, s, i0 + i, h))] = dot_chunked(&dout[size_t(i * dv)], &o[size_t(i * dv)], dv);
+  });
+}
+
 // D = rowsum(P * dP) per (row, head) from the very P and dP the gradient passes compute, summed
 // over the key tiles in order (in double): what a naive implementation does, so that dS sums to
 // ~0 over each row whatever the rounding of P and dP. rowsum(O * dO) equals it only up to O's own
 // rounding (a few ulp per element in fp32, the dtype's unit roundoff in fp16/bf16) summed over
-// headdim_v coherently into every dS of the row, which broke the 2x rule: with headdim_qk <= 4,
-// with 16-bit O, and in fp32 wherever the exact dS nearly cancels (rows one key dominates through
-// a large score spread: dK 4.7x the naive error at headdim 13/46, softmax_scale 1.95, even with
-// D rounded as dP is). It costs one more pass of S and dP (~40% of a backward with headdim_qk =
-// headdim_v). ALiBi's causal form needs the per-row factor too: L is stored plus
-// slope * (i + sk - sq), so its rounding (and that of every P) grows with the row (measured 1.5x
-// the bound at slope 0.5, 120 rows).
+// headdim_v coherently into every dS of the row: with headdim_qk <= 4, or 16-bit O, that broke
+// the 2x rule. It costs one more pass of S and dP (~40% of a backward with headdim_qk =
+// headdim_v), so it runs where that rounding mattered (use_consistent_delta).
 void compute_delta_consistent(const AttentionProblem& p, const ScoreTransform& transform, int64_t tiles,
                               int threads, RowTerms& terms) {
   parallel_for(p.batch * p.heads_q * tiles, threads, [&](int64_t task) {
@@ -219,6 +235,17 @@ void compute_delta_consistent(const AttentionProblem& p, const ScoreTransform& t
       terms.norm[size_t(li)] = weights[i] > 0.0 ? float(1.0 / weights[i]) : 1.0f;
     }
   });
+}
+
+// Where rowsum(O * dO) is not accurate enough for D (compute_delta_consistent): O rounded to 16
+// bits, or head dims so small that scores are few-term sums and rows are peaky, so a handful of
+// elements carry all of dQ and dK (measured: the 2x rule failed at headdim_qk 1-4 against a naive
+// fp32 implementation, passed at 8 and above with headdim_v up to 256).
+// Also ALiBi's causal form: L is stored plus slope * (i + sk - sq), so its rounding (and that of
+// every P) grows with the row, past the 2x rule in fp32 (measured 1.5x the bound at slope 0.5,
+// 120 rows); the per-row factor removes it.
+bool use_consistent_delta(const AttentionProblem& p, const ScoreTransform& transform) {
+  return p.dtype != DType::f32 || p.headdim_qk <= 8 || transform.mod.alibi_lse_offset;
 }
 
 // dK, dV of one key tile, summed over the GQA group's query heads and the query tiles that see
@@ -318,8 +345,12 @@ void backward(const AttentionProblem& p) {
   const int threads = threads_for(p.num_threads, flops);
   RowTerms terms;
   terms.delta.resize(size_t(p.heads_q * rows_q));
-  terms.norm.resize(terms.delta.size());
-  compute_delta_consistent(p, transform, q_tiles, threads, terms);
+  if (use_consistent_delta(p, transform)) {
+    terms.norm.resize(terms.delta.size());
+    compute_delta_consistent(p, transform, q_tiles, threads, terms);
+  } else {
+    compute_delta(p, threads, q_tiles, terms.delta);
+  }
 
   if (p.batch * p.heads_kv >= kFusedTasksPerThread * threads) {
     parallel_for(p.batch * p.heads_kv, threads, [&](int64_t task) {

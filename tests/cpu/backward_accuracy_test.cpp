@@ -64,8 +64,7 @@ TEST(BackwardAccuracy, Fp32SmallHeaddimQkLargeHeaddimV) {
   }
 }
 
-// Head dims where the backward used D = rowsum(O * dO) before it formed D from its own P and dP
-// for every problem (src/cpu/backward.cpp, compute_delta_consistent).
+// Head dims where D = rowsum(O * dO) is used (src/cpu/backward.cpp, use_consistent_delta).
 TEST(BackwardAccuracy, Fp32DFromO) {
   check_trials({64, 80, 16, 256, DType::f32, false});
   check_trials({50, 50, 64, 64, DType::f32, true});
@@ -85,7 +84,7 @@ TEST(BackwardAccuracy, Alibi) {
 
 TEST(BackwardAccuracy, Fp32OneVisibleKeyGivesZeroDqDk) {
   check_trials({20, 1, 8, 192, DType::f32, false});
-  // One key: P = 1 exactly, and dS = P (dP - D) with D = rowsum(P dP) / rowsum(P) = dP is exactly 0.
+  // One key: P = 1 exactly, and dS = P (dP - D) with D = rowsum(dO * O) = dO . V = dP is exactly 0.
   for (int trial = 0; trial < kTrials; ++trial) {
     ProblemShape shape;
     shape.seqlen_q = 20;
