@@ -14,6 +14,7 @@
 #include "cuda/common/bwd_params.hpp"
 #include "cuda/backward/bwd_tile_io.cuh"
 #include "cuda/backward/bwd_params_sm90.hpp"
+#include "cuda/backward/bwd_stream_sm90.cuh"
 #include "cuda/arch/panel_tile_sm90.cuh"
 #include "cuda/arch/ptx_sm90.cuh"
 #include "cuda/arch/wgmma_ops.cuh"
@@ -134,17 +135,7 @@ __global__ void __launch_bounds__(DqSm90Traits<T, kHeadDim>::kThreads, 1)
       sm90::barrier_wait(full + s, phase);
 
       float st[1][BN / 8][4], dpt[1][BN / 8][4];
-      sm90::wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < kHeadDim / 16; ++ks)
-        sm90::Wgmma<T, BN>::ss(st[0], QTile::k_major(q_addr, ks), KVTile::k_major(k_addr, ks), ks > 0);
-#pragma unroll
-      for (int ks = 0; ks < kHeadDim / 16; ++ks)
-        sm90::Wgmma<T, BN>::ss(dpt[0], QTile::k_major(do_addr, ks), KVTile::k_major(v_addr, ks), ks > 0);
-      sm90::wgmma_commit();
-      sm90::wgmma_wait<0>();
-      sm90::fence_registers(st[0]);
-      sm90::fence_registers(dpt[0]);
+      score_products<T, BN, kHeadDim, QTile, KVTile>(st, dpt, q_addr, k_addr, do_addr, v_addr);
 
       uint32_t pa[BN / 16][4], da[BN / 16][4];
       grads.col0 = key0;

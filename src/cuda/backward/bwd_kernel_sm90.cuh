@@ -33,6 +33,7 @@
 #include "cuda/common/bwd_params.hpp"
 #include "cuda/backward/bwd_tile_io.cuh"
 #include "cuda/backward/bwd_params_sm90.hpp"
+#include "cuda/backward/bwd_stream_sm90.cuh"
 #include "cuda/backward/bwd_dq_tiles_sm90.cuh"
 #include "cuda/arch/panel_tile_sm90.cuh"
 #include "cuda/arch/ptx_sm90.cuh"
@@ -57,7 +58,8 @@ struct BwdSm90Traits {
   static constexpr int kDqTileBytes = kBlockM * kHeadDim * 4;
   // K, V, then per stage: Q, dO, L * log2(e), D; then dS^T (1024-aligned: the swizzle is on
   // address bits), the dQ tile and the barriers.
-  static constexpr int kStageBytes = 2 * QTile::kBytes + 2 * kBlockM * 4;
+  using Stages = BwdStages<QTile, kBlockM, kStages>;
+  static constexpr int kStageBytes = Stages::kBytes;
   static constexpr int kStagesOffset = 2 * KVTile::kBytes;
   static constexpr int kDsOffset = (kStagesOffset + kStages * kStageBytes + 1023) / 1024 * 1024;
   static constexpr int kDqOffset = kDsOffset + (kFusedDq ? 2 * DsTile::kBytes : 0);
@@ -90,26 +92,16 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
   unsigned char* smem = sm90::swizzle_aligned(smem_raw);
   unsigned char* sK = smem;
   unsigned char* sV = sK + KVTile::kBytes;
-  auto stage_q = [&](int s) { return smem + Traits::kStagesOffset + s * Traits::kStageBytes; };
-  auto stage_dout = [&](int s) { return stage_q(s) + QTile::kBytes; };
-  auto stage_lse2 = [&](int s) { return reinterpret_cast<float*>(stage_q(s) + 2 * QTile::kBytes); };
-  auto stage_dsum = [&](int s) { return stage_lse2(s) + BM; };
+  const typename Traits::Stages stages{smem + Traits::kStagesOffset};
   auto ds_buffer = [&](int it) { return smem + Traits::kDsOffset + (it % 2) * DsTile::kBytes; };
   float* sdq = reinterpret_cast<float*>(smem + Traits::kDqOffset);
   uint64_t* kv_full = reinterpret_cast<uint64_t*>(smem + Traits::kBarrierOffset);
   uint64_t* full = kv_full + 1;
   uint64_t* empty = full + kStages;
 
-  const int b = blockIdx.y, hk = blockIdx.z;
-  const bwd::SeqInfo seq = bwd::seq_info(p, b);
-  const int k0 = blockIdx.x * BN;
-  if (k0 >= seq.sk) return;
-  const int k1 = min(k0 + BN, seq.sk);
-  const Mask mask = bwd::seq_mask(p, seq);
-  const bwd::TileSpan queries = bwd::tile_span(mask.tile_begin_query(k0), mask.tile_end_query(k1), BM);
-  const int n_iter = queries.count * p.group;
-  auto head_of = [&](int it) { return hk * p.group + it / queries.count; };
-  auto q0_of = [&](int it) { return (queries.first + it % queries.count) * BM; };
+  const BwdKeyBlock<BN, BM> kb(p);
+  if (kb.k0 >= kb.seq.sk) return;
+  const int n_iter = kb.n_iter;
 
   if (threadIdx.x == 0) {
     sm90::barrier_init(kv_full, 1);
@@ -121,7 +113,6 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
   }
   __syncthreads();
 
-  const bool varlen = p.cu_seqlens_q != nullptr;
   const int warpgroup = int(threadIdx.x) / 128;
   if (warpgroup == 0) {
     sm90::registers_decrease<Traits::kProducerRegisters>();
@@ -132,7 +123,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
         for (int it = 0; it < n_iter; ++it) {
           sm90::named_barrier_sync(kDqFull, Traits::kDqBarrierThreads);
           if (threadIdx.x == 32) {
-            sm90::bulk_reduce_add(p.dq_accum + (bwd::ws_row(p, b, head_of(it)) + q0_of(it)) * kHeadDim, sdq,
+            sm90::bulk_reduce_add(p.dq_accum + (bwd::ws_row(p, kb.b, kb.head(it)) + kb.q0(it)) * kHeadDim, sdq,
                                   Traits::kDqTileBytes);
             sm90::bulk_commit();
             sm90::bulk_wait_read();
@@ -143,25 +134,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
         return;
       }
     }
-    if (threadIdx.x != 0 || n_iter == 0) return;
-    const int batch = varlen ? 0 : b;
-    const int k_row = int(seq.row_k) + k0;
-    const int q_base = int(seq.row_q);
-    sm90::barrier_arrive_expect_bytes(kv_full, 2 * KVTile::kBytes);
-    KVTile::template load<kBwdBoxRows>(sK, &params.k, kv_full, k_row, hk, batch);
-    KVTile::template load<kBwdBoxRows>(sV, &params.v, kv_full, k_row, hk, batch);
-    for (int it = 0; it < n_iter; ++it) {
-      const int s = it % kStages;
-      const uint32_t phase = (it / kStages) & 1;
-      const int h = head_of(it), q0 = q0_of(it);
-      sm90::barrier_wait(empty + s, phase ^ 1);
-      sm90::barrier_arrive_expect_bytes(full + s, Traits::kStageBytes);
-      QTile::template load<kBwdBoxRows>(stage_q(s), &params.q, full + s, q_base + q0, h, batch);
-      QTile::template load<kBwdBoxRows>(stage_dout(s), &params.dout, full + s, q_base + q0, h, batch);
-      const int64_t w = bwd::ws_row(p, b, h) + q0;
-      sm90::bulk_load(stage_lse2(s), p.lse2 + w, BM * 4, full + s);
-      sm90::bulk_load(stage_dsum(s), p.dsum + w, BM * 4, full + s);
-    }
+    if (threadIdx.x == 0 && n_iter > 0) load_key_block<KVTile>(params, kb, sK, sV, stages, kv_full, full, empty);
     return;
   }
 
@@ -183,38 +156,26 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
     const uint32_t v_base = smem_address(sV) + consumer * 64 * 128;
     // dQ's operands and this thread's first dQ element: queries 64 c.. and K's panel 0, or all
     // queries and K's panel c.
-    const int ds_panel = Traits::kDqSplitRows ? consumer : 0, k_panel = Traits::kDqSplitRows ? 0 : consumer;
+    [[maybe_unused]] const int ds_panel = Traits::kDqSplitRows ? consumer : 0;
+    const int k_panel = Traits::kDqSplitRows ? 0 : consumer;
     const uint32_t k_dq = smem_address(sK) + k_panel * KVTile::kPanelBytes;
-    [[maybe_unused]] float* dq_part = sdq + ds_panel * Traits::DqOrder::kPartFloats + k_panel * Traits::DqOrder::kPartFloats +
-                     4 * (int(threadIdx.x) % 128);
+    [[maybe_unused]] float* dq_part = sdq + consumer * Traits::DqOrder::kPartFloats + 4 * (int(threadIdx.x) % 128);
     sm90::barrier_wait(kv_full, 0);
     for (int it = 0; it < n_iter; ++it) {
       const int s = it % kStages;
       const uint32_t phase = (it / kStages) & 1;
-      const int q0 = q0_of(it);
-      const uint32_t q_addr = smem_address(stage_q(s)), do_addr = smem_address(stage_dout(s));
+      const int q0 = kb.q0(it);
+      const uint32_t q_addr = smem_address(stages.q(s)), do_addr = smem_address(stages.dout(s));
       sm90::barrier_wait(full + s, phase);
 
       float st[1][BM / 8][4], dpt[1][BM / 8][4];
-      sm90::wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < kHeadDim / 16; ++ks)
-        sm90::Wgmma<T, BM>::ss(st[0], KVTile::k_major(k_base, ks), QTile::k_major(q_addr, ks), ks > 0);
-#pragma unroll
-      for (int ks = 0; ks < kHeadDim / 16; ++ks)
-        sm90::Wgmma<T, BM>::ss(dpt[0], KVTile::k_major(v_base, ks), QTile::k_major(do_addr, ks), ks > 0);
-      sm90::wgmma_commit();
-      sm90::wgmma_wait<0>();
-      sm90::fence_registers(st[0]);
-      sm90::fence_registers(dpt[0]);
+      score_products<T, BM, kHeadDim, KVTile, QTile>(st, dpt, k_base, q_addr, v_base, do_addr);
 
       // P^T and dS^T, rounded to T in the A-fragment layout (two column tiles = one k-step).
-      const int q1 = min(q0 + BM, seq.sq);
-      const bool masked = !(mask.full_begin_key(q1) <= k0 && mask.full_end_key(q0) >= k0 + BN);
-      const float* lse2 = stage_lse2(s);
-      const float* dsum = stage_dsum(s);
+      const int q1 = min(q0 + BM, kb.seq.sq);
+      const bool masked = !(kb.mask.full_begin_key(q1) <= kb.k0 && kb.mask.full_end_key(q0) >= kb.k0 + BN);
       uint32_t pa[BM / 16][4], da[BM / 16][4];
-      const bwd::Fragment grads{lse2, dsum, {0.0f, 0.0f}, {0.0f, 0.0f}, q0, k0 + key_row, mask};
+      const bwd::Fragment grads{stages.lse2(s), stages.dsum(s), {0.0f, 0.0f}, {0.0f, 0.0f}, q0, kb.k0 + key_row, kb.mask};
       bwd::grads_to_fragments<T, true>(masked, st, dpt, grads, p, pa, da);
 
       sm90::fence_registers(dv[0]);
@@ -282,12 +243,12 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
   }
 
   const int row0 = 64 * consumer + 16 * warp;  // this warp's first tile row
-  T* gdK = static_cast<T*>(p.dk.ptr) + bwd::seq_base(p, p.dk, b, false) + int64_t(hk) * p.dk.head +
-           int64_t(k0 + row0) * p.dk.seq;
-  T* gdV = static_cast<T*>(p.dv.ptr) + bwd::seq_base(p, p.dv, b, false) + int64_t(hk) * p.dv.head +
-           int64_t(k0 + row0) * p.dv.seq;
-  bwd::store_grad_frag<T>(p.pair_grads, dk, p.scale, gdK, p.dk.seq, k1 - k0 - row0, p.headdim_qk);
-  bwd::store_grad_frag<T>(p.pair_grads, dv, 1.0f, gdV, p.dv.seq, k1 - k0 - row0, p.headdim_v);
+  T* gdK = static_cast<T*>(p.dk.ptr) + bwd::seq_base(p, p.dk, kb.b, false) + int64_t(kb.hk) * p.dk.head +
+           int64_t(kb.k0 + row0) * p.dk.seq;
+  T* gdV = static_cast<T*>(p.dv.ptr) + bwd::seq_base(p, p.dv, kb.b, false) + int64_t(kb.hk) * p.dv.head +
+           int64_t(kb.k0 + row0) * p.dv.seq;
+  bwd::store_grad_frag<T>(p.pair_grads, dk, p.scale, gdK, p.dk.seq, kb.k1 - kb.k0 - row0, p.headdim_qk);
+  bwd::store_grad_frag<T>(p.pair_grads, dv, 1.0f, gdV, p.dv.seq, kb.k1 - kb.k0 - row0, p.headdim_v);
 #endif
 }
 

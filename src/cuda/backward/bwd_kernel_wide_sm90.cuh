@@ -24,6 +24,7 @@
 #include "cuda/backward/bwd_grads.cuh"
 #include "cuda/backward/bwd_launch.hpp"
 #include "cuda/backward/bwd_params_sm90.hpp"
+#include "cuda/backward/bwd_stream_sm90.cuh"
 #include "cuda/backward/bwd_tile_io.cuh"
 #include "cuda/common/bwd_params.hpp"
 
@@ -43,7 +44,8 @@ struct BwdWideSm90Traits {
   static constexpr int kCols0 = DqOrder::kPartCols;  // consumer 0's columns; consumer 1 has the rest
   // K, V, then per stage: Q, dO (the dQ tile after them), L * log2(e), D; then P^T, dS^T and the
   // barriers.
-  static constexpr int kStageBytes = 2 * QTile::kBytes + 2 * kBlockM * 4;
+  using Stages = BwdStages<QTile, kBlockM, kStages>;
+  static constexpr int kStageBytes = Stages::kBytes;
   static constexpr int kStagesOffset = 2 * KVTile::kBytes;
   static constexpr int kPOffset = (kStagesOffset + kStages * kStageBytes + 1023) / 1024 * 1024;
   static constexpr int kBarrierOffset = kPOffset + 2 * PTile::kBytes;
@@ -75,26 +77,16 @@ __global__ void __launch_bounds__(BwdWideSm90Traits<T, kHeadDim>::kThreads, 1)
   unsigned char* smem = sm90::swizzle_aligned(smem_raw);
   unsigned char* sK = smem;
   unsigned char* sV = sK + KVTile::kBytes;
-  auto stage_q = [&](int s) { return smem + Traits::kStagesOffset + s * Traits::kStageBytes; };
-  auto stage_dout = [&](int s) { return stage_q(s) + QTile::kBytes; };
-  auto stage_lse2 = [&](int s) { return reinterpret_cast<float*>(stage_q(s) + 2 * QTile::kBytes); };
-  auto stage_dsum = [&](int s) { return stage_lse2(s) + BM; };
+  const typename Traits::Stages stages{smem + Traits::kStagesOffset};
   unsigned char* sP = smem + Traits::kPOffset;
   unsigned char* sdS = sP + PTile::kBytes;
   uint64_t* kv_full = reinterpret_cast<uint64_t*>(smem + Traits::kBarrierOffset);
   uint64_t* full = kv_full + 1;
   uint64_t* empty = full + kStages;
 
-  const int b = blockIdx.y, hk = blockIdx.z;
-  const bwd::SeqInfo seq = bwd::seq_info(p, b);
-  const int k0 = blockIdx.x * BN;
-  if (k0 >= seq.sk) return;
-  const int k1 = min(k0 + BN, seq.sk);
-  const Mask mask = bwd::seq_mask(p, seq);
-  const bwd::TileSpan queries = bwd::tile_span(mask.tile_begin_query(k0), mask.tile_end_query(k1), BM);
-  const int n_iter = queries.count * p.group;
-  auto head_of = [&](int it) { return hk * p.group + it / queries.count; };
-  auto q0_of = [&](int it) { return (queries.first + it % queries.count) * BM; };
+  const BwdKeyBlock<BN, BM> kb(p);
+  if (kb.k0 >= kb.seq.sk) return;
+  const int n_iter = kb.n_iter;
 
   if (threadIdx.x == 0) {
     sm90::barrier_init(kv_full, 1);
@@ -106,7 +98,6 @@ __global__ void __launch_bounds__(BwdWideSm90Traits<T, kHeadDim>::kThreads, 1)
   }
   __syncthreads();
 
-  const bool varlen = p.cu_seqlens_q != nullptr;
   const int warpgroup = int(threadIdx.x) / 128;
   if (warpgroup == 0) {
     sm90::registers_decrease<Traits::kProducerRegisters>();
@@ -117,8 +108,8 @@ __global__ void __launch_bounds__(BwdWideSm90Traits<T, kHeadDim>::kThreads, 1)
         sm90::named_barrier_sync(kDqFull, Traits::kDqBarrierThreads);
         if (threadIdx.x == 32) {
           const int s = it % kStages;
-          sm90::bulk_reduce_add(p.dq_accum + (bwd::ws_row(p, b, head_of(it)) + q0_of(it)) * kHeadDim,
-                                reinterpret_cast<const float*>(stage_q(s)), 2 * QTile::kBytes);
+          sm90::bulk_reduce_add(p.dq_accum + (bwd::ws_row(p, kb.b, kb.head(it)) + kb.q0(it)) * kHeadDim,
+                                reinterpret_cast<const float*>(stages.q(s)), 2 * QTile::kBytes);
           sm90::bulk_commit();
           sm90::bulk_wait_read();
           sm90::barrier_arrive(empty + s);
@@ -127,25 +118,7 @@ __global__ void __launch_bounds__(BwdWideSm90Traits<T, kHeadDim>::kThreads, 1)
       }
       return;
     }
-    if (threadIdx.x != 0 || n_iter == 0) return;
-    const int batch = varlen ? 0 : b;
-    const int k_row = int(seq.row_k) + k0;
-    const int q_base = int(seq.row_q);
-    sm90::barrier_arrive_expect_bytes(kv_full, 2 * KVTile::kBytes);
-    KVTile::template load<kBwdBoxRows>(sK, &params.k, kv_full, k_row, hk, batch);
-    KVTile::template load<kBwdBoxRows>(sV, &params.v, kv_full, k_row, hk, batch);
-    for (int it = 0; it < n_iter; ++it) {
-      const int s = it % kStages;
-      const uint32_t phase = (it / kStages) & 1;
-      const int h = head_of(it), q0 = q0_of(it);
-      sm90::barrier_wait(empty + s, phase ^ 1);
-      sm90::barrier_arrive_expect_bytes(full + s, Traits::kStageBytes);
-      QTile::template load<kBwdBoxRows>(stage_q(s), &params.q, full + s, q_base + q0, h, batch);
-      QTile::template load<kBwdBoxRows>(stage_dout(s), &params.dout, full + s, q_base + q0, h, batch);
-      const int64_t w = bwd::ws_row(p, b, h) + q0;
-      sm90::bulk_load(stage_lse2(s), p.lse2 + w, BM * 4, full + s);
-      sm90::bulk_load(stage_dsum(s), p.dsum + w, BM * 4, full + s);
-    }
+    if (threadIdx.x == 0 && n_iter > 0) load_key_block<KVTile>(params, kb, sK, sV, stages, kv_full, full, empty);
     return;
   }
 
@@ -171,31 +144,20 @@ __global__ void __launch_bounds__(BwdWideSm90Traits<T, kHeadDim>::kThreads, 1)
       for (int it = 0; it < n_iter; ++it) {
         const int s = it % kStages;
         const uint32_t phase = (it / kStages) & 1;
-        const int q0 = q0_of(it);
-        const uint32_t q_addr = smem_address(stage_q(s)), do_addr = smem_address(stage_dout(s));
+        const int q0 = kb.q0(it);
+        const uint32_t q_addr = smem_address(stages.q(s)), do_addr = smem_address(stages.dout(s));
         sm90::barrier_wait(full + s, phase);
 
         // This consumer's 32 queries: rows 32 c.. of the Q and dO panels (4 KB apart: swizzle-aligned).
         float st[1][BM / 16][4], dpt[1][BM / 16][4];
-        sm90::wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < kHeadDim / 16; ++ks)
-          sm90::Wgmma<T, BM / 2>::ss(st[0], KVTile::k_major(k_addr, ks), QTile::k_major(q_addr + consumer * 32 * 128, ks),
-                                     ks > 0);
-#pragma unroll
-        for (int ks = 0; ks < kHeadDim / 16; ++ks)
-          sm90::Wgmma<T, BM / 2>::ss(dpt[0], KVTile::k_major(v_addr, ks),
-                                     QTile::k_major(do_addr + consumer * 32 * 128, ks), ks > 0);
-        sm90::wgmma_commit();
-        sm90::wgmma_wait<0>();
-        sm90::fence_registers(st[0]);
-        sm90::fence_registers(dpt[0]);
+        score_products<T, BM / 2, kHeadDim, KVTile, QTile>(st, dpt, k_addr, q_addr + consumer * 32 * 128, v_addr,
+                                                           do_addr + consumer * 32 * 128);
 
-        const int q1 = min(q0 + BM, seq.sq);
-        const bool masked = !(mask.full_begin_key(q1) <= k0 && mask.full_end_key(q0) >= k0 + BN);
+        const int q1 = min(q0 + BM, kb.seq.sq);
+        const bool masked = !(kb.mask.full_begin_key(q1) <= kb.k0 && kb.mask.full_end_key(q0) >= kb.k0 + BN);
         uint32_t pa[BM / 32][4], da[BM / 32][4];
-        const bwd::Fragment grads{stage_lse2(s) + 32 * consumer, stage_dsum(s) + 32 * consumer, {0.0f, 0.0f},
-                                  {0.0f, 0.0f}, q0 + 32 * consumer, k0 + key_row, mask};
+        const bwd::Fragment grads{stages.lse2(s) + 32 * consumer, stages.dsum(s) + 32 * consumer, {0.0f, 0.0f},
+                                  {0.0f, 0.0f}, q0 + 32 * consumer, kb.k0 + key_row, kb.mask};
         bwd::grads_to_fragments<T, true>(masked, st, dpt, grads, p, pa, da);
 
         // Into the (keys x queries) tiles: A fragment (ks, i) holds rows g + 8 (i % 2) and this
@@ -237,7 +199,7 @@ __global__ void __launch_bounds__(BwdWideSm90Traits<T, kHeadDim>::kThreads, 1)
         // Both consumers' reads of the stage's Q and dO (and of P^T, dS^T) are done: the dQ tile
         // goes over them.
         sm90::named_barrier_sync(kStepDone, Traits::kConsumerThreads);
-        float* dq_part = reinterpret_cast<float*>(stage_q(s)) + consumer * Traits::DqOrder::kPartFloats +
+        float* dq_part = reinterpret_cast<float*>(stages.q(s)) + consumer * Traits::DqOrder::kPartFloats +
                          4 * (int(threadIdx.x) % 128);
 #pragma unroll
         for (int j = 0; j < kCols / 8; ++j)
@@ -247,12 +209,12 @@ __global__ void __launch_bounds__(BwdWideSm90Traits<T, kHeadDim>::kThreads, 1)
       }
     }
 
-    T* gdK = static_cast<T*>(p.dk.ptr) + bwd::seq_base(p, p.dk, b, false) + int64_t(hk) * p.dk.head +
-             int64_t(k0 + 16 * warp) * p.dk.seq + col0;
-    T* gdV = static_cast<T*>(p.dv.ptr) + bwd::seq_base(p, p.dv, b, false) + int64_t(hk) * p.dv.head +
-             int64_t(k0 + 16 * warp) * p.dv.seq + col0;
-    bwd::store_grad_frag<T>(p.pair_grads, dk, p.scale, gdK, p.dk.seq, k1 - k0 - 16 * warp, p.headdim_qk - col0);
-    bwd::store_grad_frag<T>(p.pair_grads, dv, 1.0f, gdV, p.dv.seq, k1 - k0 - 16 * warp, p.headdim_v - col0);
+    T* gdK = static_cast<T*>(p.dk.ptr) + bwd::seq_base(p, p.dk, kb.b, false) + int64_t(kb.hk) * p.dk.head +
+             int64_t(kb.k0 + 16 * warp) * p.dk.seq + col0;
+    T* gdV = static_cast<T*>(p.dv.ptr) + bwd::seq_base(p, p.dv, kb.b, false) + int64_t(kb.hk) * p.dv.head +
+             int64_t(kb.k0 + 16 * warp) * p.dv.seq + col0;
+    bwd::store_grad_frag<T>(p.pair_grads, dk, p.scale, gdK, p.dk.seq, kb.k1 - kb.k0 - 16 * warp, p.headdim_qk - col0);
+    bwd::store_grad_frag<T>(p.pair_grads, dv, 1.0f, gdV, p.dv.seq, kb.k1 - kb.k0 - 16 * warp, p.headdim_v - col0);
   };
   if (consumer == 0) run(std::integral_constant<int, Traits::kCols0>{});
   else run(std::integral_constant<int, kHeadDim - Traits::kCols0>{});

@@ -1,0 +1,97 @@
+#pragma once
+// What the Hopper backward kernels that own a block of keys share: the block and its query steps,
+// the stage format the producer streams them in, the producer thread itself, and the two score
+// products every step of every Hopper backward kernel starts with.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/mask.hpp"
+#include "cuda/arch/ptx_sm90.cuh"
+#include "cuda/arch/wgmma_ops.cuh"
+#include "cuda/backward/bwd_params_sm90.hpp"
+#include "cuda/common/bwd_params.hpp"
+
+namespace tileattn::cuda {
+
+// Keys [k0, k1) of sequence b under kv head hk, and its steps: the query tiles of kBlockM rows
+// that see these keys, for every query head of the kv head's group, head by head.
+template <int kBlockN, int kBlockM>
+struct BwdKeyBlock {
+  bwd::SeqInfo seq;
+  Mask mask;
+  bwd::TileSpan queries;
+  int b, hk, group, k0, k1, n_iter;
+
+  // This CTA's block of the (key blocks, batch, kv heads) grid; k0 >= seq.sk: past the sequence.
+  __device__ __forceinline__ explicit BwdKeyBlock(const bwd::BwdParams& p)
+      : seq(bwd::seq_info(p, int(blockIdx.y))), mask(bwd::seq_mask(p, seq)), b(int(blockIdx.y)),
+        hk(int(blockIdx.z)), group(p.group), k0(int(blockIdx.x) * kBlockN) {
+    k1 = min(k0 + kBlockN, seq.sk);
+    queries = bwd::tile_span(mask.tile_begin_query(k0), mask.tile_end_query(k1), kBlockM);
+    n_iter = queries.count * group;
+  }
+  __device__ __forceinline__ int head(int it) const { return hk * group + it / queries.count; }
+  __device__ __forceinline__ int q0(int it) const { return (queries.first + it % queries.count) * kBlockM; }
+};
+
+// kStages stages of one step each, from `base`: Q, dO (tiles of kBlockM rows), then the rows'
+// L * log2(e) and D.
+template <class QTile, int kBlockM, int kStages>
+struct BwdStages {
+  static constexpr int kBytes = 2 * QTile::kBytes + 2 * kBlockM * 4;  // one stage
+  unsigned char* base;
+  __device__ __forceinline__ unsigned char* q(int s) const { return base + s * kBytes; }
+  __device__ __forceinline__ unsigned char* dout(int s) const { return q(s) + QTile::kBytes; }
+  __device__ __forceinline__ float* lse2(int s) const { return reinterpret_cast<float*>(q(s) + 2 * QTile::kBytes); }
+  __device__ __forceinline__ float* dsum(int s) const { return lse2(s) + kBlockM; }
+};
+
+#if defined(TILEATTN_SM90_ENABLED)
+// The producer thread: K and V of the block once (kv_full), then each step's stage, waiting for
+// `empty` (released by whoever reads the stage last) and completing `full`.
+template <class KVTile, class QTile, int kBlockN, int kBlockM, int kStages>
+__device__ __forceinline__ void load_key_block(const BwdSm90Params& params, const BwdKeyBlock<kBlockN, kBlockM>& kb,
+                                               unsigned char* sK, unsigned char* sV,
+                                               const BwdStages<QTile, kBlockM, kStages>& stages, uint64_t* kv_full,
+                                               uint64_t* full, uint64_t* empty) {
+  const bwd::BwdParams& p = params.bwd;
+  const int batch = p.cu_seqlens_q != nullptr ? 0 : kb.b;
+  const int k_row = int(kb.seq.row_k) + kb.k0, q_base = int(kb.seq.row_q);
+  sm90::barrier_arrive_expect_bytes(kv_full, 2 * KVTile::kBytes);
+  KVTile::template load<kBwdBoxRows>(sK, &params.k, kv_full, k_row, kb.hk, batch);
+  KVTile::template load<kBwdBoxRows>(sV, &params.v, kv_full, k_row, kb.hk, batch);
+  for (int it = 0; it < kb.n_iter; ++it) {
+    const int s = it % kStages;
+    const uint32_t phase = (it / kStages) & 1;
+    const int h = kb.head(it), q0 = kb.q0(it);
+    sm90::barrier_wait(empty + s, phase ^ 1);
+    sm90::barrier_arrive_expect_bytes(full + s, stages.kBytes);
+    QTile::template load<kBwdBoxRows>(stages.q(s), &params.q, full + s, q_base + q0, h, batch);
+    QTile::template load<kBwdBoxRows>(stages.dout(s), &params.dout, full + s, q_base + q0, h, batch);
+    const int64_t w = bwd::ws_row(p, kb.b, h) + q0;
+    sm90::bulk_load(stages.lse2(s), p.lse2 + w, kBlockM * 4, full + s);
+    sm90::bulk_load(stages.dsum(s), p.dsum + w, kBlockM * 4, full + s);
+  }
+}
+
+// S = A_s B_s^T and dP = A_dp B_dp^T over the head dim (every operand K-major in shared memory,
+// ATile and BTile giving the k-step descriptors), issued together and waited for.
+template <class T, int kN, int kHeadDim, class ATile, class BTile>
+__device__ __forceinline__ void score_products(float (&s)[1][kN / 8][4], float (&dp)[1][kN / 8][4], uint32_t a_s,
+                                               uint32_t b_s, uint32_t a_dp, uint32_t b_dp) {
+  sm90::wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < kHeadDim / 16; ++ks)
+    sm90::Wgmma<T, kN>::ss(s[0], ATile::k_major(a_s, ks), BTile::k_major(b_s, ks), ks > 0);
+#pragma unroll
+  for (int ks = 0; ks < kHeadDim / 16; ++ks)
+    sm90::Wgmma<T, kN>::ss(dp[0], ATile::k_major(a_dp, ks), BTile::k_major(b_dp, ks), ks > 0);
+  sm90::wgmma_commit();
+  sm90::wgmma_wait<0>();
+  sm90::fence_registers(s[0]);
+  sm90::fence_registers(dp[0]);
+}
+#endif
+
+}  // namespace tileattn::cuda
