@@ -117,9 +117,13 @@ struct AttentionProblem {
   // dP = (dO V^T) * M / (1 - p), dS = P * (dP - D) with D = rowsum(dO * O), O the dropped output.
   // The mask rule (Philox4x32-10 over seed, offset and the coordinates) is src/common/philox.hpp's.
   // 0 <= dropout_p < 1 (p = 1 would drop everything: the Python layer returns zeros for it).
-  // CPU backend only in this build.
   float dropout_p = 0.0f;
   uint64_t dropout_seed = 0, dropout_offset = 0;
+  // Optional: two uint64 {seed, offset} read when the kernels run, in place of the two fields
+  // above; in the backend's memory (device memory for CUDA, host memory for the CPU backend).
+  // A CUDA graph that captured the call then replays it with whatever the two words hold at
+  // replay, so a seed drawn on the device inside the graph gives a fresh mask every replay.
+  const uint64_t* dropout_rng_state = nullptr;
   // CUDA forward: how many parts the keys of a row may be split into (split-KV, combined after):
   // 0 lets the library choose, 1 never splits, n > 1 at most n. Results differ only by rounding.
   int num_splits = 0;

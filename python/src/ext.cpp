@@ -200,9 +200,10 @@ class Attention {
  public:
   Attention(Array q, Array k, Array v, Array out, Array lse, OptArray cu_seqlens_q, OptArray cu_seqlens_k,
             const Options& options, OptArray dout, OptArray dq, OptArray dk, OptArray dv, OptArray alibi_slopes,
-            OptArray seqused_k, OptArray leftpad_k, OptArray kv_batch_idx, OptArray block_table)
+            OptArray seqused_k, OptArray leftpad_k, OptArray kv_batch_idx, OptArray block_table,
+            OptArray dropout_rng)
       : q_(q), k_(k), v_(v), out_(out), lse_(lse), dout_(dout), dq_(dq), dk_(dk), dv_(dv),
-        cu_q_(cu_seqlens_q), cu_k_(cu_seqlens_k), alibi_(alibi_slopes),
+        cu_q_(cu_seqlens_q), cu_k_(cu_seqlens_k), alibi_(alibi_slopes), rng_(dropout_rng),
         cache_{seqused_k, leftpad_k, kv_batch_idx, block_table} {
     const int64_t max_seqlen_q = options.max_seqlen_q, max_seqlen_k = options.max_seqlen_k;
     if (cu_q_.has_value() != cu_k_.has_value())
@@ -311,6 +312,7 @@ class Attention {
     p.dropout_p = options.dropout_p;
     p.dropout_seed = options.dropout_seed;
     p.dropout_offset = options.dropout_offset;
+    if (rng_) set_dropout_rng(*rng_);
   }
 
   // Validates and plans the call once (kernel, split count, workspace size, tensor maps) for the
@@ -357,6 +359,19 @@ class Attention {
                                             " must be 1 (the last dimension must be contiguous)");
     p.alibi_slopes = static_cast<const float*>(a.data());
     p.alibi_batch_stride = per_batch && a.shape(0) > 1 ? int64_t(a.stride(0)) : 0;
+  }
+
+  // dropout_rng: the call's {seed, offset} as two int64 on q's device (their bits read as uint64),
+  // read when the kernels run (problem.hpp's dropout_rng_state), in place of the options' pair.
+  void set_dropout_rng(const Array& a) {
+    if (a.dtype() != nb::dtype<int64_t>())
+      fail(ErrorKind::invalid_type, "dropout_rng.dtype=" + dtype_name(a.dtype()) + " must be int64");
+    if (!same_device(a, q_))
+      fail(ErrorKind::invalid_argument, "dropout_rng is on " + device_name(a) + " but q is on " + device_name(q_) +
+                                            "; all tensors must share one device");
+    if (a.ndim() != 1 || a.shape(0) != 2 || a.stride(0) != 1)
+      fail(ErrorKind::invalid_argument, "dropout_rng.shape=" + shape_of(a) + " must be (2,) and contiguous");
+    problem_.dropout_rng_state = static_cast<const uint64_t*>(a.data());
   }
 
   // The cache tables: int32, contiguous, on q's device; (batch,) each, block_table (batch, pages).
@@ -407,7 +422,7 @@ class Attention {
   }
 
   Array q_, k_, v_, out_, lse_;
-  OptArray dout_, dq_, dk_, dv_, cu_q_, cu_k_, alibi_;
+  OptArray dout_, dq_, dk_, dv_, cu_q_, cu_k_, alibi_, rng_;
   KvCache cache_;
   tileattn::AttentionProblem problem_;
   std::optional<tileattn::Plan> plan_;
@@ -534,13 +549,13 @@ NB_MODULE(_ext, m) {
 
   nb::class_<Attention>(m, "Attention")
       .def(nb::init<Array, Array, Array, Array, Array, OptArray, OptArray, const Options&, OptArray, OptArray, OptArray,
-                    OptArray, OptArray, OptArray, OptArray, OptArray, OptArray>(),
+                    OptArray, OptArray, OptArray, OptArray, OptArray, OptArray, OptArray>(),
            nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("lse"), nb::arg("cu_seqlens_q").none(),
            nb::arg("cu_seqlens_k").none(), nb::arg("options"), nb::arg("dout").none() = nb::none(),
            nb::arg("dq").none() = nb::none(), nb::arg("dk").none() = nb::none(), nb::arg("dv").none() = nb::none(),
            nb::kw_only(), nb::arg("alibi_slopes").none() = nb::none(), nb::arg("seqused_k").none() = nb::none(),
            nb::arg("leftpad_k").none() = nb::none(), nb::arg("kv_batch_idx").none() = nb::none(),
-           nb::arg("block_table").none() = nb::none())
+           nb::arg("block_table").none() = nb::none(), nb::arg("dropout_rng").none() = nb::none())
       .def("plan_forward", &Attention::plan_forward, nb::arg("stream") = 0)
       .def("plan_backward", &Attention::plan_backward, nb::arg("stream") = 0)
       .def("run", &Attention::run, nb::arg("workspace").none() = nb::none())

@@ -165,7 +165,8 @@ _UINT64_MASK = 2**64 - 1
 
 def dropout_seed_offset(rng: Optional[Tensor]) -> tuple[int, int]:
     """The (seed, offset) pair of src/common/philox.hpp's mask rule from a dropout_rng tensor (two
-    int64 values drawn per call; their bits read as uint64). None gives (0, 0)."""
+    int64 values drawn per call; their bits read as uint64), read back to the host (a device
+    tensor waits for its stream). None gives (0, 0)."""
     if rng is None:
         return 0, 0
     seed, offset = rng.tolist()
@@ -176,38 +177,35 @@ def _attention(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
                causal, window_left, window_right, softcap, deterministic, grads=None, alibi_slopes=None,
                dropout_p=0.0, dropout_rng=None):
     for t, name in ((q, "q"), (k, "k"), (v, "v"), (cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k"),
-                    (alibi_slopes, "alibi_slopes")):
+                    (alibi_slopes, "alibi_slopes"), (dropout_rng, "dropout_rng")):
         if t is not None:
             _check_device(t, name)
-    if dropout_p:
-        seed, offset = dropout_seed_offset(dropout_rng)
-        options = _make_options(max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-                                deterministic, _fp32_fast(q), _num_threads(q.device), _checks["cu_seqlens"], 0,
-                                dropout_p, seed, offset)
-    else:
-        options = _options(max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-                           deterministic, _fp32_fast(q), _num_threads(q.device), _checks["cu_seqlens"])
+    options = _options(max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
+                       deterministic, _fp32_fast(q), _num_threads(q.device), _checks["cu_seqlens"], 0, dropout_p)
     cu_q = None if cu_seqlens_q is None else _capsule(cu_seqlens_q)
     cu_k = None if cu_seqlens_k is None else _capsule(cu_seqlens_k)
     alibi = None if alibi_slopes is None else _capsule(alibi_slopes)
+    rng = None if dropout_rng is None else _capsule(dropout_rng)
     if grads is None:
         return _ext.Attention(_capsule(q), _capsule(k), _capsule(v), _capsule(out), _capsule(lse), cu_q, cu_k,
-                              options, alibi_slopes=alibi)
+                              options, alibi_slopes=alibi, dropout_rng=rng)
     dout, dq, dk, dv = grads
     return _ext.Attention(_capsule(q), _capsule(k), _capsule(v), _capsule(out), _capsule(lse), cu_q, cu_k, options,
-                          _capsule(dout), _capsule(dq), _capsule(dk), _capsule(dv), alibi_slopes=alibi)
+                          _capsule(dout), _capsule(dq), _capsule(dk), _capsule(dv), alibi_slopes=alibi,
+                          dropout_rng=rng)
 
 
 # The unchecked calls below (_forward_impl, _backward_impl) are a tiny call's whole host cost, so
 # they do no Python-side check: the extension checks every rule, and whatever it refuses (or any
 # other surprise before the run) is done again by the checked path, which raises what it always
-# raised, in its order. Dropout keeps the checked path (its seed and offset change every call).
+# raised, in its order.
 
 
 def _call_options(q: Tensor, cuda: bool, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
-                  window_right, softcap, deterministic):
+                  window_right, softcap, deterministic, dropout_p):
     return _options(max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-                    deterministic, _fp32_fast(q), 0 if cuda else torch.get_num_threads(), _checks["cu_seqlens"])
+                    deterministic, _fp32_fast(q), 0 if cuda else torch.get_num_threads(), _checks["cu_seqlens"], 0,
+                    dropout_p)
 
 
 def _optional_capsule(t: Optional[Tensor]):
@@ -241,30 +239,30 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor
                   alibi_slopes: Optional[Tensor] = None, dropout_p: float = 0.0,
                   dropout_rng: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Forward: returns (out, lse). ``deterministic`` is only carried to the backward. With
-    ``dropout_p`` > 0, ``dropout_rng`` (int64 (2,), on the CPU) holds the call's seed and offset."""
-    if not dropout_p:
-        cuda = q.is_cuda
-        try:
-            dtype, device = q.dtype, q.device
-            # Sizes as separate arguments: torch.empty parses them faster than a tuple.
-            if cu_seqlens_q is None:
-                batch, seqlen, heads, _ = q.shape
-                out = torch.empty(batch, seqlen, heads, v.shape[-1], dtype=dtype, device=device)
-                lse = torch.empty(batch, heads, seqlen, dtype=torch.float32, device=device)
-            else:
-                total, heads, _ = q.shape
-                out = torch.empty(total, heads, v.shape[-1], dtype=dtype, device=device)
-                lse = torch.empty(heads, total, dtype=torch.float32, device=device)
-            options = _call_options(q, cuda, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
-                                    window_right, softcap, deterministic)
-            call = _ext.Attention(_to_dlpack(q), _to_dlpack(k), _to_dlpack(v), _to_dlpack(out), _to_dlpack(lse),
-                                  _optional_capsule(cu_seqlens_q), _optional_capsule(cu_seqlens_k), options,
-                                  alibi_slopes=_optional_capsule(alibi_slopes))
-        except Exception:
-            pass
+    ``dropout_p`` > 0, ``dropout_rng`` (int64 (2,), on q's device) holds the call's seed and offset."""
+    cuda = q.is_cuda
+    try:
+        dtype, device = q.dtype, q.device
+        # Sizes as separate arguments: torch.empty parses them faster than a tuple.
+        if cu_seqlens_q is None:
+            batch, seqlen, heads, _ = q.shape
+            out = torch.empty(batch, seqlen, heads, v.shape[-1], dtype=dtype, device=device)
+            lse = torch.empty(batch, heads, seqlen, dtype=torch.float32, device=device)
         else:
-            if _plan_and_run(call, call.plan_forward, cuda, device):
-                return out, lse
+            total, heads, _ = q.shape
+            out = torch.empty(total, heads, v.shape[-1], dtype=dtype, device=device)
+            lse = torch.empty(heads, total, dtype=torch.float32, device=device)
+        options = _call_options(q, cuda, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+                                window_right, softcap, deterministic, dropout_p)
+        call = _ext.Attention(_to_dlpack(q), _to_dlpack(k), _to_dlpack(v), _to_dlpack(out), _to_dlpack(lse),
+                              _optional_capsule(cu_seqlens_q), _optional_capsule(cu_seqlens_k), options,
+                              alibi_slopes=_optional_capsule(alibi_slopes),
+                              dropout_rng=_optional_capsule(dropout_rng))
+    except Exception:
+        pass
+    else:
+        if _plan_and_run(call, call.plan_forward, cuda, device):
+            return out, lse
     return _checked_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                             window_left, window_right, softcap, deterministic, alibi_slopes, dropout_p, dropout_rng)
 
@@ -346,7 +344,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_s
       window_right, softcap, deterministic, alibi_slopes=None, dropout_p=0.0, dropout_rng=None):
     varlen = cu_seqlens_q is not None
     _check_same_device(dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                            alibi_slopes=alibi_slopes))
+                            alibi_slopes=alibi_slopes, dropout_rng=dropout_rng))
     _check_attention_ranks(q, k, v, varlen)
     out = q.new_empty(_out_shape(q, v))
     lse = q.new_empty(_lse_shape(q, varlen), dtype=torch.float32)
@@ -361,26 +359,26 @@ def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
                    dropout_rng: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """Backward: returns (dq, dk, dv) from the forward's inputs, its out and lse, and dout. Dropout
     needs the forward's own dropout_p and dropout_rng: the mask is regenerated, never stored."""
-    if not dropout_p:
-        cuda = q.is_cuda
-        try:
-            if dout.stride(-1) != 1:  # as the checked path: the gradient of a sum is an expanded tensor
-                dout = dout.contiguous()
-            dtype, device = q.dtype, q.device
-            dq = torch.empty(*q.shape, dtype=dtype, device=device)
-            dk = torch.empty(*k.shape, dtype=dtype, device=device)
-            dv = torch.empty(*v.shape, dtype=dtype, device=device)
-            options = _call_options(q, cuda, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
-                                    window_right, softcap, deterministic)
-            call = _ext.Attention(_to_dlpack(q), _to_dlpack(k), _to_dlpack(v), _to_dlpack(out), _to_dlpack(lse),
-                                  _optional_capsule(cu_seqlens_q), _optional_capsule(cu_seqlens_k), options,
-                                  _to_dlpack(dout), _to_dlpack(dq), _to_dlpack(dk), _to_dlpack(dv),
-                                  alibi_slopes=_optional_capsule(alibi_slopes))
-        except Exception:
-            pass
-        else:
-            if _plan_and_run(call, call.plan_backward, cuda, device):
-                return dq, dk, dv
+    cuda = q.is_cuda
+    try:
+        if dout.stride(-1) != 1:  # as the checked path: the gradient of a sum is an expanded tensor
+            dout = dout.contiguous()
+        dtype, device = q.dtype, q.device
+        dq = torch.empty(*q.shape, dtype=dtype, device=device)
+        dk = torch.empty(*k.shape, dtype=dtype, device=device)
+        dv = torch.empty(*v.shape, dtype=dtype, device=device)
+        options = _call_options(q, cuda, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+                                window_right, softcap, deterministic, dropout_p)
+        call = _ext.Attention(_to_dlpack(q), _to_dlpack(k), _to_dlpack(v), _to_dlpack(out), _to_dlpack(lse),
+                              _optional_capsule(cu_seqlens_q), _optional_capsule(cu_seqlens_k), options,
+                              _to_dlpack(dout), _to_dlpack(dq), _to_dlpack(dk), _to_dlpack(dv),
+                              alibi_slopes=_optional_capsule(alibi_slopes),
+                              dropout_rng=_optional_capsule(dropout_rng))
+    except Exception:
+        pass
+    else:
+        if _plan_and_run(call, call.plan_backward, cuda, device):
+            return dq, dk, dv
     return _checked_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                              softmax_scale, causal, window_left, window_right, softcap, deterministic, alibi_slopes,
                              dropout_p, dropout_rng)
@@ -417,7 +415,8 @@ attention_backward = torch.ops.tileattn.attention_backward
 @torch.library.register_fake("tileattn::attention_backward")
 def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
       window_left, window_right, softcap, deterministic, alibi_slopes=None, dropout_p=0.0, dropout_rng=None):
-    _check_same_device(dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, alibi_slopes=alibi_slopes))
+    _check_same_device(dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, alibi_slopes=alibi_slopes,
+                            dropout_rng=dropout_rng))
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 

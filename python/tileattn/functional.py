@@ -45,26 +45,15 @@ def _dropout(dropout_p: float) -> float:
     return p if p == 1.0 else min(p, _BELOW_ONE)
 
 
-# Whether CUDA tensors get a dropout seed and offset (the CUDA kernels' dropout); off until the
-# library's validation lets dropout through on the CUDA backend.
-_CUDA_DROPOUT = True
-
-
 def _dropout_rng(q: Tensor, p: float) -> Optional[Tensor]:
     """The call's dropout seed and offset: two int64 draws (their bits read as uint64) from PyTorch's
-    default generator of the tensor's device, so torch.manual_seed reproduces a run and every call
-    advances the generator. Always returned on the CPU: the library takes seed and offset as host
-    integers. For CUDA tensors the draw is made on the device's default CUDA generator and copied
-    back, which synchronizes: a dropout call cannot be captured into a CUDA graph (reading the
-    generator's philox state on the device would lift that). CUDA tensors get None while
-    _CUDA_DROPOUT is off (the library then refuses the call)."""
-    if not 0.0 < p < 1.0:
+    default generator of q's device, left on that device. The kernels read the pair when they run,
+    so torch.manual_seed reproduces a run, every call advances the generator, nothing waits for the
+    device, and a call captured into a CUDA graph draws a fresh pair on every replay (PyTorch's
+    generator is graph-safe)."""
+    if not 0.0 < p < 1.0 or q.device.type not in ("cpu", "cuda"):
         return None
-    if q.device.type == "cpu":
-        return torch.randint(-(2**63), 2**63 - 1, (2,), dtype=torch.int64)
-    if q.device.type == "cuda" and _CUDA_DROPOUT:
-        return torch.randint(-(2**63), 2**63 - 1, (2,), dtype=torch.int64, device=q.device).cpu()
-    return None
+    return torch.randint(-(2**63), 2**63 - 1, (2,), dtype=torch.int64, device=q.device)
 
 
 def dropout_keep_mask(dropout_rng: Optional[Tensor], dropout_p: float, batch: int, heads: int, seqlen_q: int,

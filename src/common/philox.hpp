@@ -75,23 +75,41 @@ inline uint32_t dropout_threshold(float p) {
 struct Dropout {
   bool on = false;           // dropout_p > 0
   uint64_t seed = 0, offset = 0;
+  // {seed, offset} read when the mask is drawn, in place of the two fields above (null: use them).
+  // A CUDA graph replays the kernels with the values in memory at replay, so a capture can draw a
+  // fresh seed per replay; the backend's memory (device for CUDA, host for the CPU backend).
+  const uint64_t* state = nullptr;
   int64_t heads = 1;         // heads_q: the (batch, head) stream index is batch * heads + head
   uint32_t threshold = 0;    // dropped iff the draw < threshold
   float scale = 1.0f;        // 1 / (1 - p), applied to the kept weights
 
+  TA_HOST_DEVICE uint64_t seed_now() const { return state == nullptr ? seed : load(state); }
+  TA_HOST_DEVICE uint64_t offset_now() const { return state == nullptr ? offset : load(state + 1); }
   TA_HOST_DEVICE Philox4 draws(int64_t batch, int64_t head, int64_t row, int64_t col) const {
-    return dropout_draws(seed, offset, batch, head, heads, row, col);
+    return dropout_draws(seed_now(), offset_now(), batch, head, heads, row, col);
   }
   TA_HOST_DEVICE bool keep(int64_t batch, int64_t head, int64_t row, int64_t col) const {
-    return dropout_keep(seed, offset, batch, head, heads, row, col, threshold);
+    return dropout_word(draws(batch, head, row, col), col) >= threshold;
+  }
+
+ private:
+  // Read-only for the whole kernel: the non-coherent load lets the compiler hoist it out of loops.
+  TA_HOST_DEVICE static uint64_t load(const uint64_t* x) {
+#ifdef __CUDA_ARCH__
+    return __ldg(reinterpret_cast<const unsigned long long*>(x));
+#else
+    return *x;
+#endif
   }
 };
 
-inline Dropout make_dropout(float p, uint64_t seed, uint64_t offset, int64_t heads_q) {
+// state: see Dropout::state (null: seed and offset as given).
+inline Dropout make_dropout(float p, uint64_t seed, uint64_t offset, int64_t heads_q,
+                            const uint64_t* state = nullptr) {
   Dropout d;
   d.on = p > 0.0f;
   if (!d.on) return d;
-  d.seed = seed, d.offset = offset, d.heads = heads_q;
+  d.seed = seed, d.offset = offset, d.heads = heads_q, d.state = state;
   d.threshold = dropout_threshold(p);
   d.scale = float(1.0 / (1.0 - double(p)));
   return d;

@@ -117,6 +117,8 @@ void run_oracle(const AttentionProblem& p, const std::vector<double>& q, const s
     const bool dropout = p.dropout_p > 0.0f;
     const uint32_t threshold = dropout ? dropout_threshold(p.dropout_p) : 0;
     const double kept = dropout ? 1.0 / (1.0 - double(p.dropout_p)) : 1.0;
+    const uint64_t* state = p.dropout_rng_state;  // host memory here
+    const uint64_t seed = state ? state[0] : p.dropout_seed, offset = state ? state[1] : p.dropout_offset;
     for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
       const double slope = p.alibi_slopes ? double(p.alibi_slopes[b * p.alibi_batch_stride + h]) : 0.0;
       auto qrow = [&](int64_t i) { return &q[size_t(((q0 + i) * hq + h) * dqk)]; };
@@ -126,7 +128,7 @@ void run_oracle(const AttentionProblem& p, const std::vector<double>& q, const s
         for (int64_t i = 0; i < sq; ++i)
           for (int64_t j = 0; j < sk; ++j)
             drop[size_t(i * sk + j)] =
-                dropout_keep(p.dropout_seed, p.dropout_offset, b, h, hq, i, j, threshold) ? kept : 0.0;
+                dropout_keep(seed, offset, b, h, hq, i, j, threshold) ? kept : 0.0;
       for (int64_t i = 0; i < sq; ++i) {
         // S = softcap(scale * Q K^T) - slope |i + sk - sq - j|, then P = softmax over the visible keys.
         double m = -std::numeric_limits<double>::infinity();

@@ -319,7 +319,7 @@ struct ScoreTransform {
   static ScoreTransform from(const AttentionProblem& p) {
     ScoreTransform t;
     t.mod = score_mod(p);
-    t.dropout = make_dropout(p.dropout_p, p.dropout_seed, p.dropout_offset, p.heads_q);
+    t.dropout = make_dropout(p.dropout_p, p.dropout_seed, p.dropout_offset, p.heads_q, p.dropout_rng_state);
     t.scale = t.mod.scale;
     t.softcap = t.mod.softcap;
     t.qk_to_tanh = t.mod.softcap_pre;

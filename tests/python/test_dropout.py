@@ -2,7 +2,7 @@
 forward and gradients against a float64 reference that applies the returned keep mask, the 2x
 rule against the same computation in the inputs' precision, binomial kept fractions, the
 generator (torch.manual_seed reproduces, each call advances), bitwise repeats, p = 0 and p = 1,
-the argument errors and the CUDA refusal."""
+the argument errors, and fp32 on CUDA in exact and TF32 mode."""
 
 from __future__ import annotations
 
@@ -232,8 +232,144 @@ def test_cuda_dropout_is_reproducible_from_the_seed():
     assert not torch.equal(a, tileattn.flash_attn_func(q, q, q, dropout_p=0.2))
 
 
+@pytest.fixture
+def matmul_precision():
+    saved = torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32
+    yield
+    torch.set_float32_matmul_precision(saved[0])
+    torch.backends.cuda.matmul.allow_tf32 = saved[1]
+
+
 @CUDA
-def test_cuda_refuses_fp32_dropout():
-    q = torch.randn(1, 16, 2, 64, device="cuda", dtype=torch.float32)
-    with pytest.raises(NotImplementedError, match=r"dropout with fp32 inputs runs on the CPU backend only"):
-        tileattn.flash_attn_func(q, q, q, dropout_p=0.1)
+@pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_cuda_fp32_dropout_against_float64_with_the_returned_mask(matmul_precision, fast, causal):
+    # fp32 on the GPU: the returned keep mask rebuilds the float64 reference, and the 2x rule holds
+    # against the same computation in fp32 on the CPU. Fast mode (TF32 products in the forward) bounds
+    # out and lse by 16 TF32 roundoffs of the largest value instead; the backward is exact in both.
+    torch.set_float32_matmul_precision("high" if fast else "highest")
+    torch.backends.cuda.matmul.allow_tf32 = fast
+    q, k, v, dout = (t.detach().cuda() for t in _inputs(2, 70, 90, 4, 2, 64, torch.float32))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out, lse, keep = tileattn.flash_attn_func(q, k, v, dropout_p=0.3, causal=causal, return_attn_probs=True)
+    assert keep.device == out.device and keep.shape == (2, 4, 70, 90)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    torch.set_float32_matmul_precision("highest")  # the references below in exact fp32
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+    keep = keep.cpu()
+    leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
+    ref, ref_lse = _reference(*leaves, keep, 0.3, causal)
+    ref_grads = torch.autograd.grad(ref, leaves, dout.cpu().double())
+    low = [t.detach().cpu().requires_grad_() for t in (q, k, v)]
+    naive, _ = _reference(*low, keep, 0.3, causal, dtype=torch.float32)
+    naive_grads = torch.autograd.grad(naive, low, dout.cpu())
+
+    floor = _FLOOR[torch.float32]
+    checks = [("dq", dq, ref_grads[0], naive_grads[0], 2 * floor), ("dk", dk, ref_grads[1], naive_grads[1], 2 * floor),
+              ("dv", dv, ref_grads[2], naive_grads[2], 2 * floor)]
+    if fast:
+        tf32 = 16 / 2048
+        for name, got, want in (("out", out, ref), ("lse", lse, ref_lse)):
+            err, bound = _max_err(got.cpu(), want), tf32 * max(1.0, want.abs().max().item())
+            assert err <= bound, f"{name}: error {err:.3g} > TF32 bound {bound:.3g}"
+    else:
+        assert torch.allclose(lse.cpu().double(), ref_lse, rtol=1e-5, atol=1e-5), "lse is the undropped LSE"
+        checks.append(("out", out, ref, naive, floor))
+    for name, got, want, base, f in checks:
+        err, naive_err = _max_err(got.cpu(), want), _max_err(base, want)
+        assert err <= 2 * naive_err + f, f"{name}: error {err:.3g} > 2 x naive {naive_err:.3g} + {f}"
+
+
+_DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+
+
+def _op_forward(q, k, v, rng, p=0.3, deterministic=True):
+    return torch.ops.tileattn.attention_forward(q, k, v, None, None, q.shape[1], k.shape[1], None, False, -1, -1, 0.0,
+                                                deterministic, None, p, rng)
+
+
+def _op_backward(dout, q, k, v, out, lse, rng, p=0.3):
+    return torch.ops.tileattn.attention_backward(dout, q, k, v, out, lse, None, None, q.shape[1], k.shape[1], None,
+                                                 False, -1, -1, 0.0, True, None, p, rng)
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+def test_seed_and_offset_are_read_when_the_call_runs(device):
+    # dropout_rng is read by the run, not when the call is made: a pair written into the same tensor
+    # after one call gives the next call exactly the mask a fresh tensor with that pair gives.
+    q, k, v, dout = (t.detach().to(device) for t in _inputs(2, 33, 47, 2, 2, 16, torch.float16))
+    rng = torch.tensor([123456789, -987654321], dtype=torch.int64, device=device)
+    first, _ = _op_forward(q, k, v, rng)
+    rng.copy_(torch.tensor([-5, 2**40 + 7], dtype=torch.int64))
+    second, lse = _op_forward(q, k, v, rng)
+    fresh, _ = _op_forward(q, k, v, torch.tensor([-5, 2**40 + 7], dtype=torch.int64, device=device))
+    assert torch.equal(second, fresh)
+    assert not torch.equal(first, second)
+    grads = _op_backward(dout, q, k, v, second, lse, rng)
+    fresh_grads = _op_backward(dout, q, k, v, second, lse, torch.tensor([-5, 2**40 + 7], device=device))
+    assert all(torch.equal(a, b) for a, b in zip(grads, fresh_grads))
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+def test_dropout_rng_errors_name_the_argument(device):
+    q = torch.randn(1, 8, 1, 16, device=device)
+    with pytest.raises(TypeError, match=r"dropout_rng.dtype=int32 must be int64"):
+        _op_forward(q, q, q, torch.zeros(2, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match=r"dropout_rng.shape=\(3,\) must be \(2,\) and contiguous"):
+        _op_forward(q, q, q, torch.zeros(3, dtype=torch.int64, device=device))
+
+
+@CUDA
+def test_dropout_in_a_cuda_graph_draws_a_fresh_mask_per_replay():
+    # The seed/offset draw and the kernels are captured together; each replay draws a new pair on
+    # the device, and the forward and backward of that replay use it: replaying eagerly with the
+    # pair the replay drew gives the same output and gradients, bit for bit (deterministic mode).
+    q, k, v, dout = (t.detach().cuda() for t in _inputs(2, 100, 130, 4, 2, 64, torch.bfloat16))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside the capture (plans, allocator)
+        rng = torch.randint(-(2**63), 2**63 - 1, (2,), dtype=torch.int64, device="cuda")
+        out, lse = _op_forward(q, k, v, rng)
+        _op_backward(dout, q, k, v, out, lse, rng)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        rng = torch.randint(-(2**63), 2**63 - 1, (2,), dtype=torch.int64, device="cuda")
+        out, lse = _op_forward(q, k, v, rng)
+        grads = _op_backward(dout, q, k, v, out, lse, rng)
+    seen = []
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        want, want_lse = _op_forward(q, k, v, rng.clone())
+        want_grads = _op_backward(dout, q, k, v, want, want_lse, rng.clone())
+        assert torch.equal(out, want) and torch.equal(lse, want_lse)
+        assert all(torch.equal(a, b) for a, b in zip(grads, want_grads))
+        seen.append(out.clone())
+    assert not torch.equal(seen[0], seen[1]) and not torch.equal(seen[1], seen[2])
+
+
+@CUDA
+def test_flash_attn_func_with_dropout_captures_into_a_cuda_graph():
+    # The public call draws its pair inside the capture (no host copy, no sync) and trains.
+    q, k, v, dout = (t.detach().cuda() for t in _inputs(1, 64, 64, 2, 2, 64, torch.float16))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        tileattn.flash_attn_func(q, k, v, dropout_p=0.25).backward(dout)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    q.grad = k.grad = v.grad = None
+    with torch.cuda.graph(graph):
+        out = tileattn.flash_attn_func(q, k, v, dropout_p=0.25)
+        out.backward(dout)
+    outs, grads = [], []
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        outs.append(out.clone())
+        grads.append(q.grad.clone())
+    assert not torch.equal(outs[0], outs[1]) and not torch.equal(grads[0], grads[1])
+    assert all(torch.isfinite(t).all() for t in outs + grads)
