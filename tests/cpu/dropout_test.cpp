@@ -329,6 +329,27 @@ TEST(Dropout, OtherSeedOrOffsetOtherMask) {
   EXPECT_EQ(a.lse, run(hp, 0.0f, 42, 7, 2).lse);
 }
 
+// dropout_rng_state replaces the seed and offset fields, and is read when the call runs: the
+// oracle reads it too.
+TEST(Dropout, RngStateStandsForSeedAndOffset) {
+  HostProblem hp(repeat_shape());
+  const Outputs fields = run(hp, 0.3f, 42, 7, 2);
+  uint64_t state[2] = {42, 7};
+  hp.problem.dropout_rng_state = state;
+  const Outputs from_state = run(hp, 0.3f, 1, 2, 2);  // the fields are ignored
+  EXPECT_TRUE(fields == from_state);
+  state[0] = 43;
+  EXPECT_NE(fields.o, run(hp, 0.3f, 42, 7, 2).o);
+  AttentionProblem with_dropout = hp.problem;
+  with_dropout.dropout_p = 0.3f;
+  const AttentionProblem n = host::validate_attention(with_dropout, host::Pass::backward, Backend::cpu);
+  state[0] = 42;
+  const auto oracle = cpu::reference_forward(n);
+  const Outputs again = run(hp, 0.3f, 0, 0, 2);
+  EXPECT_TRUE(fields == again);
+  EXPECT_TRUE(within(again.o, oracle.o, 1e-2, 1e-2));
+}
+
 TEST(Dropout, ZeroIsNoDropoutExactly) {
   HostProblem hp(repeat_shape());
   const Outputs none = run(hp, 0.0f, 0, 0, 2);
