@@ -4,15 +4,10 @@
 // what a TMA box of 64 columns writes, and what the wgmma descriptors of ptx_sm90.cuh read.
 #include <cstdint>
 
+#include "cuda/arch/pipeline_sm90.cuh"
 #include "cuda/arch/ptx_sm90.cuh"
 
 namespace tileattn::cuda::sm90 {
-
-// Dynamic shared memory advanced to the next 1024-byte boundary, where the swizzle pattern starts
-// (kernels ask for 1024 bytes more than their tiles take).
-__device__ __forceinline__ unsigned char* swizzle_aligned(unsigned char* smem_raw) {
-  return smem_raw + ((1024 - smem_address(smem_raw) % 1024) % 1024);
-}
 
 template <int kRows, int kDim>
 struct PanelTile {

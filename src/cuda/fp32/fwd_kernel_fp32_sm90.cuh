@@ -24,6 +24,7 @@
 #include "cuda/arch/ptx_sm80.cuh"
 #include "cuda/fp32/forward_fp32_kernel.cuh"
 #include "cuda/arch/mma_fp32.cuh"
+#include "cuda/arch/pipeline_sm90.cuh"
 #include "cuda/arch/ptx_sm90.cuh"
 #include "cuda/arch/smm_ptx.cuh"
 #include "cuda/arch/wgmma_ops.cuh"
@@ -37,8 +38,10 @@ struct FwdSm90Params {
 
 template <int kD>
 struct FwdSm90Tile {
-  static constexpr int kConsumers = 2;
-  static constexpr int kThreads = 128 * (kConsumers + 1);
+  // Head dim 128's transpose (four column panels) spills at 40 producer registers.
+  using Roles = sm90::WarpRoles<2, kD <= 64 ? 40 : 56, kD <= 64 ? 232 : 224>;
+  static constexpr int kConsumers = Roles::kConsumers;
+  static constexpr int kThreads = Roles::kThreads;
   static constexpr int kBlockM = 64 * kConsumers;
   // Head dim 128 takes 64-key tiles and one raw V stage: Q alone is 64 KB there, and two K
   // stages, one V stage and two transposed buffers fill the rest of shared memory.
@@ -50,14 +53,15 @@ struct FwdSm90Tile {
   static constexpr int kKVBytes = kPanels * kKVPanelBytes;
   static constexpr int kTPanelBytes = kD * 128;  // transposed V: kD rows x 32 keys per panel
   static constexpr int kTBytes = (kBlockN / 32) * kTPanelBytes;
-  static constexpr int kBarrierOffset = kQBytes + (2 + kVStages) * kKVBytes + 2 * kTBytes;
-  static constexpr int kSmemBytes = kBarrierOffset + 128 + 1024;
-  // Head dim 128's transpose (four column panels) spills at 40. setmaxnreg moves registers only
-  // inside the launch allocation, 168 a thread at 384 threads.
-  static constexpr int kProducerRegisters = kD <= 64 ? 40 : 56;
-  static constexpr int kConsumerRegisters = kD <= 64 ? 232 : 224;
-  static_assert(kProducerRegisters + kConsumers * kConsumerRegisters <= (kConsumers + 1) * 168,
-                "fp32 sm90 forward: register split exceeds the launch allocation");
+  // K through two stages; raw V through kVStages (the producer warpgroup frees a stage itself,
+  // behind a named barrier, so its empty barriers go unused); V transposed through two.
+  using KRing = sm90::StageRing<2>;
+  using VRing = sm90::StageRing<kVStages>;
+  using TRing = sm90::StageRing<2>;
+  enum Region { kQ, kK, kV, kT, kBarriers };
+  using Smem = sm90::SmemRegions<kQBytes, 2 * kKVBytes, kVStages * kKVBytes, 2 * kTBytes,
+                                 8 + KRing::kBarrierBytes + VRing::kBarrierBytes + TRing::kBarrierBytes>;
+  static constexpr int kSmemBytes = Smem::kBytes;
   static_assert(kD == 32 || kD == 64 || kD == 128, "fp32 sm90 forward: head dims 32, 64 or 128");
   static_assert(kSmemBytes <= 227 * 1024, "fp32 sm90 forward: stages exceed shared memory");
 };
@@ -67,21 +71,20 @@ __global__ void __launch_bounds__(FwdSm90Tile<kD>::kThreads, 1)
     forward_fp32_kernel_sm90(const __grid_constant__ FwdSm90Params params) {
 #if defined(TILEATTN_SM90_ENABLED)
   using Tile = FwdSm90Tile<kD>;
+  using Roles = typename Tile::Roles;
   constexpr int kBM = Tile::kBlockM, kBN = Tile::kBlockN;
   const FwdParams& p = params.fwd;
 
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = smem_raw + ((1024 - smem_address(smem_raw) % 1024) % 1024);
-  unsigned char* sQ = smem;
-  unsigned char* sK = sQ + Tile::kQBytes;
-  unsigned char* sV = sK + 2 * Tile::kKVBytes;
-  unsigned char* sT = sV + Tile::kVStages * Tile::kKVBytes;
-  uint64_t* q_full = reinterpret_cast<uint64_t*>(smem + Tile::kBarrierOffset);
-  uint64_t* k_full = q_full + 1;   // [2]
-  uint64_t* k_empty = k_full + 2;  // [2]
-  uint64_t* v_full = k_empty + 2;  // [kVStages], raw V; the producer itself frees it
-  uint64_t* t_full = v_full + 2;   // [2], transposed V
-  uint64_t* t_empty = t_full + 2;  // [2]
+  const typename Tile::Smem smem(smem_raw);
+  unsigned char* sQ = smem.template at<Tile::kQ>();
+  unsigned char* sK = smem.template at<Tile::kK>();
+  unsigned char* sV = smem.template at<Tile::kV>();
+  unsigned char* sT = smem.template at<Tile::kT>();
+  uint64_t* q_full = smem.template at<Tile::kBarriers, uint64_t>();
+  const typename Tile::KRing k_ring{q_full + 1};
+  const typename Tile::VRing v_ring{k_ring.end()};
+  const typename Tile::TRing t_ring{v_ring.end()};
 
   const int m_block = int(gridDim.x) - 1 - int(blockIdx.x);  // long causal rows first
   const int h = int(blockIdx.y), b = int(blockIdx.z);
@@ -110,42 +113,34 @@ __global__ void __launch_bounds__(FwdSm90Tile<kD>::kThreads, 1)
 
   if (threadIdx.x == 0) {
     sm90::barrier_init(q_full, 1);
-    for (int s = 0; s < 2; ++s) {
-      sm90::barrier_init(k_full + s, 1);
-      sm90::barrier_init(k_empty + s, 4 * Tile::kConsumers);  // one arrival per consumer warp
-      if (s < Tile::kVStages) sm90::barrier_init(v_full + s, 1);
-      sm90::barrier_init(t_full + s, 4);  // one arrival per producer warp
-      sm90::barrier_init(t_empty + s, 4 * Tile::kConsumers);
-    }
+    k_ring.init(1, 4 * Tile::kConsumers);  // one release per consumer warp
+    v_ring.init(1, 1);
+    t_ring.init(4, 4 * Tile::kConsumers);  // one publish per producer warp
     sm90::barrier_init_fence();
   }
   __syncthreads();
 
-  const int warpgroup = int(threadIdx.x) / 128;
-  const int warp = (int(threadIdx.x) / 32) % 4, lane = int(threadIdx.x) % 32;
+  const int warp = Roles::warp(), lane = Roles::lane();
 
-  if (warpgroup == 0) {
-    sm90::registers_decrease<Tile::kProducerRegisters>();
+  if (Roles::producer()) {
+    Roles::enter_producer();
     if (n_tiles == 0) return;
     const int tid = int(threadIdx.x);
     constexpr int kVSt = Tile::kVStages;
-    auto issue_k = [&](int j) {  // K(j) into stage j % 2
-      const int s = j % 2;
-      sm90::barrier_wait(k_empty + s, ((j / 2) & 1) ^ 1);
-      sm90::barrier_arrive_expect_bytes(k_full + s, Tile::kKVBytes);
+    auto issue_k = [&](int j) {
+      uint64_t* full = k_ring.acquire_bytes(j, Tile::kKVBytes);
 #pragma unroll
       for (int c = 0; c < Tile::kPanels; ++c)
-        sm90::tma_load_4d(sK + s * Tile::kKVBytes + c * Tile::kKVPanelBytes, &params.k, k_full + s, 32 * c,
+        sm90::tma_load_4d(sK + k_ring.slot(j) * Tile::kKVBytes + c * Tile::kKVPanelBytes, &params.k, full, 32 * c,
                           k_row0 + n_begin + j * kBN, hk, map_batch);
     };
     // V(j) into raw stage j % kVSt, which every producer thread has read before the named
     // barrier that ends the transpose of tile j - kVSt.
     auto issue_v = [&](int j) {
-      const int s = j % kVSt;
-      sm90::barrier_arrive_expect_bytes(v_full + s, Tile::kKVBytes);
+      uint64_t* full = v_ring.expect_bytes(j, Tile::kKVBytes);
 #pragma unroll
       for (int c = 0; c < Tile::kPanels; ++c)
-        sm90::tma_load_4d(sV + s * Tile::kKVBytes + c * Tile::kKVPanelBytes, &params.v, v_full + s, 32 * c,
+        sm90::tma_load_4d(sV + v_ring.slot(j) * Tile::kKVBytes + c * Tile::kKVPanelBytes, &params.v, full, 32 * c,
                           k_row0 + n_begin + j * kBN, hk, map_batch);
     };
     if (tid == 0) {
@@ -157,15 +152,14 @@ __global__ void __launch_bounds__(FwdSm90Tile<kD>::kThreads, 1)
       issue_v(0);
     }
     for (int j = 0; j < n_tiles; ++j) {
-      const int s = j % 2, vs = j % kVSt;
       if (tid == 0 && j + 1 < n_tiles) {
         issue_k(j + 1);
         if constexpr (kVSt == 2) issue_v(j + 1);
       }
-      sm90::barrier_wait(t_empty + s, ((j / 2) & 1) ^ 1);
-      sm90::barrier_wait(v_full + vs, (j / kVSt) & 1);
-      const unsigned char* src = sV + vs * Tile::kKVBytes;
-      unsigned char* dst = sT + s * Tile::kTBytes;
+      t_ring.acquire(j);
+      v_ring.wait(j);
+      const unsigned char* src = sV + v_ring.slot(j) * Tile::kKVBytes;
+      unsigned char* dst = sT + t_ring.slot(j) * Tile::kTBytes;
       // Unit (position group pgg, column chunk nc): positions 4 pgg .. 4 pgg + 3 of transposed
       // rows 4 nc .. 4 nc + 3. Position group pgg is half pgg % 2 of k-step pgg / 2: keys
       // 8 (pgg / 2) + 2i + pgg % 2, i < 4.
@@ -189,17 +183,16 @@ __global__ void __launch_bounds__(FwdSm90Tile<kD>::kThreads, 1)
         }
       }
       sm90::fence_shared_to_async();
-      __syncwarp();
-      if (lane == 0) sm90::barrier_arrive(t_full + s);
-      sm90::named_barrier_sync(1, 128);
+      t_ring.publish_warp(j);
+      sm90::named_barrier_sync(sm90::kFp32VStageRead, 128);
       if constexpr (kVSt == 1)
         if (tid == 0 && j + 1 < n_tiles) issue_v(j + 1);
     }
     return;
   }
 
-  sm90::registers_increase<Tile::kConsumerRegisters>();
-  const int consumer = warpgroup - 1;
+  Roles::enter_consumer();
+  const int consumer = Roles::consumer();
   const int g = lane / 4, t = lane % 4;
   const int wrow = 64 * consumer + 16 * warp + g;  // block row of (g, e < 2); +8 for e >= 2
 
@@ -228,21 +221,19 @@ __global__ void __launch_bounds__(FwdSm90Tile<kD>::kThreads, 1)
         }
       }
       sm90::fence_shared_to_async();
-      sm90::named_barrier_sync(2 + consumer, 128);
+      sm90::named_barrier_sync(sm90::kFp32QRoundedConsumer0 + consumer, 128);
     }
     const uint32_t q_base = smem_address(sQ) + consumer * 64 * 128;
     const bool capped = p.softcap > 0.0f;
     const float to_log2 = capped ? 1.0f : p.scale_log2;
 
     for (int j = 0; j < n_tiles; ++j) {
-      const int s = j % 2;
-      const uint32_t phase = (j / 2) & 1;
       const int n0 = n_begin + j * kBN;
 
       // S = Q K^T; a k-step of 8 columns is 32 bytes along a 128-byte row of one panel.
       float acc_s[kBN / 8][4];
-      const uint32_t k_base = smem_address(sK + s * Tile::kKVBytes);
-      sm90::barrier_wait(k_full + s, phase);
+      const uint32_t k_base = smem_address(sK + k_ring.slot(j) * Tile::kKVBytes);
+      k_ring.wait(j);
       sm90::wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < kD / 8; ++ks) {
@@ -254,8 +245,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<kD>::kThreads, 1)
       sm90::wgmma_commit();
       sm90::wgmma_wait<0>();
       sm90::fence_registers(acc_s);
-      __syncwarp();
-      if (lane == 0) sm90::barrier_arrive(k_empty + s);
+      k_ring.release_warp(j);
 
       // Scores: soft-capped into the log2 domain, or raw with scale * log2(e) folded into the
       // exponent; keys past the end or outside the mask (also rows past sq) become -inf.
@@ -308,8 +298,8 @@ __global__ void __launch_bounds__(FwdSm90Tile<kD>::kThreads, 1)
       }
 
       // O += P V; k-step kk is 32 bytes along the rows of transposed panel kk / 4.
-      const uint32_t t_base = smem_address(sT + s * Tile::kTBytes);
-      sm90::barrier_wait(t_full + s, phase);
+      const uint32_t t_base = smem_address(sT + t_ring.slot(j) * Tile::kTBytes);
+      t_ring.wait(j);
       sm90::fence_registers(acc_o);
       sm90::wgmma_fence();
 #pragma unroll
@@ -319,8 +309,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<kD>::kThreads, 1)
       sm90::wgmma_commit();
       sm90::wgmma_wait<0>();
       sm90::fence_registers(acc_o);
-      __syncwarp();
-      if (lane == 0) sm90::barrier_arrive(t_empty + s);
+      t_ring.release_warp(j);
     }
   }
 

@@ -39,6 +39,7 @@
 #include <cstdint>
 
 #include "common/online_softmax.hpp"
+#include "cuda/arch/pipeline_sm90.cuh"
 #include "cuda/arch/ptx_sm80.cuh"
 #include "cuda/arch/ptx_sm90.cuh"
 #include "cuda/softmax_matmul/smm_kernel_sm90.cuh"
@@ -62,11 +63,17 @@ struct Sm90FastF32Tile {
   static constexpr int kXBytes = kBlockRows * 128;
   static constexpr int kVPanelBytes = kBlockK * 128;  // 32 keys x 32 columns
   static constexpr int kVBytes = (kBlockCols / 32) * kVPanelBytes;
-  static constexpr int kFactorOffset = kXStages * kXBytes + kVStages * kVBytes;
-  static constexpr int kFlagOffset = kFactorOffset + kXStages * kBlockRows * 4;
-  static constexpr int kInvOffset = kFlagOffset + kXStages * 16;
-  static constexpr int kBarrierOffset = kInvOffset + kBlockRows * 4;
-  static constexpr int kSmemBytes = kBarrierOffset + 256 + 1024;
+  // X's ring, whose stages the softmax also publishes as P (p_full, one barrier per stage), and
+  // V's, which every product warp of the cluster releases.
+  using XRing = sm90::StageRing<kXStages>;
+  using VRing = sm90::StageRing<kVStages>;
+  enum Region { kX, kV, kFactors, kFlags, kInvSum, kBarriers };
+  using Smem = sm90::SmemRegions<kXStages * kXBytes, kVStages * kVBytes,
+                                 kXStages * kBlockRows * 4,  // [stage][row] rescale factors
+                                 kXStages * 16,              // [stage][softmax warp] "a factor moved"
+                                 kBlockRows * 4,             // the row sums' inverses
+                                 XRing::kBarrierBytes + 8 * kXStages + VRing::kBarrierBytes + 8>;
+  static constexpr int kSmemBytes = Smem::kBytes;
   static_assert(kSmemBytes <= 227 * 1024, "softmax_matmul sm90 fast f32: stages exceed shared memory");
   // 24 + 72 + 2 x 208 = 512 registers over four warpgroups: the launch allocation at 512 threads.
   static constexpr int kLoaderRegisters = 24;
@@ -81,22 +88,20 @@ __global__ void __cluster_dims__(Sm90FastF32Tile::kCluster, 1, 1) __launch_bound
     softmax_matmul_fast_f32_kernel_sm90(const __grid_constant__ Sm90Params p) {
 #if defined(TILEATTN_SM90_ENABLED)
   using Tile = Sm90FastF32Tile;
-  constexpr int kXSt = Tile::kXStages, kVSt = Tile::kVStages, kBlockK = Tile::kBlockK, kKSteps = Tile::kKSteps;
+  constexpr int kXSt = Tile::kXStages, kBlockK = Tile::kBlockK, kKSteps = Tile::kKSteps;
   constexpr float kSlack = 8.0f;
 
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = smem_raw + ((1024 - smem_address(smem_raw) % 1024) % 1024);
-  unsigned char* sX = smem;  // X as loaded, then P over it
-  unsigned char* sV = sX + kXSt * Tile::kXBytes;
-  float* factors = reinterpret_cast<float*>(smem + Tile::kFactorOffset);  // [stage][row]
-  int* flags = reinterpret_cast<int*>(smem + Tile::kFlagOffset);           // [stage][softmax warp]
-  float* inv_sum = reinterpret_cast<float*>(smem + Tile::kInvOffset);
-  uint64_t* x_full = reinterpret_cast<uint64_t*>(smem + Tile::kBarrierOffset);
-  uint64_t* x_empty = x_full + kXSt;
-  uint64_t* p_full = x_empty + kXSt;
-  uint64_t* v_full = p_full + kXSt;
-  uint64_t* v_empty = v_full + kVSt;
-  uint64_t* sums_ready = v_empty + kVSt;  // the row sums' inverses are in inv_sum
+  const Tile::Smem smem(smem_raw);
+  unsigned char* sX = smem.at<Tile::kX>();  // X as loaded, then P over it
+  unsigned char* sV = smem.at<Tile::kV>();
+  float* factors = smem.at<Tile::kFactors, float>();
+  int* flags = smem.at<Tile::kFlags, int>();
+  float* inv_sum = smem.at<Tile::kInvSum, float>();
+  const Tile::XRing x_ring{smem.at<Tile::kBarriers, uint64_t>()};
+  uint64_t* p_full = x_ring.end();  // [kXSt]: P is in stage s
+  const Tile::VRing v_ring{p_full + kXSt};
+  uint64_t* sums_ready = v_ring.end();  // the row sums' inverses are in inv_sum
 
   // Clusters of two CTAs on neighbouring row bands and the same column slice: each loads half of
   // every V tile into both. The slices of a band pair are neighbours, so X's second read is
@@ -109,15 +114,9 @@ __global__ void __cluster_dims__(Sm90FastF32Tile::kCluster, 1, 1) __launch_bound
   const int n_tiles = (p.d2 + kBlockK - 1) / kBlockK;
 
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kXSt; ++s) {
-      sm90::barrier_init(x_full + s, 1);
-      sm90::barrier_init(x_empty + s, 8);  // every product warp, once its products have completed
-      sm90::barrier_init(p_full + s, 4);   // every softmax warp
-    }
-    for (int s = 0; s < kVSt; ++s) {
-      sm90::barrier_init(v_full + s, 1);
-      sm90::barrier_init(v_empty + s, 8 * kCluster);  // the product warps of every CTA
-    }
+    x_ring.init(1, 8);  // released by every product warp, once its products have completed
+    for (int s = 0; s < kXSt; ++s) sm90::barrier_init(p_full + s, 4);  // every softmax warp
+    v_ring.init(1, 8 * kCluster);  // the product warps of every CTA
     sm90::barrier_init(sums_ready, 4);  // every softmax warp
     sm90::barrier_init_fence();
   }
@@ -126,21 +125,19 @@ __global__ void __cluster_dims__(Sm90FastF32Tile::kCluster, 1, 1) __launch_bound
   const int warpgroup = int(threadIdx.x) / 128;
   const int warp = (int(threadIdx.x) / 32) % 4, lane = int(threadIdx.x) % 32;
 
-  // Tile i of X (of V) into stage i % kXSt (i % kVSt); the caller knows the stage is free.
+  // Tile i of X (of V) into its stage once tile i - stages let it go.
   auto issue_x = [&](int i) {
-    const int s = i % kXSt;
-    sm90::barrier_arrive_expect_bytes(x_full + s, Tile::kXBytes);
-    sm90::tma_load_4d(sX + s * Tile::kXBytes, &p.x, x_full + s, i * kBlockK, r0, 0, batch);
+    uint64_t* full = x_ring.acquire_bytes(i, Tile::kXBytes);
+    sm90::tma_load_4d(sX + x_ring.slot(i) * Tile::kXBytes, &p.x, full, i * kBlockK, r0, 0, batch);
   };
   // This CTA's half of V tile i, into both CTAs; each CTA's barrier expects the whole tile.
   auto issue_v = [&](int i) {
-    const int s = i % kVSt;
     constexpr int kPanels = Tile::kVBytes / Tile::kVPanelBytes;
-    sm90::barrier_arrive_expect_bytes(v_full + s, Tile::kVBytes);
+    uint64_t* full = v_ring.acquire_bytes(i, Tile::kVBytes);
 #pragma unroll
     for (int h = 0; h < kPanels / kCluster; ++h) {
       const int c = int(rank) * (kPanels / kCluster) + h;
-      sm90::tma_load_4d_multicast(sV + s * Tile::kVBytes + c * Tile::kVPanelBytes, &p.v, v_full + s,
+      sm90::tma_load_4d_multicast(sV + v_ring.slot(i) * Tile::kVBytes + c * Tile::kVPanelBytes, &p.v, full,
                                   uint16_t((1u << kCluster) - 1),
                                   c0 + 32 * c, i * kBlockK, 0, batch);
     }
@@ -148,15 +145,10 @@ __global__ void __cluster_dims__(Sm90FastF32Tile::kCluster, 1, 1) __launch_bound
 
   if (warpgroup == 0) {
     sm90::registers_decrease<Tile::kLoaderRegisters>();
-    // Every tile of one ring, each once its stage was let go by tile i - stages.
-    auto stream = [&](auto issue, uint64_t* empty, int stages) {
-      for (int i = 0; i < n_tiles; ++i) {
-        if (i >= stages) sm90::barrier_wait(empty + i % stages, (i / stages + 1) & 1);
-        issue(i);
-      }
-    };
-    if (lane == 0 && warp == 0) stream(issue_x, x_empty, kXSt);
-    else if (lane == 0 && warp == 1) stream(issue_v, v_empty, kVSt);
+    if (lane == 0 && warp == 0)
+      for (int i = 0; i < n_tiles; ++i) issue_x(i);
+    else if (lane == 0 && warp == 1)
+      for (int i = 0; i < n_tiles; ++i) issue_v(i);
   } else if (warpgroup == 1) {
     sm90::registers_decrease<Tile::kSoftmaxRegisters>();
     const int row = int(threadIdx.x) - 128;
@@ -164,8 +156,8 @@ __global__ void __cluster_dims__(Sm90FastF32Tile::kCluster, 1, 1) __launch_bound
 
     const int swz = row % 8;
     for (int i = 0; i < n_tiles; ++i) {
-      const int s = i % kXSt;
-      sm90::barrier_wait(x_full + s, (i / kXSt) & 1);
+      const int s = x_ring.slot(i);
+      x_ring.wait(i);
       unsigned char* xr = sX + s * Tile::kXBytes + row * 128;
       float x[kBlockK];
 #pragma unroll
@@ -240,7 +232,7 @@ __global__ void __cluster_dims__(Sm90FastF32Tile::kCluster, 1, 1) __launch_bound
       for (int j = 0; j < 2; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(fr[KS][j][e])::"memory");
-      const unsigned char* vs = sV + (i % kVSt) * Tile::kVBytes;
+      const unsigned char* vs = sV + v_ring.slot(i) * Tile::kVBytes;
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const int step = j * 2 * Tile::kVPanelBytes + KS * 8 * 128;
@@ -251,14 +243,14 @@ __global__ void __cluster_dims__(Sm90FastF32Tile::kCluster, 1, 1) __launch_bound
     };
     auto issue_step = [&](auto ks, int i) {
       constexpr int KS = decltype(ks)::value;
-      const uint32_t base = smem_address(sX + (i % kXSt) * Tile::kXBytes);
+      const uint32_t base = smem_address(sX + x_ring.slot(i) * Tile::kXBytes);
 #pragma unroll
       for (int j = 0; j < 2; ++j)
         sm90::Wgmma<float, 128>::rs(acc[j], fr[KS][j], sm90::k_major_descriptor(base + KS * 32), 1);
     };
     // Some row's max moved at tile i: its columns shrink before the tile's products join them.
     auto rescale_if_moved = [&](int i) {
-      const int s = i % kXSt;
+      const int s = x_ring.slot(i);
       const int4 f = *reinterpret_cast<const int4*>(flags + 4 * s);
       if (i == 0 || !(f.x | f.y | f.z | f.w)) return;
       sm90::wgmma_wait<0>();
@@ -281,19 +273,16 @@ __global__ void __cluster_dims__(Sm90FastF32Tile::kCluster, 1, 1) __launch_bound
     // no later copy can change what they read: no proxy fence (it cost 1.11 against 1.08 ms).
     uint32_t v_empty_at[kCluster];  // v_empty in each CTA, mapped once (mapa costs a special-register read)
 #pragma unroll
-    for (int c = 0; c < kCluster; ++c) v_empty_at[c] = sm90::cluster_address(v_empty, uint32_t(c));
+    for (int c = 0; c < kCluster; ++c) v_empty_at[c] = sm90::cluster_address(v_ring.empty(), uint32_t(c));
     auto release_v = [&](int i) {
       __syncwarp();
       if (lane == 0) {
 #pragma unroll
-        for (int c = 0; c < kCluster; ++c) sm90::barrier_arrive_remote(v_empty_at[c] + 8 * (i % kVSt));
+        for (int c = 0; c < kCluster; ++c) sm90::barrier_arrive_remote(v_empty_at[c] + 8 * v_ring.slot(i));
       }
     };
     // X's stage (P) goes back once every k-step of tile i's products has completed.
-    auto retire = [&](int i) {
-      __syncwarp();
-      if (lane == 0) sm90::barrier_arrive(x_empty + i % kXSt);
-    };
+    auto retire = [&](int i) { x_ring.release_warp(i); };
 
     using S0 = std::integral_constant<int, 0>;
     using S1 = std::integral_constant<int, 1>;
@@ -301,12 +290,12 @@ __global__ void __cluster_dims__(Sm90FastF32Tile::kCluster, 1, 1) __launch_bound
     using S3 = std::integral_constant<int, 3>;
     static_assert(kKSteps == 4, "softmax_matmul sm90 fast f32: four k-steps per tile");
     auto load_first_half = [&](int i) {
-      sm90::barrier_wait(v_full + i % kVSt, (i / kVSt) & 1);
+      v_ring.wait(i);
       load_step(S0{}, i), load_step(S1{}, i);
     };
     load_first_half(0);
     for (int i = 0; i < n_tiles; ++i) {
-      sm90::barrier_wait(p_full + i % kXSt, (i / kXSt) & 1);
+      sm90::barrier_wait(p_full + x_ring.slot(i), x_ring.phase(i));
       rescale_if_moved(i);
       sm90::wgmma_fence();
       issue_step(S0{}, i), issue_step(S1{}, i);

@@ -32,6 +32,7 @@
 #include <type_traits>
 
 #include "common/online_softmax.hpp"
+#include "cuda/arch/pipeline_sm90.cuh"
 #include "cuda/arch/ptx_sm80.cuh"
 #include "cuda/arch/ptx_sm90.cuh"
 #include "cuda/arch/smm_ptx.cuh"
@@ -52,8 +53,10 @@ template <class T, int N, bool kExact = false>
 struct Sm90Tile {
   static constexpr bool kF32 = std::is_same_v<T, float>;
   static constexpr bool kSplit = kF32 && kExact;
-  static constexpr int kConsumers = 2;
-  static constexpr int kThreads = 128 * (kConsumers + 1);
+  // The fp32 producer transposes and needs more than the one TMA thread.
+  using Roles = sm90::WarpRoles<2, kF32 ? 72 : 24, kF32 ? 216 : 240>;
+  static constexpr int kConsumers = Roles::kConsumers;
+  static constexpr int kThreads = Roles::kThreads;
   static constexpr int kBlockM = 64 * kConsumers;
   static constexpr int kBlockK = 128 / int(sizeof(T));  // keys per stage: one 128-byte row of X
   static constexpr int kKSteps = kBlockK / (kF32 ? 8 : 16);
@@ -70,16 +73,15 @@ struct Sm90Tile {
   static constexpr int kVBytes = kVPanels * kVPanelBytes;
   static constexpr int kTBytes = N * 128;  // N rows x kBlockK fp32 keys
   static constexpr int kTParts = kSplit ? 2 : 1;  // V_hi (and V_lo) per transposed buffer
-  static constexpr int kBarrierOffset = kXStages * kXBytes + kVStages * kVBytes + kTStages * kTParts * kTBytes;
-  static constexpr int kSmemBytes = kBarrierOffset + 256 + 1024;
+  // X and V tiles as loaded; fp32: V transposed (16-bit types: a ring whose barriers go unused).
+  using XRing = sm90::StageRing<kXStages>;
+  using VRing = sm90::StageRing<kVStages>;
+  using TRing = sm90::StageRing<kF32 ? kTStages : 2>;
+  enum Region { kX, kV, kT, kBarriers };
+  using Smem = sm90::SmemRegions<kXStages * kXBytes, kVStages * kVBytes, kTStages * kTParts * kTBytes,
+                                 XRing::kBarrierBytes + VRing::kBarrierBytes + TRing::kBarrierBytes>;
+  static constexpr int kSmemBytes = Smem::kBytes;
   static_assert(kSmemBytes <= 227 * 1024, "softmax_matmul sm90: stages exceed shared memory");
-  // The fp32 producer transposes and needs more than the one TMA thread. setmaxnreg moves
-  // registers only inside the block's launch allocation (168 a thread at 384 threads): asking for
-  // more leaves the consumers' increase waiting forever.
-  static constexpr int kProducerRegisters = kF32 ? 72 : 24;
-  static constexpr int kConsumerRegisters = kF32 ? 216 : 240;
-  static_assert(kProducerRegisters + kConsumers * kConsumerRegisters <= (kConsumers + 1) * (65536 / kThreads / 8 * 8),
-                "softmax_matmul sm90: register split exceeds the launch allocation");
   // Transpose: each producer thread moves N / 64 units of 4 keys x 4 columns per tile, kUnits of
   // them loaded before the first is stored.
   static constexpr int kUnitsPerThread = N / 64;
@@ -122,22 +124,19 @@ __global__ void __launch_bounds__(Sm90Tile<T, N, kExact>::kThreads, 1)
     softmax_matmul_kernel_sm90(const __grid_constant__ Sm90Params p) {
 #if defined(TILEATTN_SM90_ENABLED)
   using Tile = Sm90Tile<T, N, kExact>;
-  constexpr int kTSt = Tile::kTStages > 0 ? Tile::kTStages : 2;  // 16-bit types: unused barriers
+  using Roles = typename Tile::Roles;
   constexpr bool kF32 = Tile::kF32, kSplit = Tile::kSplit;
   constexpr int kXSt = Tile::kXStages, kVSt = Tile::kVStages;
   constexpr int kBlockK = Tile::kBlockK, kKSteps = Tile::kKSteps, kVals = Tile::kVals;
 
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = smem_raw + ((1024 - smem_address(smem_raw) % 1024) % 1024);
-  unsigned char* sX = smem;
-  unsigned char* sV = sX + kXSt * Tile::kXBytes;
-  unsigned char* sT = sV + kVSt * Tile::kVBytes;
-  uint64_t* x_full = reinterpret_cast<uint64_t*>(smem + Tile::kBarrierOffset);
-  uint64_t* x_empty = x_full + kXSt;
-  uint64_t* v_full = x_empty + kXSt;
-  uint64_t* v_empty = v_full + kVSt;  // 16-bit: the consumers release V
-  uint64_t* t_full = v_empty + kVSt;  // fp32: transposed V published / released
-  uint64_t* t_empty = t_full + kTSt;
+  const typename Tile::Smem smem(smem_raw);
+  unsigned char* sX = smem.template at<Tile::kX>();
+  unsigned char* sV = smem.template at<Tile::kV>();
+  unsigned char* sT = smem.template at<Tile::kT>();
+  const typename Tile::XRing x_ring{smem.template at<Tile::kBarriers, uint64_t>()};
+  const typename Tile::VRing v_ring{x_ring.end()};  // 16-bit: the consumers release V
+  const typename Tile::TRing t_ring{v_ring.end()};  // fp32: transposed V published / released
 
   // The column slices of a band are neighbours in the grid: they run together, and the second
   // read of an X tile comes from L2.
@@ -146,45 +145,31 @@ __global__ void __launch_bounds__(Sm90Tile<T, N, kExact>::kThreads, 1)
   const int n_tiles = (p.d2 + kBlockK - 1) / kBlockK;
 
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kXSt; ++s) {
-      sm90::barrier_init(x_full + s, 1);
-      sm90::barrier_init(x_empty + s, 4 * Tile::kConsumers);  // one arrival per consumer warp
-    }
-    for (int s = 0; s < kVSt; ++s) {
-      sm90::barrier_init(v_full + s, 1);
-      // Released by every reader warp: the consumers (16-bit) or the transposing producer warps.
-      sm90::barrier_init(v_empty + s, kF32 ? 4 : 4 * Tile::kConsumers);
-    }
-    for (int s = 0; s < kTSt; ++s) {
-      sm90::barrier_init(t_full + s, 4);  // one arrival per producer warp
-      sm90::barrier_init(t_empty + s, 4 * Tile::kConsumers);
-    }
+    // One release per reader warp: the consumers', or (fp32 V) the transposing producer warps'.
+    x_ring.init(1, 4 * Tile::kConsumers);
+    v_ring.init(1, kF32 ? 4 : 4 * Tile::kConsumers);
+    t_ring.init(4, 4 * Tile::kConsumers);  // one publish per producer warp
     sm90::barrier_init_fence();
   }
   __syncthreads();
 
-  const int warpgroup = int(threadIdx.x) / 128;
-  const int warp = (int(threadIdx.x) / 32) % 4, lane = int(threadIdx.x) % 32;
+  const int warp = Roles::warp(), lane = Roles::lane();
 
-  // Tile i of X (of V) into stage i % kXSt (i % kVSt) once its readers are done with it.
+  // Tile i of X (of V) into its stage once its readers are done with it.
   auto issue_x = [&](int i) {
-    const int s = i % kXSt;
-    sm90::barrier_wait(x_empty + s, ((i / kXSt) & 1) ^ 1);
-    sm90::barrier_arrive_expect_bytes(x_full + s, Tile::kXBytes);
-    sm90::tma_load_4d(sX + s * Tile::kXBytes, &p.x, x_full + s, i * kBlockK, r0, 0, batch);
+    uint64_t* full = x_ring.acquire_bytes(i, Tile::kXBytes);
+    sm90::tma_load_4d(sX + x_ring.slot(i) * Tile::kXBytes, &p.x, full, i * kBlockK, r0, 0, batch);
   };
   auto issue_v = [&](int i) {
-    const int s = i % kVSt;
-    sm90::barrier_wait(v_empty + s, ((i / kVSt) & 1) ^ 1);
-    sm90::barrier_arrive_expect_bytes(v_full + s, Tile::kVBytes);
+    uint64_t* full = v_ring.acquire_bytes(i, Tile::kVBytes);
 #pragma unroll
     for (int c = 0; c < Tile::kVPanels; ++c)
-      sm90::tma_load_4d(sV + s * Tile::kVBytes + c * Tile::kVPanelBytes, &p.v, v_full + s,
+      sm90::tma_load_4d(sV + v_ring.slot(i) * Tile::kVBytes + c * Tile::kVPanelBytes, &p.v, full,
                         c0 + c * (128 / int(sizeof(T))), i * kBlockK, 0, batch);
   };
 
-  if (warpgroup == 0) {
-    sm90::registers_decrease<Tile::kProducerRegisters>();
+  if (Roles::producer()) {
+    Roles::enter_producer();
     if constexpr (!kF32) {
       if (threadIdx.x == 0)
         for (int i = 0; i < n_tiles; ++i) issue_v(i), issue_x(i);
@@ -211,14 +196,13 @@ __global__ void __launch_bounds__(Sm90Tile<T, N, kExact>::kThreads, 1)
       for (int j = 0; j < 4; ++j) store0[j] = (4 * grp + j) * 128 + (swz ^ (16 * j));
       constexpr int kLoadStep = 2 * Tile::kVPanelBytes, kStoreStep = 64 * 128;  // per it: 16 column groups
       for (int i = 0; i < n_tiles; ++i) {
-        const int s = i % kVSt, ts = i % kTSt;
         // Issued before waiting for the consumers: the loads get the most time in flight.
         if (loads_v && i + kVSt - 1 < n_tiles) issue_v(i + kVSt - 1);
-        sm90::barrier_wait(t_empty + ts, ((i / kTSt) & 1) ^ 1);
+        t_ring.acquire(i);
         if (loads_x && i + kXSt - 1 < n_tiles) issue_x(i + kXSt - 1);
-        sm90::barrier_wait(v_full + s, (i / kVSt) & 1);
-        const unsigned char* src = sV + s * Tile::kVBytes + load0;
-        unsigned char* dst = sT + ts * Tile::kTParts * Tile::kTBytes;
+        v_ring.wait(i);
+        const unsigned char* src = sV + v_ring.slot(i) * Tile::kVBytes + load0;
+        unsigned char* dst = sT + t_ring.slot(i) * Tile::kTParts * Tile::kTBytes;
 #pragma unroll
         for (int it = 0; it < Tile::kUnitsPerThread; it += Tile::kUnits) {
           float4 in[Tile::kUnits][4];
@@ -247,14 +231,14 @@ __global__ void __launch_bounds__(Sm90Tile<T, N, kExact>::kThreads, 1)
         sm90::fence_shared_to_async();
         __syncwarp();
         if (lane == 0) {
-          sm90::barrier_arrive(t_full + ts);
-          sm90::barrier_arrive(v_empty + s);
+          t_ring.publish(i);
+          v_ring.release(i);
         }
       }
     }
   } else {
-    sm90::registers_increase<Tile::kConsumerRegisters>();
-    const int consumer = warpgroup - 1;
+    Roles::enter_consumer();
+    const int consumer = Roles::consumer();
     const int g = lane / 4, t = lane % 4;
     const int xrow = 64 * consumer + 16 * warp + g;  // block row of (g, e < 2); +8 for e >= 2
 
@@ -273,9 +257,8 @@ __global__ void __launch_bounds__(Sm90Tile<T, N, kExact>::kThreads, 1)
     // Softmax of tile i into pa[B]; factor and moved say how the accumulators must shrink.
     auto softmax_tile = [&](auto buf, int i, float (&factor)[2], bool& moved) {
       constexpr int B = decltype(buf)::value;
-      const int s = i % kXSt;
-      sm90::barrier_wait(x_full + s, (i / kXSt) & 1);
-      const unsigned char* xs = sX + s * Tile::kXBytes;
+      x_ring.wait(i);
+      const unsigned char* xs = sX + x_ring.slot(i) * Tile::kXBytes;
       float x[2][kVals];  // rows g, g + 8
       if constexpr (kF32) {
         // x[hf][j] is key 8t + j.
@@ -320,8 +303,7 @@ __global__ void __launch_bounds__(Sm90Tile<T, N, kExact>::kThreads, 1)
       // right after the loads were issued, fp32 tests with two X stages saw wrong outputs in 1 to 3
       // of 3 repeats.
       sm90::fence_shared_to_async();
-      __syncwarp();
-      if (lane == 0) sm90::barrier_arrive(x_empty + s);
+      x_ring.release_warp(i);
 
       // The reference max moves only when a row grows past it by 2^kSlack (lazy_row_max), so that
       // the accumulators (which wgmma may still be writing) rarely need rescaling, and then by a
@@ -378,10 +360,10 @@ __global__ void __launch_bounds__(Sm90Tile<T, N, kExact>::kThreads, 1)
 
     auto issue_products = [&](auto buf, int i) {  // out += P(i) V(i) from pa[B]
       constexpr int B = decltype(buf)::value;
-      // fp32 reads transposed buffer i % kTSt, 16-bit types V stage i % kVSt.
-      const int s = kF32 ? i % kTSt : i % kVSt;
-      if constexpr (kF32) sm90::barrier_wait(t_full + s, (i / kTSt) & 1);
-      else sm90::barrier_wait(v_full + s, (i / kVSt) & 1);
+      // fp32 reads the transposed buffer, 16-bit types the V stage as loaded.
+      const int s = kF32 ? t_ring.slot(i) : v_ring.slot(i);
+      if constexpr (kF32) t_ring.wait(i);
+      else v_ring.wait(i);
       sm90::wgmma_fence();
       if constexpr (kSplit) {
         // Small parts first: the fresh accumulator's sums then lose the least to truncation.
@@ -419,11 +401,8 @@ __global__ void __launch_bounds__(Sm90Tile<T, N, kExact>::kThreads, 1)
           asm volatile("" : "+r"(pa[B][ks][e])::"memory");
           if constexpr (kSplit) asm volatile("" : "+r"(pl[B][ks][e])::"memory");
         }
-      __syncwarp();
-      if (lane == 0) {
-        if constexpr (kF32) sm90::barrier_arrive(t_empty + i % kTSt);
-        else sm90::barrier_arrive(v_empty + i % kVSt);
-      }
+      if constexpr (kF32) t_ring.release_warp(i);
+      else v_ring.release_warp(i);
     };
     auto rescale = [&](const float (&factor)[2]) {
 #pragma unroll
