@@ -5,7 +5,8 @@
 //   S = Q K^T      dP = dO V^T       wgmma, all operands in shared memory
 //   dS             from S, dP and the rows' L and D (bwd_grads.cuh, per element)
 //   dQ += dS K     wgmma, dS from registers, K read N-major
-// No atomics: every dQ element is summed by one thread in a fixed order.
+// No atomics: every dQ element is summed by one thread in a fixed order. kAlibi: dS carries
+// ALiBi's bias through P (step_grads, bwd_stream_sm90.cuh), in an instance of its own.
 #include <cuda_runtime.h>
 
 #include "common/mask.hpp"
@@ -40,7 +41,7 @@ struct DqSm90Traits {
   static_assert(bwd::kWorkspaceRowTile % kBlockM == 0, "query tiles never reach past the workspace padding");
 };
 
-template <class T, int kHeadDim>
+template <class T, int kHeadDim, bool kAlibi>
 __global__ void __launch_bounds__(DqSm90Traits<T, kHeadDim>::kThreads, 1)
     dq_kernel_sm90(const __grid_constant__ BwdSm90Params params) {
 #if defined(TILEATTN_SM90_ENABLED)
@@ -124,6 +125,7 @@ __global__ void __launch_bounds__(DqSm90Traits<T, kHeadDim>::kThreads, 1)
       grads.row_lse2[half] = p.lse2[w + 8 * half];
       grads.row_dsum[half] = p.dsum[w + 8 * half];
     }
+    const float slope = kAlibi ? p.mod.slope(b, h) : 0.0f;
     const uint32_t q_addr = smem_address(sQ) + consumer * 64 * 128;
     const uint32_t do_addr = smem_address(sdO) + consumer * 64 * 128;
     sm90::barrier_wait(q_full, 0);
@@ -140,7 +142,7 @@ __global__ void __launch_bounds__(DqSm90Traits<T, kHeadDim>::kThreads, 1)
       uint32_t pa[BN / 16][4], da[BN / 16][4];
       grads.col0 = key0;
       const bool masked = !(key0 >= full_begin && key0 + BN <= full_end);
-      bwd::grads_to_fragments<T, false>(masked, st, dpt, grads, p, pa, da);
+      step_grads<T, false, kAlibi>(masked, st, dpt, grads, slope, p, pa, da);
 
       sm90::fence_registers(dq[0]);
       sm90::wgmma_fence();

@@ -21,6 +21,9 @@
 // run; the deterministic mode runs without kFusedDq and gives dQ its own pass
 // (bwd_dq_kernel_sm90.cuh).
 //
+// kAlibi: P carries ALiBi's bias (step_grads, bwd_stream_sm90.cuh); an instance of its own, so
+// that the kernels without it keep their registers.
+//
 // Named barriers (kFusedDq only): 1 both consumers' dS^T written; 2 a dQ tile written (consumers
 // arrive, the dQ warp waits); 3 the dQ tile's shared memory read (the dQ warp arrives).
 #include <cuda_runtime.h>
@@ -76,7 +79,7 @@ struct BwdSm90Traits {
   static_assert(kSmemBytes <= 227 * 1024, "shared memory");
 };
 
-template <class T, int kHeadDim, bool kFusedDq>
+template <class T, int kHeadDim, bool kFusedDq, bool kAlibi>
 __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads, 1)
     bwd_kernel_sm90(const __grid_constant__ BwdSm90Params params) {
 #if defined(TILEATTN_SM90_ENABLED)
@@ -166,6 +169,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
       const uint32_t phase = (it / kStages) & 1;
       const int q0 = kb.q0(it);
       const uint32_t q_addr = smem_address(stages.q(s)), do_addr = smem_address(stages.dout(s));
+      const float slope = kAlibi ? p.mod.slope(kb.b, kb.head(it)) : 0.0f;
       sm90::barrier_wait(full + s, phase);
 
       float st[1][BM / 8][4], dpt[1][BM / 8][4];
@@ -176,7 +180,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
       const bool masked = !(kb.mask.full_begin_key(q1) <= kb.k0 && kb.mask.full_end_key(q0) >= kb.k0 + BN);
       uint32_t pa[BM / 16][4], da[BM / 16][4];
       const bwd::Fragment grads{stages.lse2(s), stages.dsum(s), {0.0f, 0.0f}, {0.0f, 0.0f}, q0, kb.k0 + key_row, kb.mask};
-      bwd::grads_to_fragments<T, true>(masked, st, dpt, grads, p, pa, da);
+      step_grads<T, true, kAlibi>(masked, st, dpt, grads, slope, p, pa, da);
 
       sm90::fence_registers(dv[0]);
       sm90::fence_registers(dk[0]);

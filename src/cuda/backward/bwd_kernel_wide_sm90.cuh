@@ -12,6 +12,7 @@
 // the stage, so the producer reloads it. dK and dV sum over the group in registers and are
 // written once. Named barriers: 1 the step's P^T and dS^T written; 2 a dQ tile written
 // (consumers arrive, the dQ warp waits); 3 both consumers' products of the step done.
+// kAlibi: P carries ALiBi's bias (step_grads, bwd_stream_sm90.cuh), in an instance of its own.
 #include <cuda_runtime.h>
 
 #include <type_traits>
@@ -61,7 +62,7 @@ struct BwdWideSm90Traits {
   static_assert(kSmemBytes <= 227 * 1024, "shared memory");
 };
 
-template <class T, int kHeadDim>
+template <class T, int kHeadDim, bool kAlibi>
 __global__ void __launch_bounds__(BwdWideSm90Traits<T, kHeadDim>::kThreads, 1)
     bwd_kernel_wide_sm90(const __grid_constant__ BwdSm90Params params) {
 #if defined(TILEATTN_SM90_ENABLED)
@@ -146,6 +147,7 @@ __global__ void __launch_bounds__(BwdWideSm90Traits<T, kHeadDim>::kThreads, 1)
         const uint32_t phase = (it / kStages) & 1;
         const int q0 = kb.q0(it);
         const uint32_t q_addr = smem_address(stages.q(s)), do_addr = smem_address(stages.dout(s));
+        const float slope = kAlibi ? p.mod.slope(kb.b, kb.head(it)) : 0.0f;
         sm90::barrier_wait(full + s, phase);
 
         // This consumer's 32 queries: rows 32 c.. of the Q and dO panels (4 KB apart: swizzle-aligned).
@@ -158,7 +160,7 @@ __global__ void __launch_bounds__(BwdWideSm90Traits<T, kHeadDim>::kThreads, 1)
         uint32_t pa[BM / 32][4], da[BM / 32][4];
         const bwd::Fragment grads{stages.lse2(s) + 32 * consumer, stages.dsum(s) + 32 * consumer, {0.0f, 0.0f},
                                   {0.0f, 0.0f}, q0 + 32 * consumer, kb.k0 + key_row, kb.mask};
-        bwd::grads_to_fragments<T, true>(masked, st, dpt, grads, p, pa, da);
+        step_grads<T, true, kAlibi>(masked, st, dpt, grads, slope, p, pa, da);
 
         // Into the (keys x queries) tiles: A fragment (ks, i) holds rows g + 8 (i % 2) and this
         // consumer's columns 32 c + 16 ks + 8 (i / 2) + 2 t, + 1.

@@ -35,16 +35,56 @@ bool BwdSm90<T, kHeadDim>::make_maps(const AttentionProblem& pr, BwdSm90Params& 
 
 namespace detail {
 // The main kernel over (key tiles, batch, kv heads).
-template <class T, int kHeadDim, bool kFusedDq>
+template <class T, int kHeadDim, bool kFusedDq, bool kAlibi>
 void launch_bwd_sm90(const BwdSm90Params& params, cudaStream_t stream) {
   using Traits = BwdSm90Traits<T, kHeadDim, kFusedDq>;
   const bwd::BwdParams& p = params.bwd;
-  TA_CUDA_CHECK(cudaFuncSetAttribute(bwd_kernel_sm90<T, kHeadDim, kFusedDq>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     Traits::kSmemBytes));
+  const auto kernel = bwd_kernel_sm90<T, kHeadDim, kFusedDq, kAlibi>;
+  TA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes));
   const dim3 grid((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, p.batch, p.heads_kv);
   if (grid.x == 0) return;
-  bwd_kernel_sm90<T, kHeadDim, kFusedDq><<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
+  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
   TA_CUDA_CHECK_LAUNCH("backward (sm90)");
+}
+
+// The wide kernel (D > 128) over (key tiles, batch, kv heads).
+template <class T, int kHeadDim, bool kAlibi>
+void launch_bwd_wide_sm90(const BwdSm90Params& params, cudaStream_t stream) {
+  using Traits = BwdWideSm90Traits<T, kHeadDim>;
+  const bwd::BwdParams& p = params.bwd;
+  const auto kernel = bwd_kernel_wide_sm90<T, kHeadDim, kAlibi>;
+  TA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes));
+  const dim3 grid((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, p.batch, p.heads_kv);
+  if (grid.x == 0) return;
+  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
+  TA_CUDA_CHECK_LAUNCH("backward (sm90, wide head dims)");
+}
+
+// dQ's own pass over (query tiles, heads_q, batch).
+template <class T, int kHeadDim, bool kAlibi>
+void launch_dq_sm90(const BwdSm90Params& params, cudaStream_t stream) {
+  using Traits = DqSm90Traits<T, kHeadDim>;
+  const bwd::BwdParams& p = params.bwd;
+  const auto kernel = dq_kernel_sm90<T, kHeadDim, kAlibi>;
+  TA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes));
+  const dim3 grid((p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, p.heads_q, p.batch);
+  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
+  TA_CUDA_CHECK_LAUNCH("backward dQ (sm90)");
+}
+
+// The dK/dV kernel and, in the deterministic mode, dQ's pass, with or without ALiBi's bias.
+template <class T, int kHeadDim, bool kAlibi>
+void launch_main_sm90(const BwdSm90Params& params, cudaStream_t stream) {
+  if constexpr (kHeadDim > 128) {
+    // Only the summed dQ exists here (the planner sends deterministic calls to the portable kernels).
+    launch_bwd_wide_sm90<T, kHeadDim, kAlibi>(params, stream);
+  } else if (params.bwd.dq_accum != nullptr) {
+    // The accumulator rows are kHeadDim floats: the workspace is laid out for this bucket.
+    launch_bwd_sm90<T, kHeadDim, true, kAlibi>(params, stream);
+  } else {
+    launch_bwd_sm90<T, kHeadDim, false, kAlibi>(params, stream);
+    launch_dq_sm90<T, kHeadDim, kAlibi>(params, stream);
+  }
 }
 }  // namespace detail
 
@@ -61,29 +101,9 @@ void BwdSm90<T, kHeadDim>::run(const BwdSm90Params& params, cudaStream_t stream)
   bwd::preprocess_kernel<T><<<row_blocks, bwd::kRowKernelThreads, 0, stream>>>(p);
   TA_CUDA_CHECK_LAUNCH("backward preprocess");
 
-  if constexpr (kHeadDim > 128) {
-    // Only the summed dQ exists here (the planner sends deterministic calls to the portable kernels).
-    using Traits = BwdWideSm90Traits<T, kHeadDim>;
-    TA_CUDA_CHECK(cudaFuncSetAttribute(bwd_kernel_wide_sm90<T, kHeadDim>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes));
-    const dim3 grid((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, p.batch, p.heads_kv);
-    if (grid.x > 0) {
-      bwd_kernel_wide_sm90<T, kHeadDim><<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
-      TA_CUDA_CHECK_LAUNCH("backward (sm90, wide head dims)");
-    }
-  } else if (p.dq_accum != nullptr) {
-    // The accumulator rows are kHeadDim floats: the workspace is laid out for this bucket.
-    detail::launch_bwd_sm90<T, kHeadDim, true>(params, stream);
-  } else {
-    using Q = DqSm90Traits<T, kHeadDim>;
-    detail::launch_bwd_sm90<T, kHeadDim, false>(params, stream);
-    TA_CUDA_CHECK(cudaFuncSetAttribute(dq_kernel_sm90<T, kHeadDim>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       Q::kSmemBytes));
-    const dim3 q_grid((p.seqlen_q + Q::kBlockM - 1) / Q::kBlockM, p.heads_q, p.batch);
-    dq_kernel_sm90<T, kHeadDim><<<q_grid, Q::kThreads, Q::kSmemBytes, stream>>>(params);
-    TA_CUDA_CHECK_LAUNCH("backward dQ (sm90)");
-    return;
-  }
+  if (p.mod.has_alibi()) detail::launch_main_sm90<T, kHeadDim, true>(params, stream);
+  else detail::launch_main_sm90<T, kHeadDim, false>(params, stream);
+  if (p.dq_accum == nullptr) return;  // dQ had its own pass
   convert_dq_tiles_sm90<T, kHeadDim><<<row_blocks, bwd::kRowKernelThreads, 0, stream>>>(p);
   TA_CUDA_CHECK_LAUNCH("backward dQ convert");
 }

@@ -16,6 +16,8 @@
 // Registers move from the producer (which needs few) to the consumers. The two overlaps together
 // gain 13% at D = 128 and 8% at D = 64 (H100, bf16, N = 16k; docs/perf.md).
 // Key tiles are visited from the last to the first, as in the sm80 kernel (mask work first).
+// kAlibi: ALiBi's bias joins the scores where the cap and the mask do; an instance of its own, so
+// that the kernel without it keeps its registers (the bias needs the slope and both lengths live).
 // O leaves through the consumers' rows of Q and TMA stores (epilogue_fwd_sm90.cuh).
 #include <cuda_runtime.h>
 
@@ -62,7 +64,7 @@ struct FwdSm90Traits {
   static_assert(kHeadDim % 16 == 0 && kHeadDim <= 256, "sm90 forward: head dims 16..256 in steps of 16");
 };
 
-template <class T, int kHeadDim, int kBlockN_>
+template <class T, int kHeadDim, int kBlockN_, bool kAlibi>
 __global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim, kBlockN_>::kThreads, 1)
     fwd_kernel_sm90(const __grid_constant__ FwdSm90Params params) {
 #if defined(TILEATTN_SM90_ENABLED)
@@ -136,6 +138,9 @@ __global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim, kBlockN_>::kThreads
     for (int e = 0; e < 4; ++e) acc_o[0][ot][e] = 0.0f;
   RowStats<1> stats;
   stats.init();
+  // The bias in raw score units, as the scores are kept (slope / scale: ScoreMod::alibi_bias).
+  [[maybe_unused]] float slope_raw = 0.0f;
+  if constexpr (kAlibi) slope_raw = p.mod.slope(blk.batch, blk.head) / p.mod.scale;
 
   if (tiles.begin < tiles.end) {
     const uint32_t q_base = smem_address(sQ) + consumer * 64 * 128;
@@ -161,6 +166,7 @@ __global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim, kBlockN_>::kThreads
       if (lane == 0) sm90::barrier_arrive(k_empty + i % kStages);
       if (p.softcap_pre > 0.0f) softcap_scores(acc_s, p.softcap_pre, p.softcap_post);
       const int key0 = (tiles.end - 1 - i) * kBlockN;
+      if constexpr (kAlibi) alibi_scores(acc_s, slope_raw, row0, key0, blk.seqlen_q, blk.seqlen_k);
       if (!(key0 >= tiles.full_begin && key0 + kBlockN <= tiles.full_end)) mask_scores(acc_s, mask, row0, key0);
       stats.fold(acc_s, p.scale_log2, alpha);
     };
@@ -233,8 +239,8 @@ __global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim, kBlockN_>::kThreads
   if constexpr (kBlockN > 128) {
     store_fwd_output<T>(p, blk, row0, acc_o, stats);
   } else {
-    store_fwd_output_sm90<T, kHeadDim, QTile::kPanelBytes>(params, blk, row0, acc_o, stats, sQ + consumer * 64 * 128,
-                                                          consumer);
+    store_fwd_output_sm90<T, kHeadDim, QTile::kPanelBytes, kAlibi>(params, blk, row0, acc_o, stats,
+                                                                  sQ + consumer * 64 * 128, consumer);
   }
 #endif
 }

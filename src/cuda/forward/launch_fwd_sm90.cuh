@@ -18,10 +18,10 @@ namespace tileattn::cuda {
 
 namespace fwd_sm90_detail {
 
-template <class T, int kHeadDim, int kBlockN>
+template <class T, int kHeadDim, int kBlockN, bool kAlibi>
 void launch(const FwdSm90Params& params, int64_t tiles, cudaStream_t stream) {
   using Traits = FwdSm90Traits<T, kHeadDim, kBlockN>;
-  const auto kernel = fwd_kernel_sm90<T, kHeadDim, kBlockN>;
+  const auto kernel = fwd_kernel_sm90<T, kHeadDim, kBlockN, kAlibi>;
   TA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes));
   kernel<<<fwd_grid(params.fwd, tiles), Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
   TA_CUDA_CHECK_LAUNCH("fwd_kernel_sm90");
@@ -33,7 +33,9 @@ template <class T, int kHeadDim>
 bool FwdSm90<T, kHeadDim>::make_maps(const AttentionProblem& pr, FwdSm90Params& params) {
   using sm90::attention_map_shape;
   constexpr int kBlockM = FwdSm90Traits<T, kHeadDim>::kBlockM;
-  params.block_n = fwd_sm90_block_n(kHeadDim, pr.seqlen_k >= kFwdSm90LongKeys);
+  // ALiBi has one instance per bucket, the short-key one: a second would cost build time for a
+  // few percent at long key ranges (D = 128 only).
+  params.block_n = fwd_sm90_block_n(kHeadDim, pr.seqlen_k >= kFwdSm90LongKeys && pr.alibi_slopes == nullptr);
   // O in boxes of one consumer's 64 rows; without a map the kernel stores O directly.
   params.o_by_tma = sm90::make_store_map(&params.o, pr.dtype, pr.o.data,
                                         attention_map_shape(pr, pr.o, pr.headdim_v, pr.seqlen_q, pr.total_q, pr.heads_q, 64));
@@ -62,8 +64,10 @@ void FwdSm90<T, kHeadDim>::run(const FwdSm90Params& params, cudaStream_t stream)
   const int64_t tiles = fwd_query_tiles(p, FwdSm90Traits<T, kHeadDim>::kBlockM);
   if (tiles == 0 || p.heads_q == 0 || p.batch == 0) return;
   constexpr int kShort = fwd_sm90_block_n(kHeadDim, false), kLong = fwd_sm90_block_n(kHeadDim, true);
-  if (kLong != kShort && params.block_n == kLong) fwd_sm90_detail::launch<T, kHeadDim, kLong>(params, tiles, stream);
-  else fwd_sm90_detail::launch<T, kHeadDim, kShort>(params, tiles, stream);
+  using fwd_sm90_detail::launch;
+  if (p.mod.has_alibi()) launch<T, kHeadDim, kShort, true>(params, tiles, stream);
+  else if (kLong != kShort && params.block_n == kLong) launch<T, kHeadDim, kLong, false>(params, tiles, stream);
+  else launch<T, kHeadDim, kShort, false>(params, tiles, stream);
   launch_fwd_combine<T>(p, stream);
 }
 
