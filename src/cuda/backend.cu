@@ -142,7 +142,7 @@ FwdParams make_params(const AttentionProblem& p) {
   f.mod = score_mod(p);
   f.scale_log2 = f.mod.scale_log2;
   f.softcap_pre = f.mod.softcap_pre, f.softcap_post = f.mod.softcap_post;
-  f.dropout = make_dropout(p.dropout_p, p.dropout_seed, p.dropout_offset, p.heads_q);
+  f.dropout = make_dropout(p.dropout_p, p.dropout_seed, p.dropout_offset, p.heads_q, p.dropout_rng_state);
   f.vec_q = vectorizable(p.q, p.headdim_qk, varlen);
   f.keys = key_layout(p);
   // A paged or batch-indexed K/V is addressed through its batch (page) stride even when varlen.
@@ -181,13 +181,13 @@ class ForwardPlan final : public detail::BackendPlan {
     // GQA packing: the query heads of a group share one tile of the portable kernels, which then
     // read each K/V byte once per group (not with ALiBi, whose slope is per head). Up to 16
     // (packed) rows is decoding: the decode kernel, which keeps more of K and V in flight than the
-    // Hopper forward's 128-row tiles. ALiBi, dropout and key/value caches run on the portable
-    // kernels only (the Hopper forward reads keys through one tensor map per problem, and has no
-    // bias or dropout yet).
+    // Hopper forward's 128-row tiles. Dropout and key/value caches run on the portable kernels
+    // only (the Hopper forward reads keys through one tensor map per problem, and has no dropout
+    // yet); ALiBi runs on both (the Hopper forward in instances of its own).
     const int64_t group = problem.heads_q / problem.heads_kv;
     const bool packable = group > 1 && problem.seqlen_q <= kPackMaxSeqlenQ && problem.alibi_slopes == nullptr;
     const bool decode = problem.seqlen_q * (packable ? group : 1) <= kDecodeRows;
-    const bool portable_only = problem.alibi_slopes != nullptr || problem.dropout_p > 0.0f || problem.has_kv_cache();
+    const bool portable_only = problem.dropout_p > 0.0f || problem.has_kv_cache();
     if (!decode && !portable_only) sm90_ = pick_forward_sm90(problem);
     if (sm90_ && !sm90_->make_maps(problem, params_)) sm90_.reset();
     if (sm90_) {
@@ -235,10 +235,7 @@ class Fp32ForwardPlan final : public detail::BackendPlan {
  public:
   explicit Fp32ForwardPlan(const AttentionProblem& problem)
       : problem_(problem), uncovered_(packed_rows(problem, problem.o, false, problem.heads_q, problem.headdim_v,
-                                                 problem.lse)) {
-    if (problem.dropout_p > 0.0f)
-      throw Error(ErrorKind::unsupported, "dropout with fp32 inputs runs on the CPU backend only");
-  }
+                                                 problem.lse)) {}
   size_t workspace_size() const override { return 0; }
   const char* kernel_name() const override { return "fp32"; }
   void run(void*, size_t) const override {

@@ -72,10 +72,11 @@ struct BwdPlan {
 
 BwdPlan pick_kernels(const AttentionProblem& p) {
   BwdPlan plan;
-  // ALiBi and dropout run on the portable kernels only (the Hopper backward has neither), and so
-  // does the deterministic mode above D = 128 (the wide Hopper kernel only sums dQ by reduction).
+  // Dropout runs on the portable kernels only (the Hopper backward has none; ALiBi it has, in
+  // instances of its own), and so does the deterministic mode above D = 128 (the wide Hopper
+  // kernel only sums dQ by reduction).
   const int bucket = headdim_bucket(p);
-  if (p.alibi_slopes == nullptr && p.dropout_p == 0.0f && !(p.deterministic && bucket > 128))
+  if (p.dropout_p == 0.0f && !(p.deterministic && bucket > 128))
     plan.sm90 = pick_backward_sm90(p, bucket);
   if (plan.sm90 && !plan.sm90->make_maps(p, plan.params)) plan.sm90.reset();
   return plan;
@@ -145,8 +146,6 @@ class BackwardPlan final : public detail::BackendPlan {
         uncovered_{packed_rows(p, p.dq, false, p.heads_q, p.headdim_qk),
                    packed_rows(p, p.dk, true, p.heads_kv, p.headdim_qk),
                    packed_rows(p, p.dv, true, p.heads_kv, p.headdim_v)} {
-    if (p.dtype == DType::f32 && p.dropout_p > 0.0f)
-      throw Error(ErrorKind::unsupported, "dropout with fp32 inputs runs on the CPU backend only");
     plan_ = pick_kernels(p);
     layout_ = workspace_layout(p);
     bwd::BwdParams& params = params_;
@@ -178,7 +177,7 @@ class BackwardPlan final : public detail::BackendPlan {
     params.scale_log2 = params.mod.scale_log2;
     params.softcap = params.mod.softcap;
     params.scale_over_cap = params.mod.softcap_pre;
-    params.dropout = make_dropout(p.dropout_p, p.dropout_seed, p.dropout_offset, p.heads_q);
+    params.dropout = make_dropout(p.dropout_p, p.dropout_seed, p.dropout_offset, p.heads_q, p.dropout_rng_state);
     params.vec_io = vector_io_ok(p);
     params.pair_grads = pair_stores_ok(p);
     params.seqlen_q_rounded = int(layout_.rows / (p.batch * p.heads_q));

@@ -3,7 +3,9 @@
 // come from the public tileattn::forward; every output is poisoned before each run.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -195,7 +197,20 @@ Grads naive_backward(const AttentionProblem& device_problem) {
 struct Case {
   std::string name;
   ProblemShape shape;
+  // A Hopper device must run it on the sm90 kernels (the deterministic mode too, up to D = 128;
+  // above, that mode runs on the portable kernels).
+  bool expect_sm90 = false;
 };
+
+// A compute capability 9.0 device without TILEATTN_CUDA_KERNELS=sm80: the Hopper kernels run.
+bool hopper_kernels_run() {
+  int device = 0, major = 0, minor = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "major");
+  check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "minor");
+  const char* forced = std::getenv("TILEATTN_CUDA_KERNELS");
+  return major == 9 && minor == 0 && !(forced != nullptr && std::string(forced) == "sm80");
+}
 
 ProblemShape base(DType dtype, int64_t sq, int64_t sk, int64_t d) {
   ProblemShape s;
@@ -290,20 +305,22 @@ void add_half_cases(std::vector<Case>& c, DType t) {
   }
 }
 
-// ALiBi (portable kernels only): both L forms (causal carries the offset the backward removes),
-// GQA, sq != sk both ways, softcap underneath, a window, varlen per sequence, both slope shapes.
+// ALiBi: both L forms (causal carries the offset the backward removes), GQA, sq != sk both ways,
+// softcap underneath, a window, varlen per sequence, both slope shapes. fp16/bf16 run on the
+// Hopper kernels there, fp32 on the portable ones.
 void add_alibi_cases(std::vector<Case>& c, DType t) {
   using A = ProblemShape::Alibi;
   const std::string n = dtype_name(t) + "_alibi_";
+  const bool hopper = t != DType::f32;
   {
     auto s = base(t, 130, 130, 64);
     s.heads_q = 4;
     s.heads_kv = 2;
     s.alibi = A::per_head;
-    c.push_back({n + "gqa", s});
+    c.push_back({n + "gqa", s, hopper});
     s.causal = true;
     s.alibi = A::per_batch_head;
-    c.push_back({n + "gqa_causal", s});
+    c.push_back({n + "gqa_causal", s, hopper});
   }
   {
     auto s = base(t, 300, 127, 64);  // the first 173 rows see no key
@@ -311,7 +328,7 @@ void add_alibi_cases(std::vector<Case>& c, DType t) {
     s.softcap = 1.5f;
     s.softmax_scale = 0.5f;
     s.alibi = A::per_head;
-    c.push_back({n + "softcap_causal_sq_gt_sk", s});
+    c.push_back({n + "softcap_causal_sq_gt_sk", s, hopper});
   }
   {
     auto s = base(t, 90, 400, 64);
@@ -319,24 +336,69 @@ void add_alibi_cases(std::vector<Case>& c, DType t) {
     s.heads_kv = 1;
     s.causal = true;
     s.alibi = A::per_batch_head;
-    c.push_back({n + "mqa_causal_sq_lt_sk", s});
+    c.push_back({n + "mqa_causal_sq_lt_sk", s, hopper});
   }
   {
     auto s = base(t, 200, 260, 64);
     s.window_left = 50;
     s.window_right = 20;
     s.alibi = A::per_head;
-    c.push_back({n + "window", s});
+    c.push_back({n + "window", s, hopper});
   }
   {
     auto s = base(t, 1, 1, 64);
     s.seqlens_q = {37, 0, 150, 64, 5};
     s.seqlens_k = {50, 20, 150, 0, 300};
     s.alibi = A::per_batch_head;
-    c.push_back({n + "varlen", s});
+    c.push_back({n + "varlen", s, hopper});
     s.causal = true;
     s.alibi = A::per_head;
-    c.push_back({n + "varlen_causal", s});
+    c.push_back({n + "varlen_causal", s, hopper});
+  }
+}
+
+// ALiBi on the Hopper kernels' other head dims: D = 128 (the fused kernel's 64-query steps, and
+// the deterministic dQ pass's 64-key steps) and D = 256 (the wide kernel), over several key blocks
+// so that interior blocks (no mask arithmetic) take the bias too.
+void add_alibi_hopper_cases(std::vector<Case>& c, DType t) {
+  using A = ProblemShape::Alibi;
+  const std::string n = dtype_name(t) + "_alibi_";
+  {
+    auto s = base(t, 300, 300, 128);
+    s.heads_q = 4;
+    s.heads_kv = 2;
+    s.causal = true;
+    s.alibi = A::per_batch_head;
+    c.push_back({n + "d128_gqa_causal", s, true});
+  }
+  {
+    auto s = base(t, 257, 333, 128);
+    s.softcap = 2.0f;
+    s.softmax_scale = 0.5f;
+    s.alibi = A::per_head;
+    c.push_back({n + "d128_softcap", s, true});
+  }
+  {
+    auto s = base(t, 1, 1, 128);
+    s.seqlens_q = {37, 0, 150, 64, 200};
+    s.seqlens_k = {50, 20, 150, 0, 300};
+    s.causal = true;
+    s.alibi = A::per_batch_head;
+    c.push_back({n + "d128_varlen_causal", s, true});
+  }
+  {
+    auto s = base(t, 200, 260, 256);
+    s.heads_q = 4;
+    s.heads_kv = 2;
+    s.alibi = A::per_head;
+    c.push_back({n + "d256_gqa", s, true});
+  }
+  {
+    auto s = base(t, 190, 150, 256);  // the first 40 rows see no key
+    s.causal = true;
+    s.softcap = 1.5f;
+    s.alibi = A::per_batch_head;
+    c.push_back({n + "d256_softcap_causal_sq_gt_sk", s, true});
   }
 }
 
@@ -345,6 +407,7 @@ std::vector<Case> cases() {
   add_half_cases(c, DType::bf16);
   add_half_cases(c, DType::f16);
   for (DType t : {DType::bf16, DType::f16, DType::f32}) add_alibi_cases(c, t);
+  for (DType t : {DType::bf16, DType::f16}) add_alibi_hopper_cases(c, t);
   {
     auto s = base(DType::f32, 127, 127, 64);
     c.push_back({"f32_len127_d64", s});
@@ -436,7 +499,10 @@ TEST_P(Backward, GradientsWithin2xOfNaive) {
   for (bool deterministic : {false, true}) {
     SCOPED_TRACE(deterministic ? "deterministic" : "atomic dQ");
     dp.problem.deterministic = deterministic;
+    const bool wide = std::max(hp.problem.headdim_qk, hp.problem.headdim_v) > 128;
     try {
+      if (GetParam().expect_sm90 && !(deterministic && wide) && hopper_kernels_run())
+        EXPECT_STREQ(tileattn::plan_backward(dp.problem).kernel_name(), "sm90");
       run_forward_backward(dp);
     } catch (const Error& e) {
       // A narrowed build (TILEATTN_HEADDIMS) lacks the bucket; every other error is a failure.

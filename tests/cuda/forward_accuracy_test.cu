@@ -7,9 +7,11 @@
 // O_naive from the naive same-precision kernel in gpu_test_util.cuh; the same for L with an
 // fp32-sized floor. Outputs and every gap around them are poisoned: unwritten elements show as
 // NaN, stray writes as touched poison.
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <cctype>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -25,7 +27,18 @@ struct ForwardCase {
   std::string name;
   ProblemShape shape;
   bool expect_split = false;  // split-KV must be chosen (checked through forward_workspace_size)
+  bool expect_sm90 = false;   // a Hopper device must run it on the TMA + wgmma kernel
 };
+
+// A compute capability 9.0 device without TILEATTN_CUDA_KERNELS=sm80: the Hopper kernels run.
+bool hopper_kernels_run() {
+  int device = 0, major = 0, minor = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "major");
+  check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "minor");
+  const char* forced = std::getenv("TILEATTN_CUDA_KERNELS");
+  return major == 9 && minor == 0 && !(forced != nullptr && std::string(forced) == "sm80");
+}
 
 ProblemShape shape(int64_t sq, int64_t sk, int64_t d, int64_t hq = 2, int64_t hkv = 2) {
   ProblemShape s;
@@ -190,32 +203,78 @@ std::vector<ForwardCase> base_cases() {
     c.push_back({"decode_alibi_d96", a});
   }
   // ALiBi: both LSE forms, sq != sk, GQA, softcap underneath, varlen per sequence, split-KV, both
-  // slope shapes.
+  // slope shapes. All but the decode-sized split case run on the Hopper kernel there.
   {
     using A = ProblemShape::Alibi;
     ProblemShape s = shape(200, 300, 64, 4, 2);
     s.alibi = A::per_head;
-    c.push_back({"alibi_gqa", s});
+    c.push_back({"alibi_gqa", s, false, true});
     s.causal = true;
     s.batch = 2;
     s.alibi = A::per_batch_head;
-    c.push_back({"alibi_gqa_causal", s});
+    c.push_back({"alibi_gqa_causal", s, false, true});
     ProblemShape t = shape(300, 120, 64);
     t.causal = true;
     t.softcap = 2.0f;
     t.alibi = A::per_head;
-    c.push_back({"alibi_softcap_causal_sq_gt_sk", t});
+    c.push_back({"alibi_softcap_causal_sq_gt_sk", t, false, true});
     ProblemShape v = shape(0, 0, 64, 4, 2);
     v.seqlens_q = {5, 0, 130, 64, 200};
     v.seqlens_k = {7, 3, 130, 0, 260};
     v.alibi = A::per_batch_head;
-    c.push_back({"alibi_varlen", v});
+    c.push_back({"alibi_varlen", v, false, true});
     v.causal = true;
-    c.push_back({"alibi_varlen_causal", v});
+    c.push_back({"alibi_varlen_causal", v, false, true});
     ProblemShape d = shape(16, 4096, 64, 8, 2);
     d.causal = true;
     d.alibi = A::per_head;
     c.push_back({"alibi_split_causal", d, true});
+  }
+  // ALiBi on the Hopper kernel, over several key tiles (the bias on interior tiles, which skip
+  // the mask): head dims 64, 128, 256, GQA/MQA, soft-capping underneath, a window that is not the
+  // causal form, a strided layout, varlen with L's offset per sequence, split-KV partials (stored
+  // without TMA), and at D = 128 a key range that takes the 192-key instance without ALiBi.
+  {
+    using A = ProblemShape::Alibi;
+    ProblemShape s = shape(1000, 1000, 128);
+    s.batch = 2;
+    s.causal = true;
+    s.alibi = A::per_batch_head;
+    c.push_back({"alibi_sm90_d128_causal", s, false, true});
+    ProblemShape g = shape(700, 900, 128, 4, 2);
+    g.alibi = A::per_head;
+    c.push_back({"alibi_sm90_d128_gqa", g, false, true});
+    ProblemShape m = shape(300, 333, 256, 4, 1);
+    m.alibi = A::per_head;
+    c.push_back({"alibi_sm90_d256_mqa", m, false, true});
+    m.causal = true;
+    m.softcap = 3.0f;
+    m.softmax_scale = 0.5f;
+    c.push_back({"alibi_sm90_d256_softcap_causal", m, false, true});
+    ProblemShape f = shape(500, 400, 64, 4, 2);
+    f.batch = 2;
+    f.softcap = 2.0f;
+    f.alibi = A::per_batch_head;
+    c.push_back({"alibi_sm90_d64_softcap_gqa", f, false, true});
+    ProblemShape w = shape(257, 300, 64);
+    w.layout = Layout::bhsd;
+    w.window_left = 100, w.window_right = 0;
+    w.alibi = A::per_head;
+    c.push_back({"alibi_sm90_window_bhsd", w, false, true});
+    ProblemShape l = shape(300, 9000, 128, 4, 2);
+    l.causal = true;
+    l.alibi = A::per_head;
+    c.push_back({"alibi_sm90_d128_long_keys_causal", l, false, true});
+    ProblemShape v = shape(0, 0, 128, 4, 2);
+    v.seqlens_q = {300, 0, 17, 200};
+    v.seqlens_k = {300, 50, 900, 120};
+    v.causal = true;
+    v.alibi = A::per_batch_head;
+    c.push_back({"alibi_sm90_varlen_d128_causal", v, false, true});
+    ProblemShape p = shape(64, 20000, 128, 2, 1);
+    p.causal = true;
+    p.alibi = A::per_head;
+    c.push_back({"alibi_sm90_split_causal", p, true, true});
   }
   // Strided layouts: SDPA's (batch, heads, seqlen, dim) and padded rows/heads/batches.
   {
@@ -278,6 +337,8 @@ TEST_P(ForwardAccuracy, WithinTwiceNaiveError) {
   try {
     const size_t workspace = tileattn::forward_workspace_size(dp.problem);
     if (param.c.expect_split) EXPECT_GT(workspace, 0u) << "split-KV expected for this shape";
+    if (param.c.expect_sm90 && hopper_kernels_run())
+      EXPECT_STREQ(tileattn::plan_forward(dp.problem).kernel_name(), "sm90");
     tileattn::forward(dp.problem);
   } catch (const Error& e) {
     // A narrowed build (TILEATTN_HEADDIMS) lacks the bucket; every other error is a failure.

@@ -55,6 +55,32 @@ TEST(ForwardKernelChoice, HopperRunsTheTmaKernelForAlignedInputs) {
   }
 }
 
+// ALiBi runs on the Hopper kernels too, forward and backward, its bias and L's causal-form offset
+// in instances of their own; the accuracy sweeps (forward_accuracy_test.cu, backward_sweep_test.cu)
+// check their numbers.
+TEST(ForwardKernelChoice, HopperRunsAlibiOnTheTmaKernels) {
+  TA_SKIP_WITHOUT_GPU();
+  if (!is_hopper() || forced_sm80()) GTEST_SKIP() << "not a compute capability 9.0 device";
+  for (DType dtype : {DType::f16, DType::bf16})
+    for (int64_t d : {64, 128, 256})
+      for (bool causal : {false, true}) {
+        ProblemShape s = shape(d);
+        s.dtype = dtype;
+        s.causal = causal;
+        s.alibi = ProblemShape::Alibi::per_head;
+        s.with_backward = true;
+        HostProblem hp(s);
+        DeviceProblem dp(hp);
+        SCOPED_TRACE(s.describe());
+        try {
+          EXPECT_STREQ(tileattn::plan_forward(dp.problem).kernel_name(), "sm90");
+          EXPECT_STREQ(tileattn::plan_backward(dp.problem).kernel_name(), "sm90");
+        } catch (const Error& e) {
+          if (e.kind() != ErrorKind::unsupported) throw;
+        }
+      }
+}
+
 TEST(ForwardKernelChoice, UnalignedRowStrideFallsBackAndStaysAccurate) {
   TA_SKIP_WITHOUT_GPU();
   ProblemShape s = shape(64);
