@@ -1,6 +1,6 @@
-// Attention dropout on the CUDA backend (fp16/bf16, portable kernels): the kernels must draw the
-// mask of src/common/philox.hpp bit for bit, whatever their tiling, GQA packing, split-KV or
-// variable lengths.
+// Attention dropout on the CUDA backend (the portable kernels; fp32 in exact and fast mode): the
+// kernels must draw the mask of src/common/philox.hpp bit for bit, whatever their tiling, GQA
+// packing, split-KV or variable lengths.
 //
 // Exact checks: with Q = 0 every visible weight is 1 / n (n visible keys), and with V one-hot on
 // key % 64, O[i, d] = (kept keys j = d mod 64 of row i) / (n (1 - p)): a small integer count per
@@ -8,7 +8,9 @@
 // on query % 64 (full masks only: then every weight is 1 / seqlen_k). Random inputs then check O,
 // L, dQ, dK and dV against the float64 oracle (which implements the same rule), with the CPU
 // backend's error on the same inputs and seed as the comparison point: a different mask moves the
-// gradients by a fraction of their size, far past the bound.
+// gradients by a fraction of their size, far past the bound. fp32 fast mode (TF32 products in
+// the forward) checks O and L against fp32_forward_test.cu's TF32 bound instead; its backward is
+// the exact one.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -22,12 +24,20 @@
 #include "gpu_test_util.cuh"
 #include "host/validate.hpp"
 #include "tileattn/attention.hpp"
-#include "tileattn/error.hpp"
 
 namespace tileattn::test {
 namespace {
 
 constexpr int64_t kDim = 64;  // one-hot over key % 64: every build has this head dim
+
+// fp32 fast mode's bound on O and L relative to max(1, largest reference value): 16 TF32 unit
+// roundoffs, as fp32_forward_test.cu derives it.
+constexpr double kTf32FastRelBound = 16.0 / 2048.0;
+
+std::string dtype_name(DType t, Fp32Mode mode = Fp32Mode::exact) {
+  if (t == DType::f32) return mode == Fp32Mode::exact ? "f32 exact" : "f32 fast";
+  return t == DType::f16 ? "f16" : "bf16";
+}
 
 struct MaskCase {
   std::string name;
@@ -62,6 +72,14 @@ std::vector<MaskCase> mask_cases(DType t) {
     s.window_left = 40;
     c.push_back({"varlen_causal_window", s, 0.25f});
   }
+  {
+    // An odd window: query tiles whose first visible key is odd (the fp32 forward's tiles start
+    // at the first visible key, the Philox pairs at even keys).
+    auto s = shape(1, 150, 300, 4, 2);
+    s.causal = true;
+    s.window_left = 33;
+    c.push_back({"causal_odd_window_gqa", s, 0.35f});
+  }
   return c;
 }
 
@@ -86,10 +104,11 @@ void set_dropout(AttentionProblem& p, float prob, uint64_t seed, uint64_t offset
   p.dropout_p = prob, p.dropout_seed = seed, p.dropout_offset = offset;
 }
 
-void check_exact_masks(const MaskCase& c) {
-  SCOPED_TRACE(c.name);
+void check_exact_masks(const MaskCase& c, Fp32Mode mode = Fp32Mode::exact) {
+  SCOPED_TRACE(c.name + " " + dtype_name(c.shape.dtype, mode));
   HostProblem hp(c.shape);
   AttentionProblem& p = hp.problem;
+  p.fp32_mode = mode;
   // Offsets near 2^32 carry into the counter's high word within the problem's streams.
   set_dropout(p, c.p, hp.seed * 0x9E3779B97F4A7C15ull + 3, 0xFFFFFFFFull - 2);
   p.num_splits = c.num_splits;
@@ -166,13 +185,26 @@ TEST(CudaDropout, ForwardAndDvKeepWhatTheRuleKeepsBf16) {
   for (const MaskCase& c : mask_cases(DType::bf16)) check_exact_masks(c);
 }
 
+// fp32: the portable fp32 forward (fp64 products, or TF32 in fast mode: dropout never takes the
+// Hopper fast kernel) and the fp32 backward, whose D pass draws the mask too.
+TEST(CudaDropout, ForwardAndDvKeepWhatTheRuleKeepsF32Exact) {
+  TA_SKIP_WITHOUT_GPU();
+  for (const MaskCase& c : mask_cases(DType::f32)) check_exact_masks(c, Fp32Mode::exact);
+}
+
+TEST(CudaDropout, ForwardAndDvKeepWhatTheRuleKeepsF32Fast) {
+  TA_SKIP_WITHOUT_GPU();
+  for (const MaskCase& c : mask_cases(DType::f32)) check_exact_masks(c, Fp32Mode::fast);
+}
+
 // Random inputs: the GPU's error against the oracle may be at most twice the CPU backend's on the
 // same problem, plus a few roundings of the largest value.
-void check_against_oracle(ProblemShape shape, float prob, bool deterministic) {
+void check_against_oracle(ProblemShape shape, float prob, bool deterministic, Fp32Mode mode) {
   HostProblem hp(shape);
   AttentionProblem& p = hp.problem;
   set_dropout(p, prob, hp.seed ^ 0x5DEECE66Dull, hp.seed >> 7);
   p.deterministic = deterministic;
+  p.fp32_mode = mode;
 
   DeviceProblem dp(hp);
   tileattn::forward(dp.problem);
@@ -196,51 +228,55 @@ void check_against_oracle(ProblemShape shape, float prob, bool deterministic) {
     const double floor = 4.0 * u * std::max(1.0, compare(want, want).max_ref);
     EXPECT_TRUE(within_2x(what, got, cpu_out, want, floor));
   };
-  check("O", o, hp.o.gather(), f.o);
-  // L is the log-sum-exp of the undropped scores.
-  EXPECT_TRUE(within(lse, f.lse, 1e-5, 1e-5)) << "L";
+  if (shape.dtype == DType::f32 && mode == Fp32Mode::fast) {
+    const ErrorStats eo = compare(o, f.o), el = compare(lse, f.lse);
+    EXPECT_EQ(eo.nonfinite, 0) << eo;
+    EXPECT_LE(eo.max_abs, kTf32FastRelBound * std::max(1.0, eo.max_ref)) << "O " << eo;
+    EXPECT_LE(el.max_abs, kTf32FastRelBound * std::max(1.0, el.max_ref)) << "L " << el;
+  } else {
+    check("O", o, hp.o.gather(), f.o);
+    // L is the log-sum-exp of the undropped scores.
+    EXPECT_TRUE(within(lse, f.lse, 1e-5, 1e-5)) << "L";
+  }
   check("dQ", dq, hp.dq.gather(), g.dq);
   check("dK", dk, hp.dk.gather(), g.dk);
   check("dV", dv, hp.dv.gather(), g.dv);
 }
 
-TEST(CudaDropout, GradientsAgainstOracle) {
-  TA_SKIP_WITHOUT_GPU();
-  for (DType t : {DType::f16, DType::bf16})
-    for (bool deterministic : {false, true}) {
-      SCOPED_TRACE(std::string(t == DType::f16 ? "f16" : "bf16") + (deterministic ? " deterministic" : " atomic dQ"));
-      ProblemShape s;
-      s.dtype = t;
-      s.batch = 2, s.seqlen_q = 130, s.seqlen_k = 170, s.heads_q = 4, s.heads_kv = 2, s.headdim_qk = kDim;
-      s.causal = true;
-      check_against_oracle(s, 0.3f, deterministic);
-      ProblemShape v;
-      v.dtype = t;
-      v.seqlens_q = {37, 0, 150, 5};
-      v.seqlens_k = {50, 20, 150, 300};
-      v.heads_q = 2, v.heads_kv = 1, v.headdim_qk = kDim;
-      v.window_left = 30, v.window_right = 10;
-      check_against_oracle(v, 0.5f, deterministic);
-      if (testing::Test::HasFailure()) return;
-    }
+// Causal with GQA, and varlen with a window, in both dQ modes.
+void check_gradient_cases(DType t, Fp32Mode mode = Fp32Mode::exact) {
+  for (bool deterministic : {false, true}) {
+    SCOPED_TRACE(dtype_name(t, mode) + (deterministic ? " deterministic" : " atomic dQ"));
+    ProblemShape s;
+    s.dtype = t;
+    s.batch = 2, s.seqlen_q = 130, s.seqlen_k = 170, s.heads_q = 4, s.heads_kv = 2, s.headdim_qk = kDim;
+    s.causal = true;
+    check_against_oracle(s, 0.3f, deterministic, mode);
+    ProblemShape v;
+    v.dtype = t;
+    v.seqlens_q = {37, 0, 150, 5};
+    v.seqlens_k = {50, 20, 150, 300};
+    v.heads_q = 2, v.heads_kv = 1, v.headdim_qk = kDim;
+    v.window_left = 30, v.window_right = 10;
+    check_against_oracle(v, 0.5f, deterministic, mode);
+    if (testing::Test::HasFailure()) return;
+  }
 }
 
-// fp32 inputs keep dropout on the CPU backend.
-TEST(CudaDropout, Fp32IsRefused) {
+TEST(CudaDropout, GradientsAgainstOracle) {
   TA_SKIP_WITHOUT_GPU();
-  ProblemShape s;
-  s.seqlen_q = s.seqlen_k = 16;
-  s.headdim_qk = 32;
-  HostProblem hp(s);
-  set_dropout(hp.problem, 0.5f, 1, 2);
-  DeviceProblem dp(hp);
-  try {
-    tileattn::forward(dp.problem);
-    ADD_FAILURE() << "fp32 dropout ran on the CUDA backend";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.kind(), ErrorKind::unsupported);
-    EXPECT_NE(std::string(e.what()).find("dropout with fp32 inputs runs on the CPU backend only"), std::string::npos)
-        << e.what();
+  for (DType t : {DType::f16, DType::bf16}) {
+    check_gradient_cases(t);
+    if (testing::Test::HasFailure()) return;
+  }
+}
+
+// fp32: one backward in both modes (fast mode changes the forward's products only).
+TEST(CudaDropout, GradientsAgainstOracleF32) {
+  TA_SKIP_WITHOUT_GPU();
+  for (Fp32Mode mode : {Fp32Mode::exact, Fp32Mode::fast}) {
+    check_gradient_cases(DType::f32, mode);
+    if (testing::Test::HasFailure()) return;
   }
 }
 

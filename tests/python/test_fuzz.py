@@ -517,8 +517,6 @@ def run_invalid_case(rng, device: str) -> str:
     head_dim = {"flash": 2, "varlen": 1, "sdpa": 1}[api]
     rules = ["rank", "dtype", "mixed_dtype", "last_stride", "headdim_mismatch", "seqlen_mismatch", "heads",
              "headdim_too_large", "dropout_range"]
-    if device != "cpu" and dtype == torch.float32:
-        rules.append("dropout")  # fp32 dropout runs on the CPU backend only (fp16/bf16: test_dropout.py)
     if api != "sdpa":
         rules += ["window", "softcap", "scale", "window_pair", "alibi"]
     else:
@@ -575,9 +573,6 @@ def run_invalid_case(rng, device: str) -> str:
         big = int(rng.integers(257, 400))
         tensors = {n: torch.randn(*x.shape[:-1], big, dtype=dtype, device=device) for n, x in tensors.items()}
         expect = (NotImplementedError, rf"headdim_qk={big} exceeds 256")
-    elif rule == "dropout":
-        kwargs["dropout_p"] = float(rng.uniform(0.01, 1.0))
-        expect = (NotImplementedError, r"dropout with fp32 inputs runs on the CPU backend only")
     elif rule == "dropout_range":
         kwargs["dropout_p"] = float(_pick(rng, [-0.5, 1.5, math.nan, math.inf]))
         expect = (ValueError, r"dropout_p=.* must be in \[0, 1\]")

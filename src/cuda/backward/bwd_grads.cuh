@@ -155,25 +155,22 @@ __device__ __forceinline__ void scores_to_grads(const float (&s)[MT][NT][4], con
 #define TA_BWD_GRADS(capped, msk)                                                                                      \
   scores_to_grads_tile<T, kRowsAreKeys, kStoreP, capped, msk>(s, dp, lse2, row_sum, dsum, row0, col0, q0, k0, mask, p, \
                                                               sP, sdS, ld)
-  // Dropout (16-bit inputs only: the fp32 plan refuses it) takes its own variants, masked per
-  // element, behind one uniform branch like ALiBi.
-  if constexpr (!std::is_same_v<T, float>) {
-    if (p.dropout.on) {
-      const bool alibi = p.mod.has_alibi();
-      const float slope = alibi ? p.mod.slope(b, h) : 0.0f;
+  // Dropout takes its own variants, masked per element, behind one uniform branch like ALiBi.
+  if (p.dropout.on) {
+    const bool alibi = p.mod.has_alibi();
+    const float slope = alibi ? p.mod.slope(b, h) : 0.0f;
 #define TA_BWD_DROP(capped, ali)                                                                             \
   scores_to_grads_tile<T, kRowsAreKeys, kStoreP, capped, true, ali, true>(s, dp, lse2, row_sum, dsum, row0, col0, q0, \
                                                                           k0, mask, p, sP, sdS, ld, slope, b, h)
-      if (p.softcap > 0.0f) {
-        if (alibi) TA_BWD_DROP(true, true);
-        else TA_BWD_DROP(true, false);
-      } else {
-        if (alibi) TA_BWD_DROP(false, true);
-        else TA_BWD_DROP(false, false);
-      }
-#undef TA_BWD_DROP
-      return;
+    if (p.softcap > 0.0f) {
+      if (alibi) TA_BWD_DROP(true, true);
+      else TA_BWD_DROP(true, false);
+    } else {
+      if (alibi) TA_BWD_DROP(false, true);
+      else TA_BWD_DROP(false, false);
     }
+#undef TA_BWD_DROP
+    return;
   }
   if (p.mod.has_alibi()) {
     const float slope = p.mod.slope(b, h);

@@ -21,10 +21,15 @@
 // implementation's error (whose D comes from its own P and dP). With this D the row's dS sum to 0
 // up to D's own rounding, and one visible key gives P = 1, D = dP and dS = 0 exactly. The pass
 // costs two more tile products (S and dP) per key tile of the row.
+//
+// With dropout (z = keep / (1 - p) per element, common/philox.hpp) the gradient passes form
+// dS = P (z dP - D), so D = rowsum(P z dP) / rowsum(P): the row's O.dO with the dropped O. The
+// statistics, like the forward's, stay undropped.
 #include <math.h>
 
 #include <type_traits>
 
+#include "common/philox.hpp"
 #include "common/score_mod.hpp"
 #include "cuda/arch/warp_mma_sm80.cuh"
 #include "cuda/backward/bwd_grads.cuh"
@@ -198,8 +203,11 @@ __global__ void __launch_bounds__(kThreads, 1) row_stats_kernel(const BwdParams 
     warp_gemm<float, MT, NT, D, true, false, true>(dp, sdO + s_row * LD, LD, sV + s_col * LD, LD);
     warp_gemm<float, MT, NT, D, true, false, true>(st, sQ + s_row * LD, LD, sK + s_col * LD, LD);
     const bool masked = !(mask.full_begin_key(q1) <= k0 && mask.full_end_key(q0) >= k0 + BN);
-    auto tile_sums = [&](auto capped_c, auto alibi_c) {
+    // kDropout: dP takes the element's z, as scores_to_grads_tile gives it (one Philox call per
+    // pair of columns: k0 is a whole tile of keys, so the pair's first key is even).
+    auto tile_sums = [&](auto capped_c, auto alibi_c, auto dropout_c) {
       constexpr bool kCapped = decltype(capped_c)::value, kAlibi = decltype(alibi_c)::value;
+      constexpr bool kDropout = decltype(dropout_c)::value;
 #pragma unroll
       for (int i = 0; i < MT; ++i)
 #pragma unroll
@@ -207,26 +215,42 @@ __global__ void __launch_bounds__(kThreads, 1) row_stats_kernel(const BwdParams 
           const int r = s_row + i * 16 + (lane >> 2) + hh * 8;
           const float mr = sRowM[r], lr = sRowSum[r];
 #pragma unroll
-          for (int j = 0; j < NT; ++j)
+          for (int j = 0; j < NT; ++j) {
+            const int c0 = s_col + j * 8 + (lane & 3) * 2;
+            float z[2] = {1.0f, 1.0f};
+            if constexpr (kDropout) {
+              const Dropout& dr = p.dropout;
+              const Philox4 words = dr.draws(b, h, q0 + r, k0 + c0);
+#pragma unroll
+              for (int e = 0; e < 2; ++e) z[e] = dropout_word(words, k0 + c0 + e) >= dr.threshold ? dr.scale : 0.0f;
+            }
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-              const int c = s_col + j * 8 + (lane & 3) * 2 + e;
+              const int c = c0 + e;
               float bias = 0.0f, cap;
               if constexpr (kAlibi) bias = ScoreMod::alibi_bias(slope, q0 + r, k0 + c, s.sq, s.sk);
               float pe = prob_of_score<float, kCapped, kAlibi>(st[i][j][2 * hh + e], mr, lr, p, cap, bias);
               if (masked && !mask.visible(q0 + r, k0 + c)) pe = 0.0f;
-              pdp[i][hh] += double(pe) * double(dp[i][j][2 * hh + e]);
+              const float dpe = kDropout ? dp[i][j][2 * hh + e] * z[e] : dp[i][j][2 * hh + e];
+              pdp[i][hh] += double(pe) * double(dpe);
               psum[i][hh] += double(pe);
             }
+          }
         }
     };
-    if (p.softcap > 0.0f) {
-      if (alibi) tile_sums(std::true_type{}, std::true_type{});
-      else tile_sums(std::true_type{}, std::false_type{});
-    } else {
-      if (alibi) tile_sums(std::false_type{}, std::true_type{});
-      else tile_sums(std::false_type{}, std::false_type{});
-    }
+    auto sums_for = [&](auto dropout_c) {
+      if (p.softcap > 0.0f) {
+        if (alibi) tile_sums(std::true_type{}, std::true_type{}, dropout_c);
+        else tile_sums(std::true_type{}, std::false_type{}, dropout_c);
+      } else {
+        if (alibi) tile_sums(std::false_type{}, std::true_type{}, dropout_c);
+        else tile_sums(std::false_type{}, std::false_type{}, dropout_c);
+      }
+    };
+    if (p.dropout.on)
+      sums_for(std::true_type{});
+    else
+      sums_for(std::false_type{});
     __syncthreads();  // sK and sV are refilled next
   }
 #pragma unroll

@@ -7,8 +7,8 @@
 #include "common/mask.hpp"
 #include "common/score_mod.hpp"
 #include "common/online_softmax.hpp"
-#include "common/philox.hpp"
 #include "cuda/arch/ptx_sm80.cuh"
+#include "cuda/common/dropout_weights.cuh"
 
 namespace tileattn::cuda {
 
@@ -43,33 +43,6 @@ __device__ __forceinline__ void mask_scores(float (&s)[kMTiles][kNTiles][4], con
           const int key = key0 + nt * 8 + 2 * t + e;
           if (key < begin || key >= end) s[mt][nt][half * 2 + e] = -INFINITY;
         }
-    }
-}
-
-// Attention dropout on the weights P (after the row statistics, which stay undropped): zeroes the
-// elements the philox.hpp rule drops. Rows and keys as mask_scores numbers them; with GQA packing
-// tile row r is position r / pack of query head head * pack + r % pack (the stream is the query
-// head's). A thread's columns 2t, 2t+1 lie in one group of four keys: one Philox call for both.
-template <int kMTiles, int kNTiles>
-__device__ __forceinline__ void dropout_weights(float (&s)[kMTiles][kNTiles][4], const Dropout& d, int batch,
-                                                int head, int row0, int key0, int pack = 1) {
-  const int t = threadIdx.x % 4;
-#pragma unroll
-  for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int packed = row0 + mt * 16 + half * 8;
-      const int row = pack > 1 ? packed / pack : packed;
-      const int h = pack > 1 ? head * pack + packed % pack : head;
-#pragma unroll
-      for (int nt = 0; nt < kNTiles; ++nt) {
-        const int key = key0 + nt * 8 + 2 * t;
-        const Philox4 r = d.draws(batch, h, row, key);
-        // key is even: its word is x or z, key + 1's the next one.
-        const bool low = (key & 2) == 0;
-        if ((low ? r.x : r.z) < d.threshold) s[mt][nt][half * 2] = 0.0f;
-        if ((low ? r.y : r.w) < d.threshold) s[mt][nt][half * 2 + 1] = 0.0f;
-      }
     }
 }
 

@@ -57,6 +57,7 @@ void forward_fp32(const AttentionProblem& pr) {
   p.scale = p.mod.scale;
   p.scale_log2 = p.mod.scale_log2;
   p.softcap = p.mod.softcap;
+  p.dropout = make_dropout(pr.dropout_p, pr.dropout_seed, pr.dropout_offset, pr.heads_q, pr.dropout_rng_state);
   p.vec16 = pr.headdim_qk % 4 == 0 && pr.headdim_v % 4 == 0 && rows_aligned(pr.q, 4, 16, varlen) &&
             rows_aligned(pr.k, 4, 16, varlen && !pr.is_paged()) &&
             rows_aligned(pr.v, 4, 16, varlen && !pr.is_paged());

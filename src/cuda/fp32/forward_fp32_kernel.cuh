@@ -5,6 +5,9 @@
 //
 // Pipeline (one K and one V buffer): the V tile loads while S = Q K^T is computed, and the
 // next K tile loads while O += P V is computed.
+//
+// Dropout (kDropout, its own instance so that the Philox code's registers never weigh on the
+// plain kernel) zeroes the dropped weights after the row statistics, as the 16-bit kernels do.
 #include <cstdint>
 #include <type_traits>
 
@@ -15,6 +18,7 @@
 #include "cuda/arch/ptx_sm80.cuh"
 #include "cuda/arch/async_copy.cuh"
 #include "cuda/arch/mma_fp32.cuh"
+#include "cuda/common/dropout_weights.cuh"
 #include "cuda/fp32/fwd_params_fp32.hpp"
 
 namespace tileattn::cuda::fp32 {
@@ -42,7 +46,7 @@ struct FwdTile {
 
 __device__ __forceinline__ int round_up8(int x) { return (x + 7) & ~7; }
 
-template <int kD, bool kExact>
+template <int kD, bool kExact, bool kDropout>
 __global__ void __launch_bounds__(FwdTile<kD, kExact>::kThreads) forward_fp32_kernel(const FwdParams p) {
   using Tile = FwdTile<kD, kExact>;
   using Acc = std::conditional_t<kExact, double, float>;
@@ -90,7 +94,10 @@ __global__ void __launch_bounds__(FwdTile<kD, kExact>::kThreads) forward_fp32_ke
   const bool alibi = p.mod.has_alibi();
   const float slope = p.mod.slope(b, h);  // natural units; 0 without ALiBi
   const int i1 = min(i0 + kBM, sq);
-  const int n_begin = mask.tile_begin_key(i0), n_end = mask.tile_end_key(i1);
+  // dropout_weights draws one Philox call per even key pair: with dropout the tiles start at an
+  // even key (the extra column lies before full_begin, so its tile is masked).
+  const int n_begin = kDropout ? mask.tile_begin_key(i0) & ~1 : mask.tile_begin_key(i0);
+  const int n_end = mask.tile_end_key(i1);
   const int full_begin = mask.full_begin_key(i1), full_end = mask.full_end_key(i0);
   const int dqk8 = round_up8(p.dqk), dv8 = round_up8(p.dv);
 
@@ -257,6 +264,8 @@ __global__ void __launch_bounds__(FwdTile<kD, kExact>::kThreads) forward_fp32_ke
           acc[mt][dt][2 * hf + 1] *= factor;
         }
       }
+    // The statistics above stay undropped: only P V sees the mask.
+    if constexpr (kDropout) dropout_weights(s, p.dropout, b, h, i0 + wm0 + g, n0);
 
     cp_async_wait<0>();
     __syncthreads();  // V tile visible; every warp is done with this K tile
@@ -318,7 +327,8 @@ __global__ void __launch_bounds__(FwdTile<kD, kExact>::kThreads) forward_fp32_ke
       float sum = row_sum[mt][hf];
       sum += __shfl_xor_sync(0xffffffffu, sum, 1);
       sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      const float inv = inverse_row_sum(sum);
+      float inv = inverse_row_sum(sum);
+      if constexpr (kDropout) inv *= p.dropout.scale;
       const int r = wm0 + mt * 16 + g + hf * 8;
       if (i0 + r >= sq) continue;
       float* orow = o + int64_t(r) * p.o_seq_stride;

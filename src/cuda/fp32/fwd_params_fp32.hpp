@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "common/key_rows.hpp"
+#include "common/philox.hpp"
 #include "common/score_mod.hpp"
 
 namespace tileattn::cuda::fp32 {
@@ -30,6 +31,9 @@ struct FwdParams {
   float scale_log2;               // scale * log2(e)
   float softcap;
   ScoreMod mod;  // the one preparation the three fields above are copied from; ALiBi
+  // Attention dropout (common/philox.hpp): the weights are dropped after the row statistics, and
+  // O is scaled by dropout.scale with the row sum. The portable kernel only.
+  Dropout dropout;
   bool vec16;  // every tensor row 16-byte aligned and head dims % 4 == 0
 };
 

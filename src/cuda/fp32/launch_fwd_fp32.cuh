@@ -10,10 +10,10 @@ namespace tileattn::cuda::fp32 {
 
 namespace detail {
 
-template <int kD, bool kExact>
+template <int kD, bool kExact, bool kDropout>
 void launch(const FwdParams& params, int64_t batch, int64_t seqlen_q, int64_t heads_q, cudaStream_t stream) {
   using Tile = FwdTile<kD, kExact>;
-  const auto kernel = forward_fp32_kernel<kD, kExact>;
+  const auto kernel = forward_fp32_kernel<kD, kExact, kDropout>;
   const size_t smem = sizeof(float) * Tile::smem_floats();
   TA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   const dim3 grid(unsigned((seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM), unsigned(heads_q), unsigned(batch));
@@ -26,8 +26,14 @@ void launch(const FwdParams& params, int64_t batch, int64_t seqlen_q, int64_t he
 template <int kD>
 void FwdFp32<kD>::run(const FwdParams& params, bool exact, int64_t batch, int64_t seqlen_q, int64_t heads_q,
                       cudaStream_t stream) {
-  if (exact) detail::launch<kD, true>(params, batch, seqlen_q, heads_q, stream);
-  else detail::launch<kD, false>(params, batch, seqlen_q, heads_q, stream);
+  const bool drop = params.dropout.on;
+  if (exact) {
+    if (drop) detail::launch<kD, true, true>(params, batch, seqlen_q, heads_q, stream);
+    else detail::launch<kD, true, false>(params, batch, seqlen_q, heads_q, stream);
+  } else {
+    if (drop) detail::launch<kD, false, true>(params, batch, seqlen_q, heads_q, stream);
+    else detail::launch<kD, false, false>(params, batch, seqlen_q, heads_q, stream);
+  }
 }
 
 }  // namespace tileattn::cuda::fp32
