@@ -4,7 +4,8 @@ The merge is checked against a float64 formula. The distributed layer runs in 2 
 processes over gloo (torch.multiprocessing, a free localhost port): each rank builds the same full
 inputs from a shared seed, runs its shard through context_parallel_attn, and compares its output
 and gradient shards with the single-process tileattn result and with a float64 reference under
-the 2x rule (naive.py). NCCL variants are marked gpu and need two GPUs.
+the 2x rule (naive.py). NCCL variants are marked gpu and need two GPUs. The packed (varlen) form is checked the same way
+against the single-process flash_attn_varlen_func on the whole packed batch.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import torch.multiprocessing as mp
 
 import naive
 import tileattn
-from tileattn.distributed import context_parallel_attn, shard, unshard
+from tileattn.distributed import (context_parallel_attn, context_parallel_attn_varlen, shard, shard_cu_seqlens,
+                                  shard_varlen, unshard, unshard_varlen)
 
 FLOOR = {torch.float32: 1e-6, torch.float16: 2e-4, torch.bfloat16: 2e-3}
 
@@ -140,7 +142,28 @@ def test_block_masks_match_the_global_mask():
                             m = mask(b.q1 - b.q0, b.k1 - b.k0, b.left, 0 if b.causal else b.right)
                             assert m.any(dim=1).all(), f"a row of {b} sees no key"
                             got[b.q0:b.q1, b.k0:b.k1] = m
+                            if kg + b.k1 == qg + b.q1:  # on the diagonal the user's window is the block's too
+                                right_d = 0 if causal else right
+                                assert torch.equal(mask(b.q1 - b.q0, b.k1 - b.k0, left, right_d), m), (b, left, right)
                         assert torch.equal(got, want), (qg, sq, kg, sk, causal, left, right, b)
+
+
+def test_varlen_one_call_per_local_chunk():
+    # However the lengths mix (here sequences of one chunk row, whose blocks _block reduces to
+    # unmasked 1 x 1 ones), the all-gather form makes one call per local chunk: two when causal.
+    from tileattn.distributed.context_parallel import _Config
+    from tileattn.distributed.varlen import _plan
+
+    lengths = [8, 36, 4, 0, 20, 4]
+    cu = [sum(lengths[:b]) for b in range(len(lengths) + 1)]
+    for world in (2, 4):
+        for rank in range(world):
+            for causal, window, calls in ((True, (-1, -1), 2), (True, (3, -1), 2), (False, (-1, -1), 1)):
+                if causal and any(n % (2 * world) for n in lengths):
+                    continue
+                cfg = _Config(None, causal, "allgather", 0.25, *window, 0.0)
+                plan = _plan(cu, rank, world, cfg, torch.device("cpu"))
+                assert [len(step) for step in plan.steps] == [calls], (world, rank, causal, window)
 
 
 # ---- the multi-process harness -----------------------------------------------------------------
@@ -159,7 +182,7 @@ def _worker(rank: int, world: int, port: int, seed: int, cases: list, backend: s
     try:
         for i, case in enumerate(cases):
             try:
-                _check_case(seed + i, **case)
+                (_check_varlen_case if "lengths" in case else _check_case)(seed + i, **case)
             except Exception as e:
                 raise AssertionError(f"rank {rank}/{world}, case {case}, seed {seed + i}:\n"
                                      f"{traceback.format_exc()}") from e
@@ -227,12 +250,69 @@ CASES_4 = [
 ]
 
 
+def _check_varlen_case(seed: int, lengths: list, mode="allgather", causal=False, dtype=torch.float32, H=4, Hkv=2,
+                       D=16, window=(-1, -1), softcap=0.0, device="cpu") -> None:
+    world = dist.get_world_size()
+    g = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    cu = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0).to(torch.int32)
+    q, k, v = (torch.randn(total, h, D, generator=g) for h in (H, Hkv, Hkv))
+    dout = torch.randn(total, H, D, generator=g)
+    opts = dict(causal=causal, window=window, softcap=softcap)
+
+    def grads(fn, *ts, dout=dout):
+        ts = [t.detach().clone().requires_grad_() for t in ts]
+        out = fn(*ts)
+        out.backward(dout.to(out.dtype).to(out.device))
+        return [out.detach().cpu()] + [t.grad.cpu() for t in ts]
+
+    inputs = [t.to(dtype) for t in (q, k, v)]
+    oracle = grads(lambda a, b, c: naive.varlen_attention(a, b, c, cu, cu, **opts)[0], *(t.double() for t in inputs))
+    same = grads(lambda a, b, c: naive.varlen_attention(a, b, c, cu, cu, **opts)[0], *inputs)
+    cu_d, longest = cu.to(device), max(lengths)
+    single = grads(lambda a, b, c: tileattn.flash_attn_varlen_func(a, b, c, cu_d, cu_d, longest, longest, causal=causal,
+                                                                   window_size=window, softcap=softcap),
+                   *(t.to(device) for t in inputs))
+    local = [shard_varlen(t.to(device), cu_d, causal=causal) for t in inputs]
+    assert local[0].shape[0] == total // world
+    mine = grads(lambda a, b, c: context_parallel_attn_varlen(a, b, c, cu_d, longest, causal=causal, mode=mode,
+                                                              window_size=window, softcap=softcap), *local,
+                 dout=shard_varlen(dout.to(device), cu_d, causal=causal))
+    for name, ours, one, ref, nv in zip(("out", "dq", "dk", "dv"), mine, single, oracle, same):
+        floor = FLOOR[dtype] * (1 if name == "out" else 2)
+        ref_s, nv_s, one_s = (shard_varlen(t, cu, causal=causal) for t in (ref, nv, one))
+        naive.assert_2x_rule(ours, nv_s, ref_s, floor, f"{name} (context parallel, varlen)")
+        bound = 2 * naive.max_error(nv_s, ref_s) + floor
+        assert naive.max_error(ours, one_s) <= bound + naive.max_error(one_s, ref_s), \
+            f"{name}: varlen context parallel differs from the single-process result"
+
+
+# Packed batches: lengths that differ a lot, one sequence, an empty one; both modes, GQA/MQA,
+# windows (the non-causal right window splits a chunk's sequences over several calls) and softcap.
+VARLEN_CASES_2 = [
+    dict(lengths=[8, 36, 4, 20], causal=True),
+    dict(lengths=[8, 36, 4, 20], causal=True, mode="ring", dtype=torch.bfloat16),
+    dict(lengths=[6, 30, 2], causal=False),
+    dict(lengths=[10, 2, 26], causal=False, mode="ring", window=(3, 9), Hkv=1),
+    dict(lengths=[32], causal=True, dtype=torch.float16),
+    dict(lengths=[12, 0, 40, 4], causal=True, window=(5, -1), softcap=3.0),
+    dict(lengths=[22, 4, 40], causal=False, window=(11, 2), softcap=2.0),
+    dict(lengths=[4, 16], causal=False, mode="ring", D=8),
+]
+
+VARLEN_CASES_4 = [
+    dict(lengths=[8, 64, 16], causal=True, dtype=torch.bfloat16),
+    dict(lengths=[24, 8, 40], causal=True, mode="ring"),
+    dict(lengths=[12, 28, 4], causal=False, mode="ring", window=(4, 4)),
+]
+
+
 def test_context_parallel_two_processes(fresh_seed):
-    _run(2, CASES_2, fresh_seed)
+    _run(2, CASES_2 + VARLEN_CASES_2, fresh_seed)
 
 
 def test_context_parallel_four_processes(fresh_seed):
-    _run(4, CASES_4, fresh_seed)
+    _run(4, CASES_4 + VARLEN_CASES_4, fresh_seed)
 
 
 def _shard_roundtrip_worker(rank, world, port, seed, cases, backend):
@@ -259,8 +339,65 @@ def _shard_roundtrip_worker(rank, world, port, seed, cases, backend):
             context_parallel_attn(q, q[:, :2], q, causal=True)
         with _raises(ValueError, "window_size=(-2, 0) must be two ints >= -1"):
             context_parallel_attn(q, q, q, window_size=(-2, 0))
+        _check_varlen_shard_and_errors(rank, world, seed)
     finally:
         dist.destroy_process_group()
+
+
+def _check_varlen_shard_and_errors(rank: int, world: int, seed: int) -> None:
+    lengths = [16, 8, 48, 0, 24]
+    cu = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0).to(torch.int32)
+    x = torch.randn(96, 3, 5, generator=torch.Generator().manual_seed(seed))
+    for causal in (False, True):
+        s = shard_varlen(x, cu, causal=causal)
+        assert s.shape == (96 // world, 3, 5)
+        assert torch.equal(unshard_varlen(s, cu, causal=causal), x)
+        cu_local, max_local = shard_cu_seqlens(cu, causal=causal)
+        assert cu_local.dtype == torch.int32 and torch.equal(cu_local, cu // world) and max_local == 48 // world
+        # Each sequence's local part is what shard gives that sequence alone.
+        for b, length in enumerate(lengths):
+            mine = s[cu_local[b]:cu_local[b + 1]]
+            assert torch.equal(mine, shard(x[None, cu[b]:cu[b + 1]], causal=causal)[0]), (causal, b)
+    # The zig-zag pair of the longest sequence (rows 24..72), spelled out.
+    m = 48 // (2 * world)
+    z = shard_varlen(x, cu, causal=True)[(16 + 8) // world:(16 + 8 + 48) // world]
+    assert torch.equal(z[:m], x[24 + rank * m:24 + (rank + 1) * m])
+    assert torch.equal(z[m:], x[24 + (2 * world - 1 - rank) * m:24 + (2 * world - rank) * m])
+
+    bad = torch.tensor([0, 16, 26, 96], dtype=torch.int32)
+    with _raises(ValueError, f"cu_seqlens: sequence 1 has length 10, which must be divisible by "
+                             f"2 * world_size={2 * world} (causal: two chunks per rank); pad the sequence"):
+        shard_varlen(x, bad, causal=True)
+    odd = torch.tensor([0, 16, 17 + world, 96], dtype=torch.int32)
+    with _raises(ValueError, f"cu_seqlens: sequence 1 has length {world + 1}, which must be divisible by "
+                             f"world_size={world}"):
+        shard_varlen(x, odd)
+    with _raises(TypeError, "cu_seqlens.dtype=int64 must be int32"):
+        shard_varlen(x, cu.long())
+    with _raises(ValueError, "cu_seqlens is on meta but x is on cpu; cu_seqlens must be on the tensors' device"):
+        shard_varlen(x, cu.to("meta"))
+    with _raises(ValueError, "cu_seqlens[-1]=96 must equal x.shape[0]=90"):
+        shard_varlen(x[:90], cu)
+    with _raises(ValueError, "cu_seqlens[2]=16 is less than cu_seqlens[1]=24"):
+        shard_varlen(x, torch.tensor([0, 24, 16, 96], dtype=torch.int32))
+
+    q = shard_varlen(x, cu, causal=True)
+    with _raises(ValueError, "cu_seqlens: sequence 1 has length 10, which must be divisible by"):
+        context_parallel_attn_varlen(q, q, q, bad, 70, causal=True)
+    with _raises(TypeError, "cu_seqlens.dtype=int64 must be int32"):
+        context_parallel_attn_varlen(q, q, q, cu.long(), 48)
+    with _raises(ValueError, "cu_seqlens is on meta but q is on cpu"):
+        context_parallel_attn_varlen(q, q, q, cu.to("meta"), 48)
+    with _raises(ValueError, f"cu_seqlens[-1]=96 must equal q.shape[0] * world_size={(96 // world - 1) * world}"):
+        context_parallel_attn_varlen(q[1:], q[1:], q[1:], cu, 48)
+    with _raises(ValueError, "max_seqlen=24 must be an int >= the longest sequence in cu_seqlens (48"):
+        context_parallel_attn_varlen(q, q, q, cu, 24)
+    with _raises(ValueError, "q must have 3 dimensions (total_tokens_local, heads, headdim)"):
+        context_parallel_attn_varlen(q[None], q, q, cu, 48)
+    with _raises(ValueError, "k.shape[0]=2 and v.shape[0]"):
+        context_parallel_attn_varlen(q, q[:2], q, cu, 48)
+    with _raises(ValueError, "mode='tree' must be one of"):
+        context_parallel_attn_varlen(q, q, q, cu, 48, mode="tree")
 
 
 class _raises:

@@ -167,7 +167,15 @@ def _block_forward(q: Tensor, k: Tensor, v: Tensor, b: _Block, cfg: _Config) -> 
 def _block_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, b: _Block,
                     cfg: _Config) -> tuple[Tensor, Tensor, Tensor]:
     qs, ks = slice(b.q0, b.q1), slice(b.k0, b.k1)
-    args = [dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs]]
+    return _call_backward(dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs], lse[:, :, qs].contiguous(), None,
+                          None, 0, 0, b.causal, b.left, b.right, cfg)
+
+
+def _call_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens_q, cu_seqlens_k,
+                   max_seqlen_q: int, max_seqlen_k: int, causal: bool, left: int, right: int,
+                   cfg: _Config) -> tuple[Tensor, Tensor, Tensor]:
+    """One tileattn backward with the global out and lse (fixed-length, or varlen with cu_seqlens)."""
+    args = [dout, q, k, v, out]
     if q.device.type == "cpu":
         # The CPU backward forms D and renormalises P from the call's own keys for 16-bit inputs
         # and head dims <= 8 (src/cpu/backward.cpp, use_consistent_delta): right for a whole
@@ -178,8 +186,8 @@ def _block_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
             pad = 9 - q.shape[-1]
             args[1] = torch.nn.functional.pad(args[1], (0, pad))
             args[2] = torch.nn.functional.pad(args[2], (0, pad))
-    dq, dk, dv = _ops._backward_impl(*args, lse[:, :, qs].contiguous(), None, None, 0, 0, cfg.scale, b.causal,
-                                     b.left, b.right, cfg.softcap, False)
+    dq, dk, dv = _ops._backward_impl(*args, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cfg.scale,
+                                     causal, left, right, cfg.softcap, False)
     return dq[..., :q.shape[-1]], dk[..., :k.shape[-1]], dv
 
 
@@ -230,30 +238,26 @@ def _shift(b: _Block, qseg, kseg) -> _Block:
     return _Block(b.q0 + qseg[0], b.q1 + qseg[0], b.k0 + kseg[0], b.k1 + kseg[0], b.causal, b.left, b.right)
 
 
-def _ring_forward(q: Tensor, k: Tensor, v: Tensor, cfg: _Config) -> tuple[Tensor, Tensor]:
+def _ring_walk(k: Tensor, v: Tensor, cfg: _Config, step_fn) -> None:
+    """The forward's ring: at each step ``step_fn(step, k_cur, v_cur)`` runs on the K/V shard of rank
+    ``rank - step`` while the next shard is in flight."""
     rank, world = _group_rank_size(cfg.group)
-    batch, n, heads = q.shape[0], q.shape[1], q.shape[2]
-    out = torch.empty((batch, n, heads, v.shape[-1]), dtype=torch.float32, device=q.device)
-    lse = torch.full((batch, heads, n), -math.inf, dtype=torch.float32, device=q.device)
     kv = _pack(k, v)
     for step in range(world):
         nxt, reqs = _ring_exchange([kv], cfg.group, rank, world) if step < world - 1 else (None, [])
         k_cur, v_cur = _unpack(kv, k, v)
-        for qseg, kseg, b in _pairs(rank, (rank - step) % world, world, n, cfg):
-            b = _shift(b, qseg, kseg)
-            o_b, l_b = _block_forward(q, k_cur, v_cur, b, cfg)
-            merge_attention(out[:, b.q0:b.q1], lse[:, :, b.q0:b.q1], o_b, l_b)
+        step_fn(step, k_cur, v_cur)
         _wait(reqs)
         if nxt is not None:
             kv = nxt[0]
-    return out.to(q.dtype), lse
 
 
-def _ring_backward(dout, q, k, v, out, lse, cfg: _Config) -> tuple[Tensor, Tensor, Tensor]:
+def _ring_backward_walk(k: Tensor, v: Tensor, cfg: _Config, step_fn) -> tuple[Tensor, Tensor]:
+    """The backward's ring: ``step_fn(step, k_cur, v_cur, dk_cur, dv_cur)`` adds the visiting shard's
+    gradient into fp32 dk_cur and dv_cur, which travel on with the shard; returns this rank's own
+    shard's summed fp32 (dk, dv) once they have come back."""
     rank, world = _group_rank_size(cfg.group)
-    n = q.shape[1]
-    f32 = dict(dtype=torch.float32, device=q.device)
-    dq = torch.zeros(q.shape, **f32)
+    f32 = dict(dtype=torch.float32, device=k.device)
     dk_like, dv_like = torch.empty(k.shape, **f32), torch.empty(v.shape, **f32)
     kv = _pack(k, v)
     carried = None  # fp32 dK/dV of the shard held last step, summed over the ranks it has visited
@@ -262,13 +266,7 @@ def _ring_backward(dout, q, k, v, out, lse, cfg: _Config) -> tuple[Tensor, Tenso
         recv, reqs = _ring_exchange(send, cfg.group, rank, world)
         k_cur, v_cur = _unpack(kv, k, v)
         dkv = torch.zeros(k.numel() + v.numel(), **f32)
-        dk_cur, dv_cur = _unpack(dkv, dk_like, dv_like)
-        for qseg, kseg, b in _pairs(rank, (rank - step) % world, world, n, cfg):
-            b = _shift(b, qseg, kseg)
-            dq_b, dk_b, dv_b = _block_backward(dout, q, k_cur, v_cur, out, lse, b, cfg)
-            dq[:, b.q0:b.q1] += dq_b
-            dk_cur[:, b.k0:b.k1] += dk_b
-            dv_cur[:, b.k0:b.k1] += dv_b
+        step_fn(step, k_cur, v_cur, *_unpack(dkv, dk_like, dv_like))
         _wait(reqs)
         if carried is not None:
             dkv += recv[-1]  # what the ranks before this one added to this shard's gradient
@@ -280,6 +278,39 @@ def _ring_backward(dout, q, k, v, out, lse, cfg: _Config) -> tuple[Tensor, Tenso
         _wait(reqs)
         carried = recv[0]
     dk, dv = _unpack(carried, dk_like, dv_like)
+    return dk, dv
+
+
+def _ring_forward(q: Tensor, k: Tensor, v: Tensor, cfg: _Config) -> tuple[Tensor, Tensor]:
+    rank, world = _group_rank_size(cfg.group)
+    batch, n, heads = q.shape[0], q.shape[1], q.shape[2]
+    out = torch.empty((batch, n, heads, v.shape[-1]), dtype=torch.float32, device=q.device)
+    lse = torch.full((batch, heads, n), -math.inf, dtype=torch.float32, device=q.device)
+
+    def step_fn(step, k_cur, v_cur):
+        for qseg, kseg, b in _pairs(rank, (rank - step) % world, world, n, cfg):
+            b = _shift(b, qseg, kseg)
+            o_b, l_b = _block_forward(q, k_cur, v_cur, b, cfg)
+            merge_attention(out[:, b.q0:b.q1], lse[:, :, b.q0:b.q1], o_b, l_b)
+
+    _ring_walk(k, v, cfg, step_fn)
+    return out.to(q.dtype), lse
+
+
+def _ring_backward(dout, q, k, v, out, lse, cfg: _Config) -> tuple[Tensor, Tensor, Tensor]:
+    rank, world = _group_rank_size(cfg.group)
+    n = q.shape[1]
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+
+    def step_fn(step, k_cur, v_cur, dk_cur, dv_cur):
+        for qseg, kseg, b in _pairs(rank, (rank - step) % world, world, n, cfg):
+            b = _shift(b, qseg, kseg)
+            dq_b, dk_b, dv_b = _block_backward(dout, q, k_cur, v_cur, out, lse, b, cfg)
+            dq[:, b.q0:b.q1] += dq_b
+            dk_cur[:, b.k0:b.k1] += dk_b
+            dv_cur[:, b.k0:b.k1] += dv_b
+
+    dk, dv = _ring_backward_walk(k, v, cfg, step_fn)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -289,17 +320,34 @@ def _is_nccl(group) -> bool:
     return dist.get_backend(group) == "nccl"
 
 
-def _gather_full(k: Tensor, v: Tensor, cfg: _Config) -> tuple[Tensor, Tensor]:
-    rank, world = _group_rank_size(cfg.group)
-    n = k.shape[1]
-    local = _pack(k, v)
-    if _is_nccl(cfg.group):
+def _all_gather(local: Tensor, group) -> list[Tensor]:
+    """Every rank's ``local`` (same size everywhere), in rank order."""
+    world = dist.get_world_size(group)
+    if _is_nccl(group):
         flat = local.new_empty(world * local.numel())
-        dist.all_gather_into_tensor(flat, local, group=cfg.group)
-        pieces = list(flat.split(local.numel()))
-    else:  # gloo gathers into a list
-        pieces = [torch.empty_like(local) for _ in range(world)]
-        dist.all_gather(pieces, local, group=cfg.group)
+        dist.all_gather_into_tensor(flat, local, group=group)
+        return list(flat.split(local.numel()))
+    pieces = [torch.empty_like(local) for _ in range(world)]  # gloo gathers into a list
+    dist.all_gather(pieces, local, group=group)
+    return pieces
+
+
+def _reduce_scatter(flat: Tensor, group) -> Tensor:
+    """This rank's part of the sum over the ranks of ``flat`` (world equal parts, in rank order)."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    size = flat.numel() // world
+    if _is_nccl(group):
+        mine = flat.new_empty(size)
+        dist.reduce_scatter_tensor(mine, flat, group=group)
+        return mine
+    dist.all_reduce(flat, group=group)  # gloo has no reduce-scatter: sum everything, keep this rank's part
+    return flat[rank * size:(rank + 1) * size]
+
+
+def _gather_full(k: Tensor, v: Tensor, cfg: _Config) -> tuple[Tensor, Tensor]:
+    _, world = _group_rank_size(cfg.group)
+    n = k.shape[1]
+    pieces = _all_gather(_pack(k, v), cfg.group)
     k_full = k.new_empty((k.shape[0], n * world, *k.shape[2:]))
     v_full = v.new_empty((v.shape[0], n * world, *v.shape[2:]))
     for s, piece in enumerate(pieces):
@@ -348,14 +396,7 @@ def _allgather_backward(dout, q, k, v, out, lse, cfg: _Config):
         segs = _segments(s, world, n, cfg.causal)
         by_rank.append(torch.cat([dk_full[:, g:g + length] for _, g, length in segs], 1))
         by_rank.append(torch.cat([dv_full[:, g:g + length] for _, g, length in segs], 1))
-    flat = _pack(*by_rank)
-    size = k.numel() + v.numel()
-    if _is_nccl(cfg.group):
-        mine = flat.new_empty(size)
-        dist.reduce_scatter_tensor(mine, flat, group=cfg.group)
-    else:  # gloo has no reduce-scatter: sum everything, keep this rank's part
-        dist.all_reduce(flat, group=cfg.group)
-        mine = flat[rank * size:(rank + 1) * size]
+    mine = _reduce_scatter(_pack(*by_rank), cfg.group)
     dk, dv = _unpack(mine, dk_like, dv_like)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
@@ -405,6 +446,12 @@ def context_parallel_attn(q: Tensor, k: Tensor, v: Tensor, group=None, causal: b
                          "(q, k and v are shards of one sequence)")
     if causal and q.shape[1] % 2 != 0:
         raise ValueError(f"q.shape[1]={q.shape[1]} must be even (causal: two zig-zag chunks per rank)")
+    cfg = _config(q, group, causal, mode, softmax_scale, window_size, softcap, "context_parallel_attn")
+    return _ContextParallelAttention.apply(q, k, v, cfg)
+
+
+def _config(q: Tensor, group, causal, mode, softmax_scale, window_size, softcap, what: str) -> _Config:
+    """The checks both forms share, and their options in one object."""
     if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
             or any(not isinstance(w, int) or w < -1 for w in window_size)):
         raise ValueError(f"window_size={window_size!r} must be two ints >= -1 (-1 = unbounded)")
@@ -412,10 +459,9 @@ def context_parallel_attn(q: Tensor, k: Tensor, v: Tensor, group=None, causal: b
     if q.is_cuda and q.dtype == torch.float32:
         # The CUDA fp32 backward rebuilds each row's softmax statistics from the call's own keys, so
         # a block of a larger problem gets its local normalisation instead of the global lse.
-        raise NotImplementedError("q.dtype=float32 on CUDA is not supported by context_parallel_attn: the fp32 "
+        raise NotImplementedError(f"q.dtype=float32 on CUDA is not supported by {what}: the fp32 "
                                   "backward normalises each key block on its own; use bfloat16 or float16")
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    cfg = _Config(group, bool(causal), mode, scale, int(window_size[0]), int(window_size[1]), float(softcap))
-    if world == 1:
-        cfg = _Config(group, bool(causal), "allgather", *(scale, cfg.left, cfg.right, cfg.softcap))
-    return _ContextParallelAttention.apply(q, k, v, cfg)
+    # One rank holds everything: the all-gather path is then a single call, with no exchange.
+    return _Config(group, bool(causal), "allgather" if world == 1 else mode, scale, int(window_size[0]),
+                   int(window_size[1]), float(softcap))
