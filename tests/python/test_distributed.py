@@ -430,6 +430,9 @@ GPU_CASES = [
     dict(mode="allgather", causal=True, dtype=torch.bfloat16, N=512, H=8, Hkv=2, D=64, device="cuda"),
     dict(mode="ring", causal=False, dtype=torch.float16, N=256, H=4, Hkv=4, D=128, device="cuda"),
     dict(mode="ring", causal=True, dtype=torch.bfloat16, N=512, window=(100, -1), softcap=5.0, device="cuda"),
+    dict(lengths=[64, 512, 8, 200], causal=True, dtype=torch.bfloat16, H=8, Hkv=2, D=64, device="cuda"),
+    dict(lengths=[64, 512, 8, 200], mode="ring", causal=True, dtype=torch.bfloat16, D=128, device="cuda"),
+    dict(lengths=[300, 4, 96], causal=False, dtype=torch.float16, window=(50, 20), device="cuda"),
 ]
 
 
