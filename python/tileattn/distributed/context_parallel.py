@@ -23,6 +23,9 @@ Two ways to see every key:
 Windows are exact in both modes: each call takes only the queries and keys the window leaves
 visible between the two segments and re-expresses the window in that block's bottom-right
 aligned coordinates.
+
+The packed (varlen) form, varlen.py, splits each sequence of a packed batch the same way and
+reuses the blocks, the ring walks and the collectives below.
 """
 
 from __future__ import annotations
