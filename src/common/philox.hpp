@@ -91,9 +91,17 @@ struct Dropout {
   TA_HOST_DEVICE bool keep(int64_t batch, int64_t head, int64_t row, int64_t col) const {
     return dropout_word(draws(batch, head, row, col), col) >= threshold;
   }
+  // This dropout with the pair read now. A kernel resolves it where a tile's mask is drawn, so the
+  // pair's registers live only there (held across a whole kernel, they cost the portable
+  // backward, already at its register cap, spills even in calls without dropout).
+  TA_HOST_DEVICE Dropout resolved() const {
+    Dropout d = *this;
+    d.seed = seed_now(), d.offset = offset_now(), d.state = nullptr;
+    return d;
+  }
 
  private:
-  // Read-only for the whole kernel: the non-coherent load lets the compiler hoist it out of loops.
+  // Read-only for the whole kernel (the non-coherent path).
   TA_HOST_DEVICE static uint64_t load(const uint64_t* x) {
 #ifdef __CUDA_ARCH__
     return __ldg(reinterpret_cast<const unsigned long long*>(x));

@@ -89,19 +89,22 @@ struct StageRing {
   __device__ __forceinline__ void publish(int i) const { barrier_arrive(full + slot(i)); }
   // Producer warp: one arrival once every lane's share is written (rings initialised with one
   // fill per warp). Stores that a TMA copy or wgmma reads next need fence_shared_to_async first.
-  __device__ __forceinline__ void publish_warp(int i) const {
+  // `lane` is the caller's own lane index: reading the thread index again here let ptxas move
+  // that read among a consumer's wgmma and serialise them (softmax_matmul fast: 15% slower).
+  __device__ __forceinline__ void publish_warp(int i, int lane) const {
     __syncwarp();
-    if (threadIdx.x % 32 == 0) publish(i);
+    if (lane == 0) publish(i);
   }
 
   // Reader: wait until item i is in its buffer.
   __device__ __forceinline__ void wait(int i) const { barrier_wait(full + slot(i), phase(i)); }
   // Reader: this thread is done with item i's buffer.
   __device__ __forceinline__ void release(int i) const { barrier_arrive(empty() + slot(i)); }
-  // Reader warp: one arrival once every lane is done (rings initialised with one release per warp).
-  __device__ __forceinline__ void release_warp(int i) const {
+  // Reader warp: one arrival once every lane is done (rings initialised with one release per
+  // warp); `lane` as for publish_warp.
+  __device__ __forceinline__ void release_warp(int i, int lane) const {
     __syncwarp();
-    if (threadIdx.x % 32 == 0) release(i);
+    if (lane == 0) release(i);
   }
 };
 

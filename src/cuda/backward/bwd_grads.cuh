@@ -105,7 +105,7 @@ __device__ __forceinline__ void scores_to_grads_tile(const float (&s)[MT][NT][4]
         // Philox calls) or two neighbouring keys of one query (k0 + c is even: one call).
         float drop[2] = {1.0f, 1.0f};
         if constexpr (kDropout) {
-          const Dropout& dr = p.dropout;
+          const Dropout dr = p.dropout.resolved();
           if constexpr (kRowsAreKeys) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) drop[e] = dr.keep(b, hq, q0 + c + e, k0 + r) ? dr.scale : 0.0f;

@@ -219,7 +219,7 @@ __global__ void __launch_bounds__(kThreads, 1) row_stats_kernel(const BwdParams 
             const int c0 = s_col + j * 8 + (lane & 3) * 2;
             float z[2] = {1.0f, 1.0f};
             if constexpr (kDropout) {
-              const Dropout& dr = p.dropout;
+              const Dropout dr = p.dropout.resolved();
               const Philox4 words = dr.draws(b, h, q0 + r, k0 + c0);
 #pragma unroll
               for (int e = 0; e < 2; ++e) z[e] = dropout_word(words, k0 + c0 + e) >= dr.threshold ? dr.scale : 0.0f;

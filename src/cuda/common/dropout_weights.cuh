@@ -12,8 +12,9 @@ namespace tileattn::cuda {
 // head * pack + r % pack (the stream is the query head's). A thread's columns 2t, 2t+1 lie in one
 // group of four keys: one Philox call for both.
 template <int kMTiles, int kNTiles>
-__device__ __forceinline__ void dropout_weights(float (&s)[kMTiles][kNTiles][4], const Dropout& d, int batch,
+__device__ __forceinline__ void dropout_weights(float (&s)[kMTiles][kNTiles][4], const Dropout& dropout, int batch,
                                                 int head, int row0, int key0, int pack = 1) {
+  const Dropout d = dropout.resolved();
   const int t = threadIdx.x % 4;
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)

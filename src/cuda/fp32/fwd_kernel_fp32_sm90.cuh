@@ -183,7 +183,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<kD>::kThreads, 1)
         }
       }
       sm90::fence_shared_to_async();
-      t_ring.publish_warp(j);
+      t_ring.publish_warp(j, lane);
       sm90::named_barrier_sync(sm90::kFp32VStageRead, 128);
       if constexpr (kVSt == 1)
         if (tid == 0 && j + 1 < n_tiles) issue_v(j + 1);
@@ -245,7 +245,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<kD>::kThreads, 1)
       sm90::wgmma_commit();
       sm90::wgmma_wait<0>();
       sm90::fence_registers(acc_s);
-      k_ring.release_warp(j);
+      k_ring.release_warp(j, lane);
 
       // Scores: soft-capped into the log2 domain, or raw with scale * log2(e) folded into the
       // exponent; keys past the end or outside the mask (also rows past sq) become -inf.
@@ -309,7 +309,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<kD>::kThreads, 1)
       sm90::wgmma_commit();
       sm90::wgmma_wait<0>();
       sm90::fence_registers(acc_o);
-      t_ring.release_warp(j);
+      t_ring.release_warp(j, lane);
     }
   }
 

@@ -282,7 +282,7 @@ __global__ void __cluster_dims__(Sm90FastF32Tile::kCluster, 1, 1) __launch_bound
       }
     };
     // X's stage (P) goes back once every k-step of tile i's products has completed.
-    auto retire = [&](int i) { x_ring.release_warp(i); };
+    auto retire = [&](int i) { x_ring.release_warp(i, lane); };
 
     using S0 = std::integral_constant<int, 0>;
     using S1 = std::integral_constant<int, 1>;

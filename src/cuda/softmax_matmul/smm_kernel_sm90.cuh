@@ -303,7 +303,7 @@ __global__ void __launch_bounds__(Sm90Tile<T, N, kExact>::kThreads, 1)
       // right after the loads were issued, fp32 tests with two X stages saw wrong outputs in 1 to 3
       // of 3 repeats.
       sm90::fence_shared_to_async();
-      x_ring.release_warp(i);
+      x_ring.release_warp(i, lane);
 
       // The reference max moves only when a row grows past it by 2^kSlack (lazy_row_max), so that
       // the accumulators (which wgmma may still be writing) rarely need rescaling, and then by a
@@ -401,8 +401,8 @@ __global__ void __launch_bounds__(Sm90Tile<T, N, kExact>::kThreads, 1)
           asm volatile("" : "+r"(pa[B][ks][e])::"memory");
           if constexpr (kSplit) asm volatile("" : "+r"(pl[B][ks][e])::"memory");
         }
-      if constexpr (kF32) t_ring.release_warp(i);
-      else v_ring.release_warp(i);
+      if constexpr (kF32) t_ring.release_warp(i, lane);
+      else v_ring.release_warp(i, lane);
     };
     auto rescale = [&](const float (&factor)[2]) {
 #pragma unroll
