@@ -120,9 +120,10 @@ __global__ void __launch_bounds__(FwdSm90Tile<kD>::kThreads, 1)
   }
   __syncthreads();
 
-  const int warp = Roles::warp(), lane = Roles::lane();
+  const Roles roles;
+  const int warp = roles.warp, lane = roles.lane;
 
-  if (Roles::producer()) {
+  if (roles.warpgroup == 0) {
     Roles::enter_producer();
     if (n_tiles == 0) return;
     const int tid = int(threadIdx.x);
@@ -192,7 +193,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<kD>::kThreads, 1)
   }
 
   Roles::enter_consumer();
-  const int consumer = Roles::consumer();
+  const int consumer = roles.consumer();
   const int g = lane / 4, t = lane % 4;
   const int wrow = 64 * consumer + 16 * warp + g;  // block row of (g, e < 2); +8 for e >= 2
 

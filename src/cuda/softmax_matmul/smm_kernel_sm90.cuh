@@ -153,7 +153,8 @@ __global__ void __launch_bounds__(Sm90Tile<T, N, kExact>::kThreads, 1)
   }
   __syncthreads();
 
-  const int warp = Roles::warp(), lane = Roles::lane();
+  const Roles roles;
+  const int warp = roles.warp, lane = roles.lane;
 
   // Tile i of X (of V) into its stage once its readers are done with it.
   auto issue_x = [&](int i) {
@@ -168,7 +169,7 @@ __global__ void __launch_bounds__(Sm90Tile<T, N, kExact>::kThreads, 1)
                         c0 + c * (128 / int(sizeof(T))), i * kBlockK, 0, batch);
   };
 
-  if (Roles::producer()) {
+  if (roles.warpgroup == 0) {
     Roles::enter_producer();
     if constexpr (!kF32) {
       if (threadIdx.x == 0)
@@ -238,7 +239,7 @@ __global__ void __launch_bounds__(Sm90Tile<T, N, kExact>::kThreads, 1)
     }
   } else {
     Roles::enter_consumer();
-    const int consumer = Roles::consumer();
+    const int consumer = roles.consumer();
     const int g = lane / 4, t = lane % 4;
     const int xrow = 64 * consumer + 16 * warp + g;  // block row of (g, e < 2); +8 for e >= 2
 
