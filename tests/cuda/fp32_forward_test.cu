@@ -128,8 +128,9 @@ std::vector<Case> cases() {
     s.layout = Layout::bhsd;
     c.push_back({"odd_dims", s});
   }
-  // ALiBi (the portable kernel in both modes; the Hopper fast path declines it): both L forms,
-  // GQA, sq != sk both ways, softcap underneath, a window, varlen per sequence, both slope shapes.
+  // ALiBi (exact mode: the portable kernel; fast mode on Hopper: the TF32 kernel's ALiBi
+  // instance): both L forms, GQA, sq != sk both ways, softcap underneath, a window, varlen per
+  // sequence, both slope shapes, and head dim 128 (one raw V stage on Hopper).
   {
     using A = ProblemShape::Alibi;
     auto s = base(130, 170, 64);
@@ -163,6 +164,13 @@ std::vector<Case> cases() {
     v.causal = true;
     v.alibi = A::per_head;
     c.push_back({"alibi_varlen_causal", v});
+    auto x = base(150, 330, 128);
+    x.heads_q = 4;
+    x.heads_kv = 1;
+    x.causal = true;
+    x.softcap = 3.0f;
+    x.alibi = A::per_batch_head;
+    c.push_back({"alibi_mqa_softcap_causal_d128", x});
   }
   return c;
 }

@@ -66,7 +66,9 @@ struct FwdSm90Tile {
   static_assert(kSmemBytes <= 227 * 1024, "fp32 sm90 forward: stages exceed shared memory");
 };
 
-template <int kD>
+// kAlibi: ALiBi's bias joins the scores after the cap and the mask, as in the portable fp32
+// kernel; an instance of its own, so that the kernel without it keeps its machine code.
+template <int kD, bool kAlibi>
 __global__ void __launch_bounds__(FwdSm90Tile<kD>::kThreads, 1)
     forward_fp32_kernel_sm90(const __grid_constant__ FwdSm90Params params) {
 #if defined(TILEATTN_SM90_ENABLED)
@@ -262,6 +264,12 @@ __global__ void __launch_bounds__(FwdSm90Tile<kD>::kThreads, 1)
             const int key = n0 + nt * 8 + 2 * t + (e & 1);
             if (!mask.visible(i, key)) x = -INFINITY;
           }
+          // Finite: a masked score stays -inf.
+          if constexpr (kAlibi) {
+            // The slope in the scores' units: raw, or log2 once capped.
+            const float slope = p.mod.slope(b, h), slope_x = capped ? slope * kLog2e : slope / p.scale;
+            x += ScoreMod::alibi_bias(slope_x, i0 + wrow + (e >= 2 ? 8 : 0), n0 + nt * 8 + 2 * t + (e & 1), sq, sk);
+          }
           acc_s[nt][e] = x;
         }
       float factor[2];
@@ -332,7 +340,14 @@ __global__ void __launch_bounds__(FwdSm90Tile<kD>::kThreads, 1)
       if (c < p.dv) orow[c] = acc_o[dt][0 + 2 * hf] * inv;
       if (c + 1 < p.dv) orow[c + 1] = acc_o[dt][1 + 2 * hf] * inv;
     }
-    if (t == 0) lse[i] = finish_lse(row_max[hf], sum);
+    if constexpr (kAlibi) {
+      // ALiBi's causal form: L as flash-attn returns it (ScoreMod::lse_offset).
+      float l = finish_lse(row_max[hf], sum);
+      if (p.mod.alibi_lse_offset && l != -INFINITY) l += p.mod.lse_offset(p.mod.slope(b, h), i, sq, sk);
+      if (t == 0) lse[i] = l;
+    } else {
+      if (t == 0) lse[i] = finish_lse(row_max[hf], sum);
+    }
   }
 #endif
 }

@@ -15,12 +15,13 @@ template <int kD>
 bool FwdFp32Sm90<kD>::run(const AttentionProblem& pr, const FwdParams& params, cudaStream_t stream) {
   using sm90::attention_map_shape;
   using Tile = FwdSm90Tile<kD>;
-  const auto kernel = forward_fp32_kernel_sm90<kD>;
-  // No ALiBi or dropout in this kernel: the portable fp32 forward takes those problems. Dropout
-  // here would need a second instance of this warp-specialised kernel, with the Philox draws in
-  // consumers whose registers are already fixed by setmaxnreg (232 at head dim 64); as the 16-bit
-  // Hopper forward does, it is left to the portable kernel (TF32 there too in fast mode).
-  if (pr.alibi_slopes != nullptr || pr.dropout_p > 0.0f) return false;
+  const auto kernel =
+      pr.alibi_slopes != nullptr ? forward_fp32_kernel_sm90<kD, true> : forward_fp32_kernel_sm90<kD, false>;
+  // No dropout in this kernel: the portable fp32 forward takes those problems. Dropout here would
+  // need the Philox draws in consumers whose registers are already fixed by setmaxnreg (232 at
+  // head dim 64); as in the 16-bit Hopper forward, it is left to the portable kernel (TF32 there
+  // too in fast mode).
+  if (pr.dropout_p > 0.0f) return false;
   if (!sm90::has_sm90a_code(reinterpret_cast<const void*>(kernel))) return false;
   FwdSm90Params p{};
   p.fwd = params;
