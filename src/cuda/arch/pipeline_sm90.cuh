@@ -119,6 +119,8 @@ struct StageRing {
 // ptxas then lays the consumers' loop out first. Other spellings of the same test (a member
 // function, the thread index read again) made it put the producer first, and the fp32 forward ran
 // 5% slower at head dim 128 for that alone (H100, same call: 3.39-3.43 ms against 3.23-3.27).
+// warp() and lane() are read where the kernel needs them: computed before the branch, they changed
+// the 16-bit forward's consumer code throughout (SASS), computed in the consumer they did not.
 template <int kConsumers_, int kProducerRegisters, int kConsumerRegisters>
 struct WarpRoles {
   static constexpr int kConsumers = kConsumers_;
@@ -127,11 +129,12 @@ struct WarpRoles {
                 "WarpRoles: the register split exceeds the launch allocation");
 
   int warpgroup;  // 0: the producer
-  int warp, lane;  // within the warpgroup, within the warp
-  __device__ __forceinline__ WarpRoles()
-      : warpgroup(int(threadIdx.x) / 128), warp((int(threadIdx.x) / 32) % 4), lane(int(threadIdx.x) % 32) {}
+  __device__ __forceinline__ WarpRoles() : warpgroup(int(threadIdx.x) / 128) {}
 
   __device__ __forceinline__ int consumer() const { return warpgroup - 1; }
+  // Warp within the warpgroup, lane within the warp.
+  __device__ __forceinline__ static int warp() { return (int(threadIdx.x) / 32) % 4; }
+  __device__ __forceinline__ static int lane() { return int(threadIdx.x) % 32; }
 
   // Every thread of the warpgroup, on entering its role.
   __device__ __forceinline__ static void enter_producer() { registers_decrease<kProducerRegisters>(); }
@@ -154,6 +157,15 @@ enum NamedBarrier : int {
   kFp32VStageRead = 1,
   kFp32QRoundedConsumer0 = 2,
   kFp32QRoundedConsumer1 = 3,
+  // The Hopper backward (backward/*_sm90.cuh). Fused dQ: both consumers' dS^T is written; a dQ
+  // tile is written (the consumers arrive, the dQ warp waits); the dQ tile's shared memory is read
+  // (the dQ warp arrives). Wide head dims: the step's P^T and dS^T are written; kBwdDqFull as
+  // before; both consumers' products of the step are done (the dQ tile may go over the stage).
+  kBwdDsReady = 1,
+  kBwdDqFull = 2,
+  kBwdDqEmpty = 3,
+  kBwdPdsReady = 1,
+  kBwdStepDone = 3,
 };
 
 }  // namespace tileattn::cuda::sm90

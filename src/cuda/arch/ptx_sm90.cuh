@@ -173,9 +173,7 @@ __device__ __forceinline__ uint64_t mn_major_descriptor(uint32_t address, uint32
 }
 
 // ---- named barriers (1..15; 0 is __syncthreads) for `threads` threads of the block ----------
-// Ids in use, per kernel: the bf16/fp16 forward 1 and 2 for the consumers' turns
-// (pingpong_sm90.cuh) and 3 + consumer for the staged output store (tile_store_sm90.cuh); the
-// fp32 forward 1 and 2 + consumer.
+// The ids in use are the NamedBarrier enum of pipeline_sm90.cuh.
 
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");

@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "cuda/arch/ptx_sm80.cuh"
+#include "cuda/arch/pipeline_sm90.cuh"
 #include "cuda/arch/ptx_sm90.cuh"
 
 namespace tileattn::cuda::sm90 {
@@ -20,7 +21,7 @@ namespace tileattn::cuda::sm90 {
 // rows: the consumer's first row of panel 0 (1024-byte aligned); panels follow every
 // kPanelBytes. The box at (column 64 c, row, head, batch) of `map` is written for each panel
 // whose first column is below `cols`; rows and columns outside the tensor are clipped. Named
-// barrier 3 + consumer gathers the consumer's 128 threads.
+// barrier kStoreConsumer0 + consumer gathers the consumer's 128 threads.
 template <class T, int kDim, int kPanelBytes>
 __device__ __forceinline__ void store_rows(const CUtensorMap* map, unsigned char* rows,
                                            const float (&acc)[1][kDim / 8][4], const float (&scale)[2], int cols,
@@ -38,7 +39,7 @@ __device__ __forceinline__ void store_rows(const CUtensorMap* map, unsigned char
     }
   }
   fence_shared_to_async();
-  named_barrier_sync(3 + consumer, 128);
+  named_barrier_sync(kStoreConsumer0 + consumer, 128);
   if (threadIdx.x % 128 == 0) {
 #pragma unroll
     for (int c = 0; c < (kDim + 63) / 64; ++c)

@@ -28,6 +28,7 @@
 #include "cuda/forward/fwd_params_sm90.hpp"
 #include "cuda/arch/panel_tile_sm90.cuh"
 #include "cuda/arch/pingpong_sm90.cuh"
+#include "cuda/arch/pipeline_sm90.cuh"
 #include "cuda/arch/ptx_sm90.cuh"
 #include "cuda/arch/wgmma_ops.cuh"
 
@@ -45,8 +46,10 @@ constexpr int kFwdSm90LongKeys = 8192;
 
 template <class T, int kHeadDim, int kBlockN_ = fwd_sm90_block_n(kHeadDim, false)>
 struct FwdSm90Traits {
-  static constexpr int kConsumers = 2;
-  static constexpr int kThreads = 128 * (kConsumers + 1);
+  // 24 x 128 + 240 x 256 registers fit the 64K register file.
+  using Roles = sm90::WarpRoles<2, 24, 240>;
+  static constexpr int kConsumers = Roles::kConsumers;
+  static constexpr int kThreads = Roles::kThreads;
   static constexpr int kBlockM = 64 * kConsumers;
   static constexpr int kBlockN = kBlockN_;
   using QTile = sm90::PanelTile<kBlockM, kHeadDim>;
@@ -55,12 +58,11 @@ struct FwdSm90Traits {
   static constexpr int kKVBytes = KVTile::kBytes;
   // Three K/V stages where they fit (head dims up to 192), else two.
   static constexpr int kStages = kQBytes + 3 * 2 * kKVBytes + 128 + 1024 <= 227 * 1024 ? 3 : 2;
-  static constexpr int kBarrierOffset = kQBytes + 2 * kStages * kKVBytes;
-  // + barriers, + slack to align the start to the 1024-byte swizzle period.
-  static constexpr int kSmemBytes = kBarrierOffset + 128 + 1024;
-  // 24 x 128 + 240 x 256 registers fit the 64K register file.
-  static constexpr int kProducerRegisters = 24;
-  static constexpr int kConsumerRegisters = 240;
+  // Q's barrier, then the K and V rings (the consumers release each stage, one arrival a warp).
+  using KVRing = sm90::StageRing<kStages>;
+  enum Region { kQ, kK, kV, kBarriers };
+  using Smem = sm90::SmemRegions<kQBytes, kStages * kKVBytes, kStages * kKVBytes, 8 + 2 * KVRing::kBarrierBytes>;
+  static constexpr int kSmemBytes = Smem::kBytes;
   static_assert(kHeadDim % 16 == 0 && kHeadDim <= 256, "sm90 forward: head dims 16..256 in steps of 16");
 };
 
@@ -69,21 +71,20 @@ __global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim, kBlockN_>::kThreads
     fwd_kernel_sm90(const __grid_constant__ FwdSm90Params params) {
 #if defined(TILEATTN_SM90_ENABLED)
   using Traits = FwdSm90Traits<T, kHeadDim, kBlockN_>;
+  using Roles = typename Traits::Roles;
   using QTile = typename Traits::QTile;
   using KVTile = typename Traits::KVTile;
-  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kStages = Traits::kStages;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kKVBytes = Traits::kKVBytes;
   const FwdParams& p = params.fwd;
 
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = sm90::swizzle_aligned(smem_raw);
-  unsigned char* sQ = smem;
-  unsigned char* sK = sQ + Traits::kQBytes;
-  unsigned char* sV = sK + kStages * Traits::kKVBytes;
-  uint64_t* q_full = reinterpret_cast<uint64_t*>(smem + Traits::kBarrierOffset);
-  uint64_t* k_full = q_full + 1;
-  uint64_t* v_full = k_full + kStages;
-  uint64_t* k_empty = v_full + kStages;
-  uint64_t* v_empty = k_empty + kStages;
+  const typename Traits::Smem smem(smem_raw);
+  unsigned char* sQ = smem.template at<Traits::kQ>();
+  unsigned char* sK = smem.template at<Traits::kK>();
+  unsigned char* sV = smem.template at<Traits::kV>();
+  uint64_t* q_full = smem.template at<Traits::kBarriers, uint64_t>();
+  const typename Traits::KVRing k_ring{q_full + 1};
+  const typename Traits::KVRing v_ring{k_ring.end()};
 
   const FwdBlock blk = fwd_block_of_this_cta(p, kBlockM);
   if (blk.m0 >= blk.seqlen_q) return;
@@ -92,19 +93,15 @@ __global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim, kBlockN_>::kThreads
 
   if (threadIdx.x == 0) {
     sm90::barrier_init(q_full, 1);
-    for (int s = 0; s < kStages; ++s) {
-      sm90::barrier_init(k_full + s, 1);
-      sm90::barrier_init(v_full + s, 1);
-      sm90::barrier_init(k_empty + s, 4 * Traits::kConsumers);  // one arrival per consumer warp
-      sm90::barrier_init(v_empty + s, 4 * Traits::kConsumers);
-    }
+    k_ring.init(1, 4 * Traits::kConsumers);
+    v_ring.init(1, 4 * Traits::kConsumers);
     sm90::barrier_init_fence();
   }
   __syncthreads();
 
-  const int warpgroup = int(threadIdx.x) / 128;
-  if (warpgroup == 0) {
-    sm90::registers_decrease<Traits::kProducerRegisters>();
+  const Roles roles;
+  if (roles.warpgroup == 0) {
+    Roles::enter_producer();
     if (threadIdx.x != 0 || tiles.begin >= tiles.end) return;
     const bool varlen = p.cu_seqlens_q != nullptr;
     const int kv_head = blk.head / (p.heads_q / p.heads_kv);
@@ -113,22 +110,18 @@ __global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim, kBlockN_>::kThreads
     QTile::template load<kBlockM>(sQ, &params.q, q_full, int(blk.q_row0) + blk.m0, blk.head, batch);
     int i = 0;
     for (int n = tiles.end - 1; n >= tiles.begin; --n, ++i) {
-      const int s = i % kStages;
-      const uint32_t phase = (i / kStages) & 1;
       const int row = int(blk.k_row0) + n * kBlockN;
-      sm90::barrier_wait(k_empty + s, phase ^ 1);
-      sm90::barrier_arrive_expect_bytes(k_full + s, Traits::kKVBytes);
-      KVTile::template load<kBlockN>(sK + s * Traits::kKVBytes, &params.k, k_full + s, row, kv_head, batch);
-      sm90::barrier_wait(v_empty + s, phase ^ 1);
-      sm90::barrier_arrive_expect_bytes(v_full + s, Traits::kKVBytes);
-      KVTile::template load<kBlockN>(sV + s * Traits::kKVBytes, &params.v, v_full + s, row, kv_head, batch);
+      uint64_t* k_full = k_ring.acquire_bytes(i, kKVBytes);
+      KVTile::template load<kBlockN>(sK + k_ring.slot(i) * kKVBytes, &params.k, k_full, row, kv_head, batch);
+      uint64_t* v_full = v_ring.acquire_bytes(i, kKVBytes);
+      KVTile::template load<kBlockN>(sV + v_ring.slot(i) * kKVBytes, &params.v, v_full, row, kv_head, batch);
     }
     return;
   }
 
-  sm90::registers_increase<Traits::kConsumerRegisters>();
-  const int consumer = warpgroup - 1;
-  const int warp = (int(threadIdx.x) / 32) % 4, lane = int(threadIdx.x) % 32;
+  Roles::enter_consumer();
+  const int consumer = roles.consumer();
+  const int warp = Roles::warp(), lane = Roles::lane();
   const int row0 = blk.m0 + 64 * consumer + 16 * warp + lane / 4;  // sequence row of (g, e < 2)
 
   float acc_o[1][kHeadDim / 8][4];
@@ -149,9 +142,8 @@ __global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim, kBlockN_>::kThreads
 
     // S = Q K^T of the i-th tile visited, issued (not waited for).
     auto issue_s = [&](int i) {
-      const int s = i % kStages;
-      const uint32_t k_base = smem_address(sK + s * Traits::kKVBytes);
-      sm90::barrier_wait(k_full + s, (i / kStages) & 1);
+      const uint32_t k_base = smem_address(sK + k_ring.slot(i) * kKVBytes);
+      k_ring.wait(i);
       sm90::wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < kHeadDim / 16; ++ks)
@@ -162,8 +154,7 @@ __global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim, kBlockN_>::kThreads
     // the row statistics (P in acc_s; alpha: how much the output so far must shrink).
     auto score = [&](int i, float (&alpha)[1][2]) {
       sm90::fence_registers(acc_s[0]);
-      __syncwarp();
-      if (lane == 0) sm90::barrier_arrive(k_empty + i % kStages);
+      k_ring.release_warp(i, lane);
       if (p.softcap_pre > 0.0f) softcap_scores(acc_s, p.softcap_pre, p.softcap_post);
       const int key0 = (tiles.end - 1 - i) * kBlockN;
       if constexpr (kAlibi) alibi_scores(acc_s, slope_raw, row0, key0, blk.seqlen_q, blk.seqlen_k);
@@ -182,9 +173,8 @@ __global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim, kBlockN_>::kThreads
     };
     // O += P V of the i-th tile visited, issued.
     auto issue_pv = [&](int i) {
-      const int s = i % kStages;
-      const uint32_t v_base = smem_address(sV + s * Traits::kKVBytes);
-      sm90::barrier_wait(v_full + s, (i / kStages) & 1);
+      const uint32_t v_base = smem_address(sV + v_ring.slot(i) * kKVBytes);
+      v_ring.wait(i);
       sm90::fence_registers(acc_o[0]);
       sm90::wgmma_fence();
 #pragma unroll
@@ -194,8 +184,7 @@ __global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim, kBlockN_>::kThreads
     };
     auto release_v = [&](int i) {
       sm90::fence_registers(acc_o[0]);
-      __syncwarp();
-      if (lane == 0) sm90::barrier_arrive(v_empty + i % kStages);
+      v_ring.release_warp(i, lane);
     };
 
     // Tile i's S is issued together with tile i - 1's P V, and its softmax runs while that

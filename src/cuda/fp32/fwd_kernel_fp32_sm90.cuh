@@ -123,7 +123,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<kD>::kThreads, 1)
   __syncthreads();
 
   const Roles roles;
-  const int warp = roles.warp, lane = roles.lane;
+  const int warp = Roles::warp(), lane = Roles::lane();
 
   if (roles.warpgroup == 0) {
     Roles::enter_producer();

@@ -154,7 +154,7 @@ __global__ void __launch_bounds__(Sm90Tile<T, N, kExact>::kThreads, 1)
   __syncthreads();
 
   const Roles roles;
-  const int warp = roles.warp, lane = roles.lane;
+  const int warp = Roles::warp(), lane = Roles::lane();
 
   // Tile i of X (of V) into its stage once its readers are done with it.
   auto issue_x = [&](int i) {
