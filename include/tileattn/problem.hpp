@@ -110,6 +110,16 @@ struct AttentionProblem {
   const float* alibi_slopes = nullptr;
   int64_t alibi_batch_stride = 0;
   bool deterministic = false;          // backward: bitwise identical gradients run to run
+  // Backward only: O and L cover more keys than this call's K and V. The call is one part of a
+  // problem whose keys were split (context parallelism, tileattn.distributed): O and L are the
+  // whole problem's, and the gradients are this part's share -- dQ summed over the parts and dK,
+  // dV of each part's keys are the whole problem's. P is then exp(S - L) from the given L and
+  // D = rowsum(dO * O) from the given O, as the fp16/bf16 CUDA backward always forms them;
+  // without it the CUDA fp32 backward, and the CPU backward for fp16/bf16 inputs, headdim_qk <= 8
+  // or ALiBi's causal form, rebuild the row's softmax from the call's own keys, which is more
+  // accurate for a whole problem (docs/accuracy.md) and wrong for a part. Masks, ALiBi and dropout
+  // keep the call's own positions: give each part the window and lengths that place its keys.
+  bool partial_keys = false;
   // Attention dropout, flash-attn 2 semantics: P = softmax(S) gets a keep mask M ~ Bernoulli(1 - p)
   // per (sequence, query head, query row, key column): O = (P * M / (1 - p)) V, while L stays the
   // LSE of the undropped scores. The backward regenerates M from (seed, offset) -- it is never

@@ -244,7 +244,10 @@ void compute_delta_consistent(const AttentionProblem& p, const ScoreTransform& t
 // Also ALiBi's causal form: L is stored plus slope * (i + sk - sq), so its rounding (and that of
 // every P) grows with the row, past the 2x rule in fp32 (measured 1.5x the bound at slope 0.5,
 // 120 rows); the per-row factor removes it.
+// Never with partial_keys: a part's keys are not the row's whole softmax, so P must keep the given
+// L and D the given O (problem.hpp).
 bool use_consistent_delta(const AttentionProblem& p, const ScoreTransform& transform) {
+  if (p.partial_keys) return false;
   return p.dtype != DType::f32 || p.headdim_qk <= 8 || transform.mod.alibi_lse_offset;
 }
 

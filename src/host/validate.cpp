@@ -384,6 +384,10 @@ AttentionProblem validate_attention(const AttentionProblem& problem, Pass pass, 
     invalid("dropout_p=" + str(p.dropout_p) +
             " must be finite and in [0, 1) (1 would drop every weight; 0 disables dropout)");
   }
+  if (p.partial_keys && pass == Pass::forward) {
+    invalid("partial_keys is a backward option (o and lse given from more keys than k and v hold); the forward "
+            "computes o and lse over its own keys, so pass partial_keys=false to forward");
+  }
   if (p.window_left < -1) invalid("window_left=" + str(p.window_left) + " must be >= -1 (-1 = unbounded)");
   if (p.window_right < -1) invalid("window_right=" + str(p.window_right) + " must be >= -1 (-1 = unbounded)");
   // causal sets the right bound to 0 whatever window_right says, and the left bound stays: the
