@@ -179,6 +179,7 @@ struct Options {
   int64_t window_left = -1, window_right = -1;
   float softcap = 0.0f;
   bool deterministic = false;
+  bool partial_keys = false;  // backward: o and lse cover more keys than k and v (problem.hpp)
   bool fp32_fast = false;
   int num_threads = 0;
   bool check_cu_seqlens = false;
@@ -305,6 +306,7 @@ class Attention {
     p.window_right = options.window_right;
     p.softcap = options.softcap;
     p.deterministic = options.deterministic;
+    p.partial_keys = options.partial_keys;
     p.fp32_mode = options.fp32_fast ? tileattn::Fp32Mode::fast : tileattn::Fp32Mode::exact;
     p.num_threads = options.num_threads;
     p.check_cu_seqlens = options.check_cu_seqlens;
@@ -508,6 +510,7 @@ NB_MODULE(_ext, m) {
       .def_rw("window_right", &Options::window_right)
       .def_rw("softcap", &Options::softcap)
       .def_rw("deterministic", &Options::deterministic)
+      .def_rw("partial_keys", &Options::partial_keys)
       .def_rw("fp32_fast", &Options::fp32_fast)
       .def_rw("num_threads", &Options::num_threads)
       .def_rw("check_cu_seqlens", &Options::check_cu_seqlens)

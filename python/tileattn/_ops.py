@@ -140,13 +140,14 @@ def _check_attention_ranks(q: Tensor, k: Tensor, v: Tensor, varlen: bool) -> Non
 
 def _make_options(max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, deterministic,
                   fp32_fast, num_threads, check_cu_seqlens, num_splits=0, dropout_p=0.0, dropout_seed=0,
-                  dropout_offset=0):
+                  dropout_offset=0, partial_keys=False):
     o = _ext.Options()
     o.max_seqlen_q, o.max_seqlen_k, o.softmax_scale, o.causal = max_seqlen_q, max_seqlen_k, softmax_scale, causal
     o.window_left, o.window_right, o.softcap, o.deterministic = window_left, window_right, softcap, deterministic
     o.fp32_fast, o.num_threads, o.check_cu_seqlens = fp32_fast, num_threads, check_cu_seqlens
     o.num_splits = num_splits
     o.dropout_p, o.dropout_seed, o.dropout_offset = dropout_p, dropout_seed, dropout_offset
+    o.partial_keys = partial_keys
     return o
 
 
@@ -175,13 +176,14 @@ def dropout_seed_offset(rng: Optional[Tensor]) -> tuple[int, int]:
 
 def _attention(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                causal, window_left, window_right, softcap, deterministic, grads=None, alibi_slopes=None,
-               dropout_p=0.0, dropout_rng=None):
+               dropout_p=0.0, dropout_rng=None, partial_keys=False):
     for t, name in ((q, "q"), (k, "k"), (v, "v"), (cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k"),
                     (alibi_slopes, "alibi_slopes"), (dropout_rng, "dropout_rng")):
         if t is not None:
             _check_device(t, name)
     options = _options(max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-                       deterministic, _fp32_fast(q), _num_threads(q.device), _checks["cu_seqlens"], 0, dropout_p)
+                       deterministic, _fp32_fast(q), _num_threads(q.device), _checks["cu_seqlens"], 0, dropout_p,
+                       partial_keys=partial_keys)
     cu_q = None if cu_seqlens_q is None else _capsule(cu_seqlens_q)
     cu_k = None if cu_seqlens_k is None else _capsule(cu_seqlens_k)
     alibi = None if alibi_slopes is None else _capsule(alibi_slopes)
@@ -202,10 +204,10 @@ def _attention(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
 
 
 def _call_options(q: Tensor, cuda: bool, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
-                  window_right, softcap, deterministic, dropout_p):
+                  window_right, softcap, deterministic, dropout_p, partial_keys=False):
     return _options(max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
                     deterministic, _fp32_fast(q), 0 if cuda else torch.get_num_threads(), _checks["cu_seqlens"], 0,
-                    dropout_p)
+                    dropout_p, partial_keys=partial_keys)
 
 
 def _optional_capsule(t: Optional[Tensor]):
@@ -356,9 +358,11 @@ def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
                    max_seqlen_k: int, softmax_scale: Optional[float], causal: bool, window_left: int,
                    window_right: int, softcap: float, deterministic: bool,
                    alibi_slopes: Optional[Tensor] = None, dropout_p: float = 0.0,
-                   dropout_rng: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+                   dropout_rng: Optional[Tensor] = None, partial_keys: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """Backward: returns (dq, dk, dv) from the forward's inputs, its out and lse, and dout. Dropout
-    needs the forward's own dropout_p and dropout_rng: the mask is regenerated, never stored."""
+    needs the forward's own dropout_p and dropout_rng: the mask is regenerated, never stored.
+    ``partial_keys`` (not in the operator's schema; tileattn.distributed passes it): out and lse cover
+    more keys than k and v (problem.hpp)."""
     cuda = q.is_cuda
     try:
         if dout.stride(-1) != 1:  # as the checked path: the gradient of a sum is an expanded tensor
@@ -368,7 +372,7 @@ def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
         dk = torch.empty(*k.shape, dtype=dtype, device=device)
         dv = torch.empty(*v.shape, dtype=dtype, device=device)
         options = _call_options(q, cuda, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
-                                window_right, softcap, deterministic, dropout_p)
+                                window_right, softcap, deterministic, dropout_p, partial_keys)
         call = _ext.Attention(_to_dlpack(q), _to_dlpack(k), _to_dlpack(v), _to_dlpack(out), _to_dlpack(lse),
                               _optional_capsule(cu_seqlens_q), _optional_capsule(cu_seqlens_k), options,
                               _to_dlpack(dout), _to_dlpack(dq), _to_dlpack(dk), _to_dlpack(dv),
@@ -381,12 +385,12 @@ def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
             return dq, dk, dv
     return _checked_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                              softmax_scale, causal, window_left, window_right, softcap, deterministic, alibi_slopes,
-                             dropout_p, dropout_rng)
+                             dropout_p, dropout_rng, partial_keys)
 
 
 def _checked_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                       causal, window_left, window_right, softcap, deterministic, alibi_slopes, dropout_p,
-                      dropout_rng):
+                      dropout_rng, partial_keys=False):
     _check_device(q, "q")
     _check_device(dout, "dout")
     _check_attention_ranks(q, k, v, cu_seqlens_q is not None)
@@ -398,7 +402,8 @@ def _checked_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_s
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     call = _attention(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                       causal, window_left, window_right, softcap, deterministic, grads=(dout, dq, dk, dv),
-                      alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_rng=dropout_rng)
+                      alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_rng=dropout_rng,
+                      partial_keys=partial_keys)
     with _device_context(q.device):
         call.run(_workspace(call.plan_backward(_stream(q.device)), q.device))
     return dq, dk, dv

@@ -239,7 +239,8 @@ CASES_2 = [
     dict(mode="ring", causal=True, window=(5, -1), softcap=3.0),
     dict(mode="ring", causal=False, window=(3, 9), Hkv=1),
     dict(mode="allgather", causal=False, window=(11, 2), softcap=2.0),
-    dict(mode="ring", causal=False, D=8, N=16),  # head dim <= 8 (the CPU block backward pads it)
+    dict(mode="ring", causal=False, D=8, N=16),  # head dim <= 8: the CPU backward needs partial_keys there
+    dict(mode="allgather", causal=True, D=4, N=16, dtype=torch.bfloat16),
 ]
 
 # 4 processes: the zig-zag with every kind of step (skipped, full, diagonal).
@@ -433,6 +434,9 @@ GPU_CASES = [
     dict(lengths=[64, 512, 8, 200], causal=True, dtype=torch.bfloat16, H=8, Hkv=2, D=64, device="cuda"),
     dict(lengths=[64, 512, 8, 200], mode="ring", causal=True, dtype=torch.bfloat16, D=128, device="cuda"),
     dict(lengths=[300, 4, 96], causal=False, dtype=torch.float16, window=(50, 20), device="cuda"),
+    # float32 on CUDA: the fp32 backward over a block needs partial_keys (no row-statistics pass).
+    dict(mode="ring", causal=True, dtype=torch.float32, N=512, H=4, Hkv=2, D=64, device="cuda"),
+    dict(lengths=[64, 256, 8, 120], causal=True, dtype=torch.float32, D=64, device="cuda"),
 ]
 
 

@@ -177,21 +177,14 @@ def _block_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
 def _call_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens_q, cu_seqlens_k,
                    max_seqlen_q: int, max_seqlen_k: int, causal: bool, left: int, right: int,
                    cfg: _Config) -> tuple[Tensor, Tensor, Tensor]:
-    """One tileattn backward with the global out and lse (fixed-length, or varlen with cu_seqlens)."""
-    args = [dout, q, k, v, out]
-    if q.device.type == "cpu":
-        # The CPU backward forms D and renormalises P from the call's own keys for 16-bit inputs
-        # and head dims <= 8 (src/cpu/backward.cpp, use_consistent_delta): right for a whole
-        # problem, wrong for one block of a larger one. In fp32 with head dim > 8 it uses the given
-        # global out and lse as the recipe needs; zero columns appended to q and k change no score.
-        args = [t.float() for t in args]
-        if q.shape[-1] <= 8:
-            pad = 9 - q.shape[-1]
-            args[1] = torch.nn.functional.pad(args[1], (0, pad))
-            args[2] = torch.nn.functional.pad(args[2], (0, pad))
-    dq, dk, dv = _ops._backward_impl(*args, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cfg.scale,
-                                     causal, left, right, cfg.softcap, False)
-    return dq[..., :q.shape[-1]], dk[..., :k.shape[-1]], dv
+    """One tileattn backward with the global out and lse (fixed-length, or varlen with cu_seqlens):
+    ``partial_keys`` tells the library that out and lse cover more keys than this call's, so every
+    backend forms P from the given lse and D from the given out rather than renormalising over the
+    call's own keys (which the CUDA fp32 backward, and the CPU backward for 16-bit inputs or head
+    dims <= 8, do for a whole problem)."""
+    dq, dk, dv = _ops._backward_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                     cfg.scale, causal, left, right, cfg.softcap, False, partial_keys=True)
+    return dq, dk, dv
 
 
 # ---- packing several tensors into one message --------------------------------------------------
@@ -449,21 +442,16 @@ def context_parallel_attn(q: Tensor, k: Tensor, v: Tensor, group=None, causal: b
                          "(q, k and v are shards of one sequence)")
     if causal and q.shape[1] % 2 != 0:
         raise ValueError(f"q.shape[1]={q.shape[1]} must be even (causal: two zig-zag chunks per rank)")
-    cfg = _config(q, group, causal, mode, softmax_scale, window_size, softcap, "context_parallel_attn")
+    cfg = _config(q, group, causal, mode, softmax_scale, window_size, softcap)
     return _ContextParallelAttention.apply(q, k, v, cfg)
 
 
-def _config(q: Tensor, group, causal, mode, softmax_scale, window_size, softcap, what: str) -> _Config:
+def _config(q: Tensor, group, causal, mode, softmax_scale, window_size, softcap) -> _Config:
     """The checks both forms share, and their options in one object."""
     if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
             or any(not isinstance(w, int) or w < -1 for w in window_size)):
         raise ValueError(f"window_size={window_size!r} must be two ints >= -1 (-1 = unbounded)")
     _, world = _group_rank_size(group)
-    if q.is_cuda and q.dtype == torch.float32:
-        # The CUDA fp32 backward rebuilds each row's softmax statistics from the call's own keys, so
-        # a block of a larger problem gets its local normalisation instead of the global lse.
-        raise NotImplementedError(f"q.dtype=float32 on CUDA is not supported by {what}: the fp32 "
-                                  "backward normalises each key block on its own; use bfloat16 or float16")
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     # One rank holds everything: the all-gather path is then a single call, with no exchange.
     return _Config(group, bool(causal), "allgather" if world == 1 else mode, scale, int(window_size[0]),

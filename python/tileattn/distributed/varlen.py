@@ -333,7 +333,7 @@ def context_parallel_attn_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Te
     if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
         raise ValueError(f"k.shape[0]={k.shape[0]} and v.shape[0]={v.shape[0]} must equal q.shape[0]={q.shape[0]} "
                          "(q, k and v are parts of one packed batch)")
-    cfg = _config(q, group, causal, mode, softmax_scale, window_size, softcap, "context_parallel_attn_varlen")
+    cfg = _config(q, group, causal, mode, softmax_scale, window_size, softcap)
     rank, world = _group_rank_size(group)
     cu = _read_cu_seqlens(cu_seqlens, q, "q", world, cfg.causal)
     if cu[-1] != q.shape[0] * world:
