@@ -180,6 +180,7 @@ class BackwardPlan final : public detail::BackendPlan {
     params.dropout = make_dropout(p.dropout_p, p.dropout_seed, p.dropout_offset, p.heads_q, p.dropout_rng_state);
     params.vec_io = vector_io_ok(p);
     params.pair_grads = pair_stores_ok(p);
+    params.partial_keys = p.partial_keys;
     params.seqlen_q_rounded = int(layout_.rows / (p.batch * p.heads_q));
     params.dq_accum_dim = layout_.dim;
   }

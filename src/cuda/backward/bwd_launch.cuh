@@ -1,7 +1,7 @@
 #pragma once
-// Host side of one backward: preprocess (and, for fp32, the row statistics), dK/dV (with atomic
-// dQ, or not), then the dQ conversion or dQ's own pass. Instantiated per (dtype, head-dim bucket)
-// by the units src/cuda/CMakeLists.txt generates.
+// Host side of one backward: preprocess (and, for fp32 without partial_keys, the row statistics),
+// dK/dV (with atomic dQ, or not), then the dQ conversion or dQ's own pass. Instantiated per
+// (dtype, head-dim bucket) by the units src/cuda/CMakeLists.txt generates.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -42,13 +42,16 @@ void launch_backward(const BwdParams& params, cudaStream_t stream) {
   preprocess_kernel<T><<<row_blocks, kRowKernelThreads, 0, stream>>>(p);
   TA_CUDA_CHECK_LAUNCH("backward preprocess");
 
+  // With partial_keys the row's statistics are the given L's: the call sees only part of the row.
   if constexpr (std::is_same_v<T, float>) {
-    using Q = DqTile<T, D>;
-    constexpr int smem = RowStatsTile<D>::kSmemBytes;
-    TA_CUDA_CHECK(cudaFuncSetAttribute(row_stats_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    const dim3 grid((p.seqlen_q + Q::kBlockM - 1) / Q::kBlockM, p.batch, p.heads_q);
-    row_stats_kernel<D><<<grid, kThreads, smem, stream>>>(p);
-    TA_CUDA_CHECK_LAUNCH("backward fp32 row statistics");
+    if (!p.partial_keys) {
+      using Q = DqTile<T, D>;
+      constexpr int smem = RowStatsTile<D>::kSmemBytes;
+      TA_CUDA_CHECK(cudaFuncSetAttribute(row_stats_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+      const dim3 grid((p.seqlen_q + Q::kBlockM - 1) / Q::kBlockM, p.batch, p.heads_q);
+      row_stats_kernel<D><<<grid, kThreads, smem, stream>>>(p);
+      TA_CUDA_CHECK_LAUNCH("backward fp32 row statistics");
+    }
   }
 
   const int kv_smem = KV::smem_bytes(p.dkdv_stages);

@@ -1,7 +1,7 @@
 #pragma once
 // The two light kernels around the main backward pass:
-//  - preprocess: D = rowsum(O * dO) (16-bit; fp32's D comes from bwd_row_stats_fp32.cuh) and
-//    L * log2(e) per query row, into the workspace;
+//  - preprocess: D = rowsum(O * dO) (16-bit, and fp32 with partial_keys; otherwise fp32's D comes
+//    from bwd_row_stats_fp32.cuh) and L * log2(e) (fp32: L) per query row, into the workspace;
 //  - convert: the fp32 dQ accumulator, scaled, into dQ in the problem's dtype and strides.
 // One warp per query row; rows past a sequence's end are workspace padding.
 #include <math.h>
@@ -48,19 +48,29 @@ __global__ void __launch_bounds__(kRowKernelThreads) preprocess_kernel(const Bwd
   const T* d = static_cast<const T*>(p.dout.ptr) + seq_base(p, p.dout, b, true) + int64_t(i) * p.dout.seq +
                int64_t(h) * p.dout.head;
   // fp32 forms D = rowsum(P dP) / rowsum(P) in the row-statistics kernel instead, from the
-  // gradient passes' own P and dP (bwd_row_stats_fp32.cuh says why); 0 here until it does.
+  // gradient passes' own P and dP (bwd_row_stats_fp32.cuh says why); 0 here until it does. With
+  // partial_keys the call's P and dP are only part of the row, so D is the given O's, here: summed
+  // in double and rounded once, as the fp32 products it cancels against are summed wide.
   float acc = 0.0f;
   if constexpr (!std::is_same_v<T, float>) {
     for (int c = lane; c < p.headdim_v; c += 32) acc = fmaf(to_float(o[c]), to_float(d[c]), acc);
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  } else if (p.partial_keys) {
+    double wide = 0.0;
+    for (int c = lane; c < p.headdim_v; c += 32) wide = fma(double(o[c]), double(d[c]), wide);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) wide += __shfl_xor_sync(0xffffffffu, wide, off);
+    acc = float(wide);
   }
   if (lane == 0) {
     float l = p.lse[lse_index(p, s, b, h, i)];
     // ALiBi's causal form: L carries slope * (i + sk - sq) beyond the LSE of the scores that
     // P is recomputed from (ScoreMod::lse_offset); it comes off here, once per row.
     if (p.mod.alibi_lse_offset && l != -INFINITY) l -= p.mod.lse_offset(p.mod.slope(b, h), i, s.sq, s.sk);
-    p.lse2[w] = l == -INFINITY ? INFINITY : l * kLog2e;
+    // fp32 forms P = exp(s - lse2) / row_sum in the natural domain: lse2 is L itself there (the
+    // row-statistics kernel replaces it by the row max unless partial_keys).
+    p.lse2[w] = l == -INFINITY ? INFINITY : std::is_same_v<T, float> ? l : l * kLog2e;
     p.dsum[w] = acc;
   }
 }

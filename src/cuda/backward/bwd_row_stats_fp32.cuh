@@ -25,6 +25,11 @@
 // With dropout (z = keep / (1 - p) per element, common/philox.hpp) the gradient passes form
 // dS = P (z dP - D), so D = rowsum(P z dP) / rowsum(P): the row's O.dO with the dropped O. The
 // statistics, like the forward's, stay undropped.
+//
+// Not run with partial_keys (problem.hpp): a call over part of a row's keys must form P from the
+// given L and D from the given O (bwd_preprocess.cuh writes both), since its own keys' max, sum
+// and rowsum(P dP) are not the row's. The backward then has the 16-bit path's accuracy in fp32
+// (P carries L's rounding; docs/accuracy.md).
 #include <math.h>
 
 #include <type_traits>

@@ -39,6 +39,9 @@ struct BwdParams {
   bool vec_io;
   // dQ, dK and dV keep element pairs 4-byte aligned (bases and strides), so pairs store as one word.
   bool pair_grads;
+  // problem.hpp's partial_keys. fp32 then skips the row statistics: lse2 holds L (natural domain,
+  // less ALiBi's offset), row_sum 1 and dsum rowsum(O * dO), as the preprocess writes them.
+  bool partial_keys;
   int dkdv_stages;  // query-tile buffers of the dK/dV kernel: 2 where shared memory allows, else 1
   int dq_stages;    // key-tile buffers of the dQ pass, likewise
 
