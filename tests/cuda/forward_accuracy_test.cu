@@ -30,16 +30,6 @@ struct ForwardCase {
   bool expect_sm90 = false;   // a Hopper device must run it on the TMA + wgmma kernel
 };
 
-// A compute capability 9.0 device without TILEATTN_CUDA_KERNELS=sm80: the Hopper kernels run.
-bool hopper_kernels_run() {
-  int device = 0, major = 0, minor = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "major");
-  check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "minor");
-  const char* forced = std::getenv("TILEATTN_CUDA_KERNELS");
-  return major == 9 && minor == 0 && !(forced != nullptr && std::string(forced) == "sm80");
-}
-
 ProblemShape shape(int64_t sq, int64_t sk, int64_t d, int64_t hq = 2, int64_t hkv = 2) {
   ProblemShape s;
   s.seqlen_q = sq;

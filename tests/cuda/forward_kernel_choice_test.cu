@@ -14,19 +14,6 @@
 namespace tileattn::test {
 namespace {
 
-bool is_hopper() {
-  int device = 0, major = 0, minor = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "major");
-  check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "minor");
-  return major == 9 && minor == 0;
-}
-
-bool forced_sm80() {
-  const char* v = std::getenv("TILEATTN_CUDA_KERNELS");
-  return v != nullptr && std::string(v) == "sm80";
-}
-
 ProblemShape shape(int64_t headdim) {
   ProblemShape s;
   s.batch = 2;
@@ -42,7 +29,7 @@ ProblemShape shape(int64_t headdim) {
 
 TEST(ForwardKernelChoice, HopperRunsTheTmaKernelForAlignedInputs) {
   TA_SKIP_WITHOUT_GPU();
-  if (!is_hopper() || forced_sm80()) GTEST_SKIP() << "not a compute capability 9.0 device";
+  if (!hopper_kernels_run()) GTEST_SKIP() << "not a compute capability 9.0 device, or the portable kernels forced";
   for (int64_t d : {64, 128, 256}) {
     HostProblem hp(shape(d));
     DeviceProblem dp(hp);
@@ -60,7 +47,7 @@ TEST(ForwardKernelChoice, HopperRunsTheTmaKernelForAlignedInputs) {
 // check their numbers.
 TEST(ForwardKernelChoice, HopperRunsAlibiOnTheTmaKernels) {
   TA_SKIP_WITHOUT_GPU();
-  if (!is_hopper() || forced_sm80()) GTEST_SKIP() << "not a compute capability 9.0 device";
+  if (!hopper_kernels_run()) GTEST_SKIP() << "not a compute capability 9.0 device, or the portable kernels forced";
   for (DType dtype : {DType::f16, DType::bf16})
     for (int64_t d : {64, 128, 256})
       for (bool causal : {false, true}) {

@@ -58,6 +58,16 @@ inline bool gpu_present() {
 #define TA_SKIP_WITHOUT_GPU() \
   if (!::tileattn::test::gpu_present()) GTEST_SKIP() << "no CUDA device visible"
 
+// A compute capability 9.0 device without TILEATTN_CUDA_KERNELS=sm80: the Hopper kernels run.
+inline bool hopper_kernels_run() {
+  int device = 0, major = 0, minor = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "major");
+  check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "minor");
+  const char* forced = std::getenv("TILEATTN_CUDA_KERNELS");
+  return major == 9 && minor == 0 && !(forced != nullptr && std::string(forced) == "sm80");
+}
+
 // Owning device allocation of raw bytes.
 class DeviceBuffer {
  public:
