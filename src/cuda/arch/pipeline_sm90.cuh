@@ -98,6 +98,10 @@ struct StageRing {
 
   // Reader: wait until item i is in its buffer.
   __device__ __forceinline__ void wait(int i) const { barrier_wait(full + slot(i), phase(i)); }
+  // wait(i) for a reader whose loop computes item i's slot itself (i % kStages, the same number).
+  // With the slot computed inside wait(i) (or any function), nvcc formed the Hopper backward
+  // kernels' stage buffer addresses differently and their consumers' hot loops changed (SASS).
+  __device__ __forceinline__ void wait_slot(int i, int s) const { barrier_wait(full + s, phase(i)); }
   // Reader: this thread is done with item i's buffer.
   __device__ __forceinline__ void release(int i) const { barrier_arrive(empty() + slot(i)); }
   // Reader warp: one arrival once every lane is done (rings initialised with one release per

@@ -17,6 +17,7 @@
 #include "cuda/backward/bwd_params_sm90.hpp"
 #include "cuda/backward/bwd_stream_sm90.cuh"
 #include "cuda/arch/panel_tile_sm90.cuh"
+#include "cuda/arch/pipeline_sm90.cuh"
 #include "cuda/arch/ptx_sm90.cuh"
 #include "cuda/arch/wgmma_ops.cuh"
 
@@ -24,19 +25,20 @@ namespace tileattn::cuda {
 
 template <class T, int kHeadDim>
 struct DqSm90Traits {
-  static constexpr int kConsumers = 2;
-  static constexpr int kThreads = 128 * (kConsumers + 1);
+  using Roles = sm90::WarpRoles<2, 24, 240>;
+  static constexpr int kConsumers = Roles::kConsumers;
+  static constexpr int kThreads = Roles::kThreads;
   static constexpr int kBlockM = 64 * kConsumers;           // queries per block
   static constexpr int kBlockN = kHeadDim <= 64 ? 128 : 64;  // keys per step (registers: S, dP)
   static constexpr int kStages = 2;
   using QTile = sm90::PanelTile<kBlockM, kHeadDim>;
   using KVTile = sm90::PanelTile<kBlockN, kHeadDim>;
+  using Barriers = BwdBarriers<kStages>;
   // Q, dO, then per stage K, V; then the barriers.
-  static constexpr int kStagesOffset = 2 * QTile::kBytes;
-  static constexpr int kBarrierOffset = kStagesOffset + kStages * 2 * KVTile::kBytes;
-  static constexpr int kSmemBytes = kBarrierOffset + 128 + 1024;
-  static constexpr int kProducerRegisters = 24;
-  static constexpr int kConsumerRegisters = 240;
+  static constexpr int kStageBytes = 2 * KVTile::kBytes;
+  enum Region { kQ, kDout, kStagesRegion, kBarriers };
+  using Smem = sm90::SmemRegions<QTile::kBytes, QTile::kBytes, kStages * kStageBytes, Barriers::kBytes>;
+  static constexpr int kSmemBytes = Smem::kBytes;
   static_assert(kHeadDim % 16 == 0 && kHeadDim <= 128, "sm90 backward: head dims 16..128 in steps of 16");
   static_assert(bwd::kWorkspaceRowTile % kBlockM == 0, "query tiles never reach past the workspace padding");
 };
@@ -46,20 +48,20 @@ __global__ void __launch_bounds__(DqSm90Traits<T, kHeadDim>::kThreads, 1)
     dq_kernel_sm90(const __grid_constant__ BwdSm90Params params) {
 #if defined(TILEATTN_SM90_ENABLED)
   using Traits = DqSm90Traits<T, kHeadDim>;
+  using Roles = typename Traits::Roles;
   using QTile = typename Traits::QTile;
   using KVTile = typename Traits::KVTile;
-  constexpr int BM = Traits::kBlockM, BN = Traits::kBlockN, kStages = Traits::kStages;
+  constexpr int BM = Traits::kBlockM, BN = Traits::kBlockN;
   const bwd::BwdParams& p = params.bwd;
 
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = sm90::swizzle_aligned(smem_raw);
-  unsigned char* sQ = smem;
-  unsigned char* sdO = sQ + QTile::kBytes;
-  auto stage_k = [&](int s) { return smem + Traits::kStagesOffset + s * 2 * KVTile::kBytes; };
+  const typename Traits::Smem smem(smem_raw);
+  unsigned char* sQ = smem.template at<Traits::kQ>();
+  unsigned char* sdO = smem.template at<Traits::kDout>();
+  auto stage_k = [&](int s) { return smem.template at<Traits::kStagesRegion>() + s * Traits::kStageBytes; };
   auto stage_v = [&](int s) { return stage_k(s) + KVTile::kBytes; };
-  uint64_t* q_full = reinterpret_cast<uint64_t*>(smem + Traits::kBarrierOffset);
-  uint64_t* full = q_full + 1;
-  uint64_t* empty = full + kStages;
+  const typename Traits::Barriers bars(smem.template at<Traits::kBarriers, uint64_t>());
+  const auto& ring = bars.ring;
 
   const int h = blockIdx.y, b = blockIdx.z;
   const bwd::SeqInfo seq = bwd::seq_info(p, b);
@@ -72,43 +74,33 @@ __global__ void __launch_bounds__(DqSm90Traits<T, kHeadDim>::kThreads, 1)
   // Keys every query of the tile sees: key tiles inside need no mask arithmetic.
   const int full_begin = mask.full_begin_key(q1), full_end = mask.full_end_key(q0);
 
-  if (threadIdx.x == 0) {
-    sm90::barrier_init(q_full, 1);
-    for (int s = 0; s < kStages; ++s) {
-      sm90::barrier_init(full + s, 1);
-      sm90::barrier_init(empty + s, 4 * Traits::kConsumers);
-    }
-    sm90::barrier_init_fence();
-  }
-  __syncthreads();
+  bars.init(4 * Traits::kConsumers);  // one release per consumer warp
 
   const bool varlen = p.cu_seqlens_q != nullptr;
-  const int warpgroup = int(threadIdx.x) / 128;
-  if (warpgroup == 0) {
-    sm90::registers_decrease<Traits::kProducerRegisters>();
+  const Roles roles;
+  if (roles.warpgroup == 0) {
+    Roles::enter_producer();
     if (threadIdx.x != 0 || keys.count == 0) return;
     const int batch = varlen ? 0 : b;
     const int hk = h / p.group;
     const int q_row = int(seq.row_q) + q0;
     const int k_base = int(seq.row_k);
-    sm90::barrier_arrive_expect_bytes(q_full, 2 * QTile::kBytes);
-    QTile::template load<kBwdBoxRows>(sQ, &params.q, q_full, q_row, h, batch);
-    QTile::template load<kBwdBoxRows>(sdO, &params.dout, q_full, q_row, h, batch);
+    sm90::barrier_arrive_expect_bytes(bars.once, 2 * QTile::kBytes);
+    QTile::template load<kBwdBoxRows>(sQ, &params.q, bars.once, q_row, h, batch);
+    QTile::template load<kBwdBoxRows>(sdO, &params.dout, bars.once, q_row, h, batch);
     for (int i = 0; i < keys.count; ++i) {
-      const int s = i % kStages;
-      const uint32_t phase = (i / kStages) & 1;
+      const int s = ring.slot(i);
       const int row = k_base + (keys.first + i) * BN;
-      sm90::barrier_wait(empty + s, phase ^ 1);
-      sm90::barrier_arrive_expect_bytes(full + s, 2 * KVTile::kBytes);
-      KVTile::template load<kBwdBoxRows>(stage_k(s), &params.k, full + s, row, hk, batch);
-      KVTile::template load<kBwdBoxRows>(stage_v(s), &params.v, full + s, row, hk, batch);
+      uint64_t* full = ring.acquire_bytes(i, Traits::kStageBytes);
+      KVTile::template load<kBwdBoxRows>(stage_k(s), &params.k, full, row, hk, batch);
+      KVTile::template load<kBwdBoxRows>(stage_v(s), &params.v, full, row, hk, batch);
     }
     return;
   }
 
-  sm90::registers_increase<Traits::kConsumerRegisters>();
-  const int consumer = warpgroup - 1;
-  const int warp = (int(threadIdx.x) / 32) % 4, lane = int(threadIdx.x) % 32;
+  Roles::enter_consumer();
+  const int consumer = roles.consumer();
+  const int warp = Roles::warp(), lane = Roles::lane();
   const int row0 = 64 * consumer + 16 * warp;  // this warp's first tile row
 
   float dq[1][kHeadDim / 8][4];
@@ -128,13 +120,12 @@ __global__ void __launch_bounds__(DqSm90Traits<T, kHeadDim>::kThreads, 1)
     const float slope = kAlibi ? p.mod.slope(b, h) : 0.0f;
     const uint32_t q_addr = smem_address(sQ) + consumer * 64 * 128;
     const uint32_t do_addr = smem_address(sdO) + consumer * 64 * 128;
-    sm90::barrier_wait(q_full, 0);
+    bars.wait_once();
     for (int i = 0; i < keys.count; ++i) {
-      const int s = i % kStages;
-      const uint32_t phase = (i / kStages) & 1;
+      const int s = i % Traits::kStages;  // in the loop's own words: see StageRing::wait_slot
       const int key0 = (keys.first + i) * BN;
       const uint32_t k_addr = smem_address(stage_k(s)), v_addr = smem_address(stage_v(s));
-      sm90::barrier_wait(full + s, phase);
+      ring.wait_slot(i, s);
 
       float st[1][BN / 8][4], dpt[1][BN / 8][4];
       score_products<T, BN, kHeadDim, QTile, KVTile>(st, dpt, q_addr, k_addr, do_addr, v_addr);
@@ -152,8 +143,7 @@ __global__ void __launch_bounds__(DqSm90Traits<T, kHeadDim>::kThreads, 1)
       sm90::wgmma_commit();
       sm90::wgmma_wait<0>();
       sm90::fence_registers(dq[0]);
-      __syncwarp();
-      if (lane == 0) sm90::barrier_arrive(empty + s);
+      ring.release_warp(i, lane);
     }
   }
 

@@ -9,6 +9,7 @@
 
 #include "common/mask.hpp"
 #include "common/score_mod.hpp"
+#include "cuda/arch/pipeline_sm90.cuh"
 #include "cuda/arch/ptx_sm90.cuh"
 #include "cuda/arch/wgmma_ops.cuh"
 #include "cuda/backward/bwd_grads.cuh"
@@ -48,6 +49,29 @@ struct BwdStages {
   __device__ __forceinline__ unsigned char* dout(int s) const { return q(s) + QTile::kBytes; }
   __device__ __forceinline__ float* lse2(int s) const { return reinterpret_cast<float*>(q(s) + 2 * QTile::kBytes); }
   __device__ __forceinline__ float* dsum(int s) const { return lse2(s) + kBlockM; }
+};
+
+// The barriers of a block's operands loaded once (K and V of a key block, Q and dO of a query
+// block) and of the ring its steps stream through, kBytes of shared memory from `at`.
+template <int kStages>
+struct BwdBarriers {
+  using Ring = sm90::StageRing<kStages>;
+  static constexpr int kBytes = int(sizeof(uint64_t)) + Ring::kBarrierBytes;
+  uint64_t* once;
+  Ring ring;
+  __device__ __forceinline__ explicit BwdBarriers(uint64_t* at) : once(at), ring{at + 1} {}
+
+  // By the whole block, before anything waits: one TMA thread fills each barrier, `releases`
+  // arrivals free a stage.
+  __device__ __forceinline__ void init(int releases) const {
+    if (threadIdx.x == 0) {
+      sm90::barrier_init(once, 1);
+      ring.init(1, releases);
+      sm90::barrier_init_fence();
+    }
+    __syncthreads();
+  }
+  __device__ __forceinline__ void wait_once() const { sm90::barrier_wait(once, 0); }
 };
 
 #if defined(TILEATTN_SM90_ENABLED)
