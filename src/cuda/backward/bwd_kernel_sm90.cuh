@@ -62,6 +62,7 @@ struct BwdSm90Traits {
   // K, V, then per stage: Q, dO, L * log2(e), D; then dS^T (1024-aligned: the swizzle is on
   // address bits), the dQ tile and the barriers.
   using Stages = BwdStages<QTile, kBlockM, kStages>;
+  using Barriers = BwdBarriers<kStages>;
   static constexpr int kStageBytes = Stages::kBytes;
   static constexpr int kStagesOffset = 2 * KVTile::kBytes;
   static constexpr int kDsOffset = (kStagesOffset + kStages * kStageBytes + 1023) / 1024 * 1024;
@@ -98,23 +99,14 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
   const typename Traits::Stages stages{smem + Traits::kStagesOffset};
   auto ds_buffer = [&](int it) { return smem + Traits::kDsOffset + (it % 2) * DsTile::kBytes; };
   float* sdq = reinterpret_cast<float*>(smem + Traits::kDqOffset);
-  uint64_t* kv_full = reinterpret_cast<uint64_t*>(smem + Traits::kBarrierOffset);
-  uint64_t* full = kv_full + 1;
-  uint64_t* empty = full + kStages;
+  const typename Traits::Barriers bars(reinterpret_cast<uint64_t*>(smem + Traits::kBarrierOffset));
+  const auto& ring = bars.ring;
 
   const BwdKeyBlock<BN, BM> kb(p);
   if (kb.k0 >= kb.seq.sk) return;
   const int n_iter = kb.n_iter;
 
-  if (threadIdx.x == 0) {
-    sm90::barrier_init(kv_full, 1);
-    for (int s = 0; s < kStages; ++s) {
-      sm90::barrier_init(full + s, 1);
-      sm90::barrier_init(empty + s, 4 * Traits::kConsumers);  // one arrival per consumer warp
-    }
-    sm90::barrier_init_fence();
-  }
-  __syncthreads();
+  bars.init(4 * Traits::kConsumers);  // one release per consumer warp
 
   const int warpgroup = int(threadIdx.x) / 128;
   if (warpgroup == 0) {
@@ -137,7 +129,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
         return;
       }
     }
-    if (threadIdx.x == 0 && n_iter > 0) load_key_block<KVTile>(params, kb, sK, sV, stages, kv_full, full, empty);
+    if (threadIdx.x == 0 && n_iter > 0) load_key_block<KVTile>(params, kb, sK, sV, stages, bars.once, ring.full, ring.empty());
     return;
   }
 
@@ -163,14 +155,13 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
     const int k_panel = Traits::kDqSplitRows ? 0 : consumer;
     const uint32_t k_dq = smem_address(sK) + k_panel * KVTile::kPanelBytes;
     [[maybe_unused]] float* dq_part = sdq + consumer * Traits::DqOrder::kPartFloats + 4 * (int(threadIdx.x) % 128);
-    sm90::barrier_wait(kv_full, 0);
+    bars.wait_once();
     for (int it = 0; it < n_iter; ++it) {
-      const int s = it % kStages;
-      const uint32_t phase = (it / kStages) & 1;
+      const int s = it % kStages;  // in the loop's own words: see StageRing::wait_slot
       const int q0 = kb.q0(it);
       const uint32_t q_addr = smem_address(stages.q(s)), do_addr = smem_address(stages.dout(s));
       const float slope = kAlibi ? p.mod.slope(kb.b, kb.head(it)) : 0.0f;
-      sm90::barrier_wait(full + s, phase);
+      ring.wait_slot(it, s);
 
       float st[1][BM / 8][4], dpt[1][BM / 8][4];
       score_products<T, BM, kHeadDim, KVTile, QTile>(st, dpt, k_base, q_addr, v_base, do_addr);
@@ -231,8 +222,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
       sm90::wgmma_wait<0>();
       sm90::fence_registers(dv[0]);
       sm90::fence_registers(dk[0]);
-      __syncwarp();
-      if (lane == 0) sm90::barrier_arrive(empty + s);
+      ring.release_warp(it, lane);
     }
   };
   if (n_iter > 0) {
