@@ -46,6 +46,7 @@ struct BwdWideSm90Traits {
   // K, V, then per stage: Q, dO (the dQ tile after them), L * log2(e), D; then P^T, dS^T and the
   // barriers.
   using Stages = BwdStages<QTile, kBlockM, kStages>;
+  using Barriers = BwdBarriers<kStages>;
   static constexpr int kStageBytes = Stages::kBytes;
   static constexpr int kStagesOffset = 2 * KVTile::kBytes;
   static constexpr int kPOffset = (kStagesOffset + kStages * kStageBytes + 1023) / 1024 * 1024;
@@ -81,23 +82,14 @@ __global__ void __launch_bounds__(BwdWideSm90Traits<T, kHeadDim>::kThreads, 1)
   const typename Traits::Stages stages{smem + Traits::kStagesOffset};
   unsigned char* sP = smem + Traits::kPOffset;
   unsigned char* sdS = sP + PTile::kBytes;
-  uint64_t* kv_full = reinterpret_cast<uint64_t*>(smem + Traits::kBarrierOffset);
-  uint64_t* full = kv_full + 1;
-  uint64_t* empty = full + kStages;
+  const typename Traits::Barriers bars(reinterpret_cast<uint64_t*>(smem + Traits::kBarrierOffset));
+  const auto& ring = bars.ring;
 
   const BwdKeyBlock<BN, BM> kb(p);
   if (kb.k0 >= kb.seq.sk) return;
   const int n_iter = kb.n_iter;
 
-  if (threadIdx.x == 0) {
-    sm90::barrier_init(kv_full, 1);
-    for (int s = 0; s < kStages; ++s) {
-      sm90::barrier_init(full + s, 1);
-      sm90::barrier_init(empty + s, 1);  // the dQ warp, once the stage's dQ tile is read
-    }
-    sm90::barrier_init_fence();
-  }
-  __syncthreads();
+  bars.init(1);  // the dQ warp frees a stage once the stage's dQ tile is read
 
   const int warpgroup = int(threadIdx.x) / 128;
   if (warpgroup == 0) {
@@ -113,13 +105,13 @@ __global__ void __launch_bounds__(BwdWideSm90Traits<T, kHeadDim>::kThreads, 1)
                                 reinterpret_cast<const float*>(stages.q(s)), 2 * QTile::kBytes);
           sm90::bulk_commit();
           sm90::bulk_wait_read();
-          sm90::barrier_arrive(empty + s);
+          ring.release(it);
         }
         __syncwarp();
       }
       return;
     }
-    if (threadIdx.x == 0 && n_iter > 0) load_key_block<KVTile>(params, kb, sK, sV, stages, kv_full, full, empty);
+    if (threadIdx.x == 0 && n_iter > 0) load_key_block<KVTile>(params, kb, sK, sV, stages, bars.once, ring.full, ring.empty());
     return;
   }
 
@@ -141,14 +133,13 @@ __global__ void __launch_bounds__(BwdWideSm90Traits<T, kHeadDim>::kThreads, 1)
       const uint32_t k_addr = smem_address(sK), v_addr = smem_address(sV);
       const uint32_t p_addr = smem_address(sP), ds_addr = smem_address(sdS);
       const uint32_t panel0 = (col0 / 64) * KVTile::kPanelBytes;  // the consumer's columns, in K, Q, dO
-      sm90::barrier_wait(kv_full, 0);
+      bars.wait_once();
       for (int it = 0; it < n_iter; ++it) {
-        const int s = it % kStages;
-        const uint32_t phase = (it / kStages) & 1;
+        const int s = it % kStages;  // in the loop's own words: see StageRing::wait_slot
         const int q0 = kb.q0(it);
         const uint32_t q_addr = smem_address(stages.q(s)), do_addr = smem_address(stages.dout(s));
         const float slope = kAlibi ? p.mod.slope(kb.b, kb.head(it)) : 0.0f;
-        sm90::barrier_wait(full + s, phase);
+        ring.wait_slot(it, s);
 
         // This consumer's 32 queries: rows 32 c.. of the Q and dO panels (4 KB apart: swizzle-aligned).
         float st[1][BM / 16][4], dpt[1][BM / 16][4];
