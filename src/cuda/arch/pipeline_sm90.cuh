@@ -85,6 +85,14 @@ struct StageRing {
     acquire(i);
     return expect_bytes(i, bytes);
   }
+  // acquire_bytes for a producer whose loop computes item i's slot itself (i % kStages), as for
+  // wait_slot: with the slot computed inside, the Hopper backward's producer formed its barrier
+  // addresses differently, and with ALiBi the consumers' code changed too (SASS).
+  __device__ __forceinline__ uint64_t* acquire_bytes_slot(int i, int s, uint32_t bytes) const {
+    barrier_wait(empty() + s, phase(i) ^ 1u);
+    barrier_arrive_expect_bytes(full + s, bytes);
+    return full + s;
+  }
   // Producer by thread stores: this thread's share of item i is written.
   __device__ __forceinline__ void publish(int i) const { barrier_arrive(full + slot(i)); }
   // Producer warp: one arrival once every lane's share is written (rings initialised with one

@@ -75,30 +75,28 @@ struct BwdBarriers {
 };
 
 #if defined(TILEATTN_SM90_ENABLED)
-// The producer thread: K and V of the block once (kv_full), then each step's stage, waiting for
-// `empty` (released by whoever reads the stage last) and completing `full`.
+// The producer thread: K and V of the block once, then each step's stage through the ring (freed
+// by whoever reads the stage last).
 template <class KVTile, class QTile, int kBlockN, int kBlockM, int kStages>
 __device__ __forceinline__ void load_key_block(const BwdSm90Params& params, const BwdKeyBlock<kBlockN, kBlockM>& kb,
                                                unsigned char* sK, unsigned char* sV,
-                                               const BwdStages<QTile, kBlockM, kStages>& stages, uint64_t* kv_full,
-                                               uint64_t* full, uint64_t* empty) {
+                                               const BwdStages<QTile, kBlockM, kStages>& stages,
+                                               const BwdBarriers<kStages>& bars) {
   const bwd::BwdParams& p = params.bwd;
   const int batch = p.cu_seqlens_q != nullptr ? 0 : kb.b;
   const int k_row = int(kb.seq.row_k) + kb.k0, q_base = int(kb.seq.row_q);
-  sm90::barrier_arrive_expect_bytes(kv_full, 2 * KVTile::kBytes);
-  KVTile::template load<kBwdBoxRows>(sK, &params.k, kv_full, k_row, kb.hk, batch);
-  KVTile::template load<kBwdBoxRows>(sV, &params.v, kv_full, k_row, kb.hk, batch);
+  sm90::barrier_arrive_expect_bytes(bars.once, 2 * KVTile::kBytes);
+  KVTile::template load<kBwdBoxRows>(sK, &params.k, bars.once, k_row, kb.hk, batch);
+  KVTile::template load<kBwdBoxRows>(sV, &params.v, bars.once, k_row, kb.hk, batch);
   for (int it = 0; it < kb.n_iter; ++it) {
-    const int s = it % kStages;
-    const uint32_t phase = (it / kStages) & 1;
+    const int s = it % kStages;  // in the loop's own words: see StageRing::acquire_bytes_slot
     const int h = kb.head(it), q0 = kb.q0(it);
-    sm90::barrier_wait(empty + s, phase ^ 1);
-    sm90::barrier_arrive_expect_bytes(full + s, stages.kBytes);
-    QTile::template load<kBwdBoxRows>(stages.q(s), &params.q, full + s, q_base + q0, h, batch);
-    QTile::template load<kBwdBoxRows>(stages.dout(s), &params.dout, full + s, q_base + q0, h, batch);
+    uint64_t* full = bars.ring.acquire_bytes_slot(it, s, stages.kBytes);
+    QTile::template load<kBwdBoxRows>(stages.q(s), &params.q, full, q_base + q0, h, batch);
+    QTile::template load<kBwdBoxRows>(stages.dout(s), &params.dout, full, q_base + q0, h, batch);
     const int64_t w = bwd::ws_row(p, kb.b, h) + q0;
-    sm90::bulk_load(stages.lse2(s), p.lse2 + w, kBlockM * 4, full + s);
-    sm90::bulk_load(stages.dsum(s), p.dsum + w, kBlockM * 4, full + s);
+    sm90::bulk_load(stages.lse2(s), p.lse2 + w, kBlockM * 4, full);
+    sm90::bulk_load(stages.dsum(s), p.dsum + w, kBlockM * 4, full);
   }
 }
 
