@@ -59,16 +59,14 @@ struct BwdSm90Traits {
   using DqOrder = DqTileOrder<kHeadDim>;
   static constexpr bool kDqSplitRows = DqOrder::kSplitRows;
   static constexpr int kDqTileBytes = kBlockM * kHeadDim * 4;
-  // K, V, then per stage: Q, dO, L * log2(e), D; then dS^T (1024-aligned: the swizzle is on
-  // address bits), the dQ tile and the barriers.
   using Stages = BwdStages<QTile, kBlockM, kStages>;
   using Barriers = BwdBarriers<kStages>;
-  static constexpr int kStageBytes = Stages::kBytes;
-  static constexpr int kStagesOffset = 2 * KVTile::kBytes;
-  static constexpr int kDsOffset = (kStagesOffset + kStages * kStageBytes + 1023) / 1024 * 1024;
-  static constexpr int kDqOffset = kDsOffset + (kFusedDq ? 2 * DsTile::kBytes : 0);
-  static constexpr int kBarrierOffset = kDqOffset + (kFusedDq ? kDqTileBytes : 0);
-  static constexpr int kSmemBytes = kBarrierOffset + 128 + 1024;
+  // K, V, then per stage: Q, dO, L * log2(e), D (rounded up to 1024 bytes: dS^T's swizzle is on
+  // address bits); then dS^T, the dQ tile (both only with kFusedDq) and the barriers.
+  enum Region { kK, kV, kStagesRegion, kDs, kDq, kBarriers };
+  using Smem = sm90::SmemRegions<KVTile::kBytes, KVTile::kBytes, (kStages * Stages::kBytes + 1023) / 1024 * 1024,
+                                 kFusedDq ? 2 * DsTile::kBytes : 0, kFusedDq ? kDqTileBytes : 0, Barriers::kBytes>;
+  static constexpr int kSmemBytes = Smem::kBytes;
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
   // bar.sync counts: both consumers; both consumers and the dQ warp.
@@ -93,13 +91,13 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
   const bwd::BwdParams& p = params.bwd;
 
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = sm90::swizzle_aligned(smem_raw);
-  unsigned char* sK = smem;
-  unsigned char* sV = sK + KVTile::kBytes;
-  const typename Traits::Stages stages{smem + Traits::kStagesOffset};
-  auto ds_buffer = [&](int it) { return smem + Traits::kDsOffset + (it % 2) * DsTile::kBytes; };
-  float* sdq = reinterpret_cast<float*>(smem + Traits::kDqOffset);
-  const typename Traits::Barriers bars(reinterpret_cast<uint64_t*>(smem + Traits::kBarrierOffset));
+  const typename Traits::Smem smem(smem_raw);
+  unsigned char* sK = smem.template at<Traits::kK>();
+  unsigned char* sV = smem.template at<Traits::kV>();
+  const typename Traits::Stages stages{smem.template at<Traits::kStagesRegion>()};
+  auto ds_buffer = [&](int it) { return smem.template at<Traits::kDs>() + (it % 2) * DsTile::kBytes; };
+  float* sdq = smem.template at<Traits::kDq, float>();
+  const typename Traits::Barriers bars(smem.template at<Traits::kBarriers, uint64_t>());
   const auto& ring = bars.ring;
 
   const BwdKeyBlock<BN, BM> kb(p);

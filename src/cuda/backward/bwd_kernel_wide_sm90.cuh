@@ -43,15 +43,14 @@ struct BwdWideSm90Traits {
   using PTile = sm90::PanelTile<kBlockN, kBlockM>;  // P^T and dS^T: keys x queries
   using DqOrder = DqTileOrder<kHeadDim>;
   static constexpr int kCols0 = DqOrder::kPartCols;  // consumer 0's columns; consumer 1 has the rest
-  // K, V, then per stage: Q, dO (the dQ tile after them), L * log2(e), D; then P^T, dS^T and the
-  // barriers.
   using Stages = BwdStages<QTile, kBlockM, kStages>;
   using Barriers = BwdBarriers<kStages>;
-  static constexpr int kStageBytes = Stages::kBytes;
-  static constexpr int kStagesOffset = 2 * KVTile::kBytes;
-  static constexpr int kPOffset = (kStagesOffset + kStages * kStageBytes + 1023) / 1024 * 1024;
-  static constexpr int kBarrierOffset = kPOffset + 2 * PTile::kBytes;
-  static constexpr int kSmemBytes = kBarrierOffset + 128 + 1024;
+  // K, V, then per stage: Q, dO (the dQ tile after them), L * log2(e), D (rounded up to 1024
+  // bytes: the swizzle is on address bits); then P^T, dS^T and the barriers.
+  enum Region { kK, kV, kStagesRegion, kP, kDs, kBarriers };
+  using Smem = sm90::SmemRegions<KVTile::kBytes, KVTile::kBytes, (kStages * Stages::kBytes + 1023) / 1024 * 1024,
+                                 PTile::kBytes, PTile::kBytes, Barriers::kBytes>;
+  static constexpr int kSmemBytes = Smem::kBytes;
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
   static constexpr int kConsumerThreads = 128 * kConsumers;
@@ -76,13 +75,13 @@ __global__ void __launch_bounds__(BwdWideSm90Traits<T, kHeadDim>::kThreads, 1)
   const bwd::BwdParams& p = params.bwd;
 
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = sm90::swizzle_aligned(smem_raw);
-  unsigned char* sK = smem;
-  unsigned char* sV = sK + KVTile::kBytes;
-  const typename Traits::Stages stages{smem + Traits::kStagesOffset};
-  unsigned char* sP = smem + Traits::kPOffset;
-  unsigned char* sdS = sP + PTile::kBytes;
-  const typename Traits::Barriers bars(reinterpret_cast<uint64_t*>(smem + Traits::kBarrierOffset));
+  const typename Traits::Smem smem(smem_raw);
+  unsigned char* sK = smem.template at<Traits::kK>();
+  unsigned char* sV = smem.template at<Traits::kV>();
+  const typename Traits::Stages stages{smem.template at<Traits::kStagesRegion>()};
+  unsigned char* sP = smem.template at<Traits::kP>();
+  unsigned char* sdS = smem.template at<Traits::kDs>();
+  const typename Traits::Barriers bars(smem.template at<Traits::kBarriers, uint64_t>());
   const auto& ring = bars.ring;
 
   const BwdKeyBlock<BN, BM> kb(p);
