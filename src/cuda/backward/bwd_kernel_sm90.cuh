@@ -24,8 +24,9 @@
 // kAlibi: P carries ALiBi's bias (step_grads, bwd_stream_sm90.cuh); an instance of its own, so
 // that the kernels without it keep their registers.
 //
-// Named barriers (kFusedDq only): 1 both consumers' dS^T written; 2 a dQ tile written (consumers
-// arrive, the dQ warp waits); 3 the dQ tile's shared memory read (the dQ warp arrives).
+// Named barriers (kFusedDq only; pipeline_sm90.cuh): kBwdDsReady both consumers' dS^T written;
+// kBwdDqFull a dQ tile written (consumers arrive, the dQ warp waits); kBwdDqEmpty the dQ tile's
+// shared memory read (the dQ warp arrives).
 #include <cuda_runtime.h>
 
 #include <type_traits>
@@ -39,6 +40,7 @@
 #include "cuda/backward/bwd_stream_sm90.cuh"
 #include "cuda/backward/bwd_dq_tiles_sm90.cuh"
 #include "cuda/arch/panel_tile_sm90.cuh"
+#include "cuda/arch/pipeline_sm90.cuh"
 #include "cuda/arch/ptx_sm90.cuh"
 #include "cuda/arch/wgmma_ops.cuh"
 
@@ -46,8 +48,9 @@ namespace tileattn::cuda {
 
 template <class T, int kHeadDim, bool kFusedDq>
 struct BwdSm90Traits {
-  static constexpr int kConsumers = 2;
-  static constexpr int kThreads = 128 * (kConsumers + 1);
+  using Roles = sm90::WarpRoles<2, 24, 240>;
+  static constexpr int kConsumers = Roles::kConsumers;
+  static constexpr int kThreads = Roles::kThreads;
   static constexpr int kBlockN = 64 * kConsumers;          // keys per block
   static constexpr int kBlockM = kHeadDim <= 64 ? 128 : 64;  // queries per step (registers: S^T, dP^T)
   static constexpr int kStages = 2;
@@ -67,8 +70,6 @@ struct BwdSm90Traits {
   using Smem = sm90::SmemRegions<KVTile::kBytes, KVTile::kBytes, (kStages * Stages::kBytes + 1023) / 1024 * 1024,
                                  kFusedDq ? 2 * DsTile::kBytes : 0, kFusedDq ? kDqTileBytes : 0, Barriers::kBytes>;
   static constexpr int kSmemBytes = Smem::kBytes;
-  static constexpr int kProducerRegisters = 24;
-  static constexpr int kConsumerRegisters = 240;
   // bar.sync counts: both consumers; both consumers and the dQ warp.
   static constexpr int kConsumerThreads = 128 * kConsumers;
   static constexpr int kDqBarrierThreads = kConsumerThreads + 32;
@@ -83,11 +84,11 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
     bwd_kernel_sm90(const __grid_constant__ BwdSm90Params params) {
 #if defined(TILEATTN_SM90_ENABLED)
   using Traits = BwdSm90Traits<T, kHeadDim, kFusedDq>;
+  using Roles = typename Traits::Roles;
   using KVTile = typename Traits::KVTile;
   using QTile = typename Traits::QTile;
   using DsTile = typename Traits::DsTile;
   constexpr int BN = Traits::kBlockN, BM = Traits::kBlockM, kStages = Traits::kStages;
-  constexpr int kDsReady = 1, kDqFull = 2, kDqEmpty = 3;
   const bwd::BwdParams& p = params.bwd;
 
   extern __shared__ unsigned char smem_raw[];
@@ -106,15 +107,15 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
 
   bars.init(4 * Traits::kConsumers);  // one release per consumer warp
 
-  const int warpgroup = int(threadIdx.x) / 128;
-  if (warpgroup == 0) {
-    sm90::registers_decrease<Traits::kProducerRegisters>();
+  const Roles roles;
+  if (roles.warpgroup == 0) {
+    Roles::enter_producer();
     if constexpr (kFusedDq) {
       if (threadIdx.x / 32 == 1) {
         // The dQ warp: each step's tile into its place in the accumulator (rows past the
         // sequence land in workspace padding). Whole warps take part in named barriers.
         for (int it = 0; it < n_iter; ++it) {
-          sm90::named_barrier_sync(kDqFull, Traits::kDqBarrierThreads);
+          sm90::named_barrier_sync(sm90::kBwdDqFull, Traits::kDqBarrierThreads);
           if (threadIdx.x == 32) {
             sm90::bulk_reduce_add(p.dq_accum + (bwd::ws_row(p, kb.b, kb.head(it)) + kb.q0(it)) * kHeadDim, sdq,
                                   Traits::kDqTileBytes);
@@ -122,7 +123,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
             sm90::bulk_wait_read();
           }
           __syncwarp();
-          if (it + 1 < n_iter) sm90::named_barrier_arrive(kDqEmpty, Traits::kDqBarrierThreads);
+          if (it + 1 < n_iter) sm90::named_barrier_arrive(sm90::kBwdDqEmpty, Traits::kDqBarrierThreads);
         }
         return;
       }
@@ -131,9 +132,9 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
     return;
   }
 
-  sm90::registers_increase<Traits::kConsumerRegisters>();
-  const int consumer = warpgroup - 1;
-  const int warp = (int(threadIdx.x) / 32) % 4, lane = int(threadIdx.x) % 32;
+  Roles::enter_consumer();
+  const int consumer = roles.consumer();
+  const int warp = Roles::warp(), lane = Roles::lane();
   const int key_row = 64 * consumer + 16 * warp + lane / 4;  // tile row of (g, e < 2)
 
   float dk[1][kHeadDim / 8][4], dv[1][kHeadDim / 8][4];
@@ -193,7 +194,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
                                          4 * (lane % 4)) = da[ks][i];
           }
         sm90::fence_shared_to_async();
-        sm90::named_barrier_sync(kDsReady, Traits::kConsumerThreads);
+        sm90::named_barrier_sync(sm90::kBwdDsReady, Traits::kConsumerThreads);
         const uint32_t ds_addr = smem_address(ds) + ds_panel * DsTile::kPanelBytes;
         sm90::wgmma_fence();
 #pragma unroll
@@ -210,12 +211,12 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
       if constexpr (kFusedDq) {
         sm90::wgmma_wait<1>();  // dV and dQ done; dK may still run
         sm90::fence_registers(dq[0]);
-        if (it > 0) sm90::named_barrier_sync(kDqEmpty, Traits::kDqBarrierThreads);
+        if (it > 0) sm90::named_barrier_sync(sm90::kBwdDqEmpty, Traits::kDqBarrierThreads);
 #pragma unroll
         for (int j = 0; j < kDqCols / 8; ++j)
           *reinterpret_cast<float4*>(dq_part + j * 512) = make_float4(dq[0][j][0], dq[0][j][1], dq[0][j][2], dq[0][j][3]);
         sm90::fence_shared_to_async();
-        sm90::named_barrier_arrive(kDqFull, Traits::kDqBarrierThreads);
+        sm90::named_barrier_arrive(sm90::kBwdDqFull, Traits::kDqBarrierThreads);
       }
       sm90::wgmma_wait<0>();
       sm90::fence_registers(dv[0]);

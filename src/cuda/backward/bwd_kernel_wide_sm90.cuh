@@ -10,8 +10,9 @@
 // dQ_c leaves through the stage's own Q and dO buffers (an fp32 tile is exactly their size): the
 // dQ warp adds the tile to the workspace accumulator with one bulk reduction and only then frees
 // the stage, so the producer reloads it. dK and dV sum over the group in registers and are
-// written once. Named barriers: 1 the step's P^T and dS^T written; 2 a dQ tile written
-// (consumers arrive, the dQ warp waits); 3 both consumers' products of the step done.
+// written once. Named barriers (pipeline_sm90.cuh): kBwdPdsReady the step's P^T and dS^T
+// written; kBwdDqFull a dQ tile written (consumers arrive, the dQ warp waits); kBwdStepDone both
+// consumers' products of the step done.
 // kAlibi: P carries ALiBi's bias (step_grads, bwd_stream_sm90.cuh), in an instance of its own.
 #include <cuda_runtime.h>
 
@@ -19,6 +20,7 @@
 
 #include "common/mask.hpp"
 #include "cuda/arch/panel_tile_sm90.cuh"
+#include "cuda/arch/pipeline_sm90.cuh"
 #include "cuda/arch/ptx_sm90.cuh"
 #include "cuda/arch/wgmma_ops.cuh"
 #include "cuda/backward/bwd_dq_tiles_sm90.cuh"
@@ -33,8 +35,9 @@ namespace tileattn::cuda {
 
 template <class T, int kHeadDim>
 struct BwdWideSm90Traits {
-  static constexpr int kConsumers = 2;
-  static constexpr int kThreads = 128 * (kConsumers + 1);
+  using Roles = sm90::WarpRoles<2, 24, 240>;
+  static constexpr int kConsumers = Roles::kConsumers;
+  static constexpr int kThreads = Roles::kThreads;
   static constexpr int kBlockN = 64;  // keys per block
   static constexpr int kBlockM = 64;  // queries per step, 32 per consumer for S^T and dP^T
   static constexpr int kStages = 2;
@@ -51,8 +54,6 @@ struct BwdWideSm90Traits {
   using Smem = sm90::SmemRegions<KVTile::kBytes, KVTile::kBytes, (kStages * Stages::kBytes + 1023) / 1024 * 1024,
                                  PTile::kBytes, PTile::kBytes, Barriers::kBytes>;
   static constexpr int kSmemBytes = Smem::kBytes;
-  static constexpr int kProducerRegisters = 24;
-  static constexpr int kConsumerRegisters = 240;
   static constexpr int kConsumerThreads = 128 * kConsumers;
   static constexpr int kDqBarrierThreads = kConsumerThreads + 32;
   static_assert(kHeadDim % 64 == 0 && kHeadDim > 128 && kHeadDim <= 256, "wide sm90 backward: head dims 192, 256");
@@ -67,11 +68,11 @@ __global__ void __launch_bounds__(BwdWideSm90Traits<T, kHeadDim>::kThreads, 1)
     bwd_kernel_wide_sm90(const __grid_constant__ BwdSm90Params params) {
 #if defined(TILEATTN_SM90_ENABLED)
   using Traits = BwdWideSm90Traits<T, kHeadDim>;
+  using Roles = typename Traits::Roles;
   using KVTile = typename Traits::KVTile;
   using QTile = typename Traits::QTile;
   using PTile = typename Traits::PTile;
   constexpr int BN = Traits::kBlockN, BM = Traits::kBlockM, kStages = Traits::kStages;
-  constexpr int kPdsReady = 1, kDqFull = 2, kStepDone = 3;
   const bwd::BwdParams& p = params.bwd;
 
   extern __shared__ unsigned char smem_raw[];
@@ -90,14 +91,14 @@ __global__ void __launch_bounds__(BwdWideSm90Traits<T, kHeadDim>::kThreads, 1)
 
   bars.init(1);  // the dQ warp frees a stage once the stage's dQ tile is read
 
-  const int warpgroup = int(threadIdx.x) / 128;
-  if (warpgroup == 0) {
-    sm90::registers_decrease<Traits::kProducerRegisters>();
+  const Roles roles;
+  if (roles.warpgroup == 0) {
+    Roles::enter_producer();
     if (threadIdx.x / 32 == 1) {
       // The dQ warp: each step's tile into its place in the accumulator (rows past the sequence
       // land in workspace padding), then the stage is free.
       for (int it = 0; it < n_iter; ++it) {
-        sm90::named_barrier_sync(kDqFull, Traits::kDqBarrierThreads);
+        sm90::named_barrier_sync(sm90::kBwdDqFull, Traits::kDqBarrierThreads);
         if (threadIdx.x == 32) {
           const int s = it % kStages;
           sm90::bulk_reduce_add(p.dq_accum + (bwd::ws_row(p, kb.b, kb.head(it)) + kb.q0(it)) * kHeadDim,
@@ -114,9 +115,9 @@ __global__ void __launch_bounds__(BwdWideSm90Traits<T, kHeadDim>::kThreads, 1)
     return;
   }
 
-  sm90::registers_increase<Traits::kConsumerRegisters>();
-  const int consumer = warpgroup - 1;
-  const int warp = (int(threadIdx.x) / 32) % 4, lane = int(threadIdx.x) % 32;
+  Roles::enter_consumer();
+  const int consumer = roles.consumer();
+  const int warp = Roles::warp(), lane = Roles::lane();
   const int key_row = 16 * warp + lane / 4;  // tile row of (g, e < 2)
   const int col0 = Traits::kCols0 * consumer;   // this consumer's first column of dK, dV, dQ
 
@@ -164,7 +165,7 @@ __global__ void __launch_bounds__(BwdWideSm90Traits<T, kHeadDim>::kThreads, 1)
             *reinterpret_cast<uint32_t*>(sdS + at) = da[ks][i];
           }
         sm90::fence_shared_to_async();
-        sm90::named_barrier_sync(kPdsReady, Traits::kConsumerThreads);
+        sm90::named_barrier_sync(sm90::kBwdPdsReady, Traits::kConsumerThreads);
 
         float dq[1][kCols / 8][4];
         sm90::fence_registers(dv[0]);
@@ -190,14 +191,14 @@ __global__ void __launch_bounds__(BwdWideSm90Traits<T, kHeadDim>::kThreads, 1)
 
         // Both consumers' reads of the stage's Q and dO (and of P^T, dS^T) are done: the dQ tile
         // goes over them.
-        sm90::named_barrier_sync(kStepDone, Traits::kConsumerThreads);
+        sm90::named_barrier_sync(sm90::kBwdStepDone, Traits::kConsumerThreads);
         float* dq_part = reinterpret_cast<float*>(stages.q(s)) + consumer * Traits::DqOrder::kPartFloats +
                          4 * (int(threadIdx.x) % 128);
 #pragma unroll
         for (int j = 0; j < kCols / 8; ++j)
           *reinterpret_cast<float4*>(dq_part + j * 512) = make_float4(dq[0][j][0], dq[0][j][1], dq[0][j][2], dq[0][j][3]);
         sm90::fence_shared_to_async();
-        sm90::named_barrier_arrive(kDqFull, Traits::kDqBarrierThreads);
+        sm90::named_barrier_arrive(sm90::kBwdDqFull, Traits::kDqBarrierThreads);
       }
     }
 
