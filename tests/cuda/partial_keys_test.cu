@@ -1,8 +1,9 @@
 // AttentionProblem::partial_keys on the CUDA backward: the keys of one problem are split into two
 // or three parts, each part's backward runs on the device with the whole problem's O and L, and dQ
 // summed over the parts, dK and dV put side by side must be the whole problem's gradients: the 2x
-// rule against the float64 oracle (naive: tests/support/naive.hpp in the same precision), and
-// within twice that allowance of the whole backward run on the device. fp32 is the path the
+// rule against the float64 oracle (naive: tests/support/naive.hpp's partial-key form in the same
+// precision, P from the given L and D from the given O), and within twice that allowance of the
+// whole backward run on the device. fp32 is the path the
 // option changes (no row-statistics pass: P from the given L, D from the given O); fp16/bf16 form
 // P and D that way already and must keep doing so with the option set. Without the option the
 // fp32 split is wrong (each part renormalised over its own keys): the last test shows it, so the
@@ -126,7 +127,12 @@ void check_case(const Case& c, DType dtype) {
     const SplitGrads split = split_backward(hp, dp.problem, c, true);
     const AttentionProblem host = host::validate_attention(hp.problem, host::Pass::backward, Backend::cpu);
     const auto oracle = cpu::reference_backward(host);
-    const NaiveResult naive = naive_attention(host);
+    // The naive partial-key backward: P from the given L, D from the given O (the whole
+    // problem's), each in the dtype; the whole naive backward forms P from its own softmax, which
+    // no backward over part of the keys can.
+    NaiveOptions partial;
+    partial.probs_from_lse = true;
+    const NaiveResult naive = naive_attention(host, partial);
     SCOPED_TRACE(std::string(dtype_label(dtype)) + " trial " + std::to_string(trial));
     EXPECT_EQ(split.touched_outside, 0);
     const std::vector<double> whole[] = {hp.dq.gather(), hp.dk.gather(), hp.dv.gather()};

@@ -53,6 +53,7 @@ NaiveResult naive_attention(const AttentionProblem& p, const NaiveOptions& optio
   const float scale = p.softmax_scale ? *p.softmax_scale : float(1.0 / std::sqrt(double(dqk)));
   const auto q = gather(p, p.q, sq, hq, dqk), k = gather(p, p.k, sk, hkv, dqk), v = gather(p, p.v, sk, hkv, dv);
   const auto dout = gather(p, p.dout, sq, hq, dv);
+  const auto out = options.probs_from_lse ? gather(p, p.o, sq, hq, dv) : std::vector<float>{};
   NaiveResult r;
   r.o.assign(size_t(p.batch * sq * hq * dv), 0.0);
   r.lse.assign(size_t(p.batch * hq * sq), -std::numeric_limits<double>::infinity());
@@ -86,6 +87,11 @@ NaiveResult naive_attention(const AttentionProblem& p, const NaiveOptions& optio
           std::fill(pi, pi + sk, 0.0f);
           continue;
         }
+        if (options.probs_from_lse) {
+          const float l = p.lse[(b * hq + h) * sq + i];
+          for (int64_t j = 0; j < sk; ++j) pi[j] = pi[j] == -INFINITY ? 0.0f : round_to_dtype(std::exp(pi[j] - l), dt);
+          continue;
+        }
         float sum = 0.0f;
         for (int64_t j = 0; j < sk; ++j) sum += (pi[j] = std::exp(pi[j] - m));
         for (int64_t j = 0; j < sk; ++j) pi[j] = round_to_dtype(pi[j] / sum, dt);
@@ -97,7 +103,8 @@ NaiveResult naive_attention(const AttentionProblem& p, const NaiveOptions& optio
         const float* pi = &prob[size_t(i * sk)];
         float* dsi = &ds[size_t(i * sk)];
         for (int64_t j = 0; j < sk; ++j) dsi[j] = round_to_dtype(dot(gb + i * gs, 1, vb + j * vs, 1, dv), dt);  // dP
-        const float rowsum = round_to_dtype(dot(pi, 1, dsi, 1, sk), dt);
+        const float* oi = options.probs_from_lse ? &out[size_t(((b * sq + i) * hq + h) * dv)] : nullptr;
+        const float rowsum = round_to_dtype(oi ? dot(gb + i * gs, 1, oi, 1, dv) : dot(pi, 1, dsi, 1, sk), dt);
         for (int64_t j = 0; j < sk; ++j) dsi[j] = round_to_dtype(pi[j] * round_to_dtype(dsi[j] - rowsum, dt), dt);
       }
       for (int64_t i = 0; i < sq; ++i)

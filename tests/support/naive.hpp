@@ -24,6 +24,10 @@ struct NaiveOptions {
   // error 2.4e-6 against 3.2e-6), so a test whose Python twin compares with it needs a naive
   // implementation at least that accurate.
   int64_t score_run = 0;
+  // The naive form of a backward over part of the keys (AttentionProblem::partial_keys): P from
+  // the problem's stored L, P = exp(S - L), and D = rowsum(dO * O) from its stored O, as such a
+  // backward must take them (each part sees only its own keys). The forward results stay empty.
+  bool probs_from_lse = false;
 };
 
 NaiveResult naive_attention(const AttentionProblem& problem, const NaiveOptions& options = {});
