@@ -112,19 +112,12 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
     Roles::enter_producer();
     if constexpr (kFusedDq) {
       if (threadIdx.x / 32 == 1) {
-        // The dQ warp: each step's tile into its place in the accumulator (rows past the
-        // sequence land in workspace padding). Whole warps take part in named barriers.
-        for (int it = 0; it < n_iter; ++it) {
-          sm90::named_barrier_sync(sm90::kBwdDqFull, Traits::kDqBarrierThreads);
-          if (threadIdx.x == 32) {
-            sm90::bulk_reduce_add(p.dq_accum + (bwd::ws_row(p, kb.b, kb.head(it)) + kb.q0(it)) * kHeadDim, sdq,
-                                  Traits::kDqTileBytes);
-            sm90::bulk_commit();
-            sm90::bulk_wait_read();
-          }
-          __syncwarp();
-          if (it + 1 < n_iter) sm90::named_barrier_arrive(sm90::kBwdDqEmpty, Traits::kDqBarrierThreads);
-        }
+        // The dQ warp: the one tile's shared memory is free again once the reduction has read it.
+        reduce_dq_tiles<kHeadDim, Traits::kDqTileBytes, Traits::kDqBarrierThreads>(
+            p, kb, n_iter, [sdq](int) { return sdq; }, [](int) {},
+            [n_iter](int it) {
+              if (it + 1 < n_iter) sm90::named_barrier_arrive(sm90::kBwdDqEmpty, Traits::kDqBarrierThreads);
+            });
         return;
       }
     }

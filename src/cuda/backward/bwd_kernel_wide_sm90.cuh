@@ -95,20 +95,11 @@ __global__ void __launch_bounds__(BwdWideSm90Traits<T, kHeadDim>::kThreads, 1)
   if (roles.warpgroup == 0) {
     Roles::enter_producer();
     if (threadIdx.x / 32 == 1) {
-      // The dQ warp: each step's tile into its place in the accumulator (rows past the sequence
-      // land in workspace padding), then the stage is free.
-      for (int it = 0; it < n_iter; ++it) {
-        sm90::named_barrier_sync(sm90::kBwdDqFull, Traits::kDqBarrierThreads);
-        if (threadIdx.x == 32) {
-          const int s = it % kStages;
-          sm90::bulk_reduce_add(p.dq_accum + (bwd::ws_row(p, kb.b, kb.head(it)) + kb.q0(it)) * kHeadDim,
-                                reinterpret_cast<const float*>(stages.q(s)), 2 * QTile::kBytes);
-          sm90::bulk_commit();
-          sm90::bulk_wait_read();
-          ring.release(it);
-        }
-        __syncwarp();
-      }
+      // The dQ warp: the tile lies over its stage's Q and dO, so the stage is free once the
+      // reduction has read it.
+      reduce_dq_tiles<kHeadDim, 2 * QTile::kBytes, Traits::kDqBarrierThreads>(
+          p, kb, n_iter, [stages](int it) { return reinterpret_cast<const float*>(stages.q(it % kStages)); },
+          [ring](int it) { ring.release(it); }, [](int) {});
       return;
     }
     if (threadIdx.x == 0 && n_iter > 0) load_key_block<KVTile>(params, kb, sK, sV, stages, bars);

@@ -100,6 +100,32 @@ __device__ __forceinline__ void load_key_block(const BwdSm90Params& params, cons
   }
 }
 
+// The dQ warp (a warp of the producer warpgroup; whole warps take part in named barriers): each
+// step's fp32 dQ tile of kTileBytes, once the consumers have written it (kBwdDqFull, with
+// kBarrierThreads taking part), added to its place in the workspace accumulator with one bulk
+// reduction (rows past the sequence land in workspace padding). tile(it) is where step it's tile
+// lies; read(it) runs on the warp's first thread (block thread 32) once the reduction has read
+// the tile, done(it) on the whole warp after that. Callers' lambdas capture by value: captured
+// by reference, they changed the consumers' code before the loop (fused kernel) and throughout
+// (wide kernel; SASS).
+template <int kHeadDim, int kTileBytes, int kBarrierThreads, int kBlockN, int kBlockM, class Tile, class Read,
+          class Done>
+__device__ __forceinline__ void reduce_dq_tiles(const bwd::BwdParams& p, const BwdKeyBlock<kBlockN, kBlockM>& kb,
+                                                int n_iter, Tile tile, Read read, Done done) {
+  for (int it = 0; it < n_iter; ++it) {
+    sm90::named_barrier_sync(sm90::kBwdDqFull, kBarrierThreads);
+    if (threadIdx.x == 32) {
+      sm90::bulk_reduce_add(p.dq_accum + (bwd::ws_row(p, kb.b, kb.head(it)) + kb.q0(it)) * kHeadDim, tile(it),
+                            kTileBytes);
+      sm90::bulk_commit();
+      sm90::bulk_wait_read();
+      read(it);
+    }
+    __syncwarp();
+    done(it);
+  }
+}
+
 // S = A_s B_s^T and dP = A_dp B_dp^T over the head dim (every operand K-major in shared memory,
 // ATile and BTile giving the k-step descriptors), issued together and waited for.
 template <class T, int kN, int kHeadDim, class ATile, class BTile>
