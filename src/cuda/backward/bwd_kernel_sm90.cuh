@@ -228,13 +228,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
     }
   }
 
-  const int row0 = 64 * consumer + 16 * warp;  // this warp's first tile row
-  T* gdK = static_cast<T*>(p.dk.ptr) + bwd::seq_base(p, p.dk, kb.b, false) + int64_t(kb.hk) * p.dk.head +
-           int64_t(kb.k0 + row0) * p.dk.seq;
-  T* gdV = static_cast<T*>(p.dv.ptr) + bwd::seq_base(p, p.dv, kb.b, false) + int64_t(kb.hk) * p.dv.head +
-           int64_t(kb.k0 + row0) * p.dv.seq;
-  bwd::store_grad_frag<T>(p.pair_grads, dk, p.scale, gdK, p.dk.seq, kb.k1 - kb.k0 - row0, p.headdim_qk);
-  bwd::store_grad_frag<T>(p.pair_grads, dv, 1.0f, gdV, p.dv.seq, kb.k1 - kb.k0 - row0, p.headdim_v);
+  kb.template store_grads<T>(p, 64 * consumer + 16 * warp, 0, dk, dv);  // from this warp's first tile row
 #endif
 }
 

@@ -193,12 +193,7 @@ __global__ void __launch_bounds__(BwdWideSm90Traits<T, kHeadDim>::kThreads, 1)
       }
     }
 
-    T* gdK = static_cast<T*>(p.dk.ptr) + bwd::seq_base(p, p.dk, kb.b, false) + int64_t(kb.hk) * p.dk.head +
-             int64_t(kb.k0 + 16 * warp) * p.dk.seq + col0;
-    T* gdV = static_cast<T*>(p.dv.ptr) + bwd::seq_base(p, p.dv, kb.b, false) + int64_t(kb.hk) * p.dv.head +
-             int64_t(kb.k0 + 16 * warp) * p.dv.seq + col0;
-    bwd::store_grad_frag<T>(p.pair_grads, dk, p.scale, gdK, p.dk.seq, kb.k1 - kb.k0 - 16 * warp, p.headdim_qk - col0);
-    bwd::store_grad_frag<T>(p.pair_grads, dv, 1.0f, gdV, p.dv.seq, kb.k1 - kb.k0 - 16 * warp, p.headdim_v - col0);
+    kb.template store_grads<T>(p, 16 * warp, col0, dk, dv);
   };
   if (consumer == 0) run(std::integral_constant<int, Traits::kCols0>{});
   else run(std::integral_constant<int, kHeadDim - Traits::kCols0>{});

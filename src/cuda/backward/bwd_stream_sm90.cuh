@@ -14,6 +14,7 @@
 #include "cuda/arch/wgmma_ops.cuh"
 #include "cuda/backward/bwd_grads.cuh"
 #include "cuda/backward/bwd_params_sm90.hpp"
+#include "cuda/backward/bwd_tile_io.cuh"
 #include "cuda/common/bwd_params.hpp"
 
 namespace tileattn::cuda {
@@ -37,6 +38,19 @@ struct BwdKeyBlock {
   }
   __device__ __forceinline__ int head(int it) const { return hk * group + it / queries.count; }
   __device__ __forceinline__ int q0(int it) const { return (queries.first + it % queries.count) * kBlockM; }
+
+  // dK (times the scale) and dV from this thread's accumulators: the warp's rows row0.. of the
+  // block, columns col0.. of the head dim.
+  template <class T, int NT>
+  __device__ __forceinline__ void store_grads(const bwd::BwdParams& p, int row0, int col0,
+                                              const float (&dk)[1][NT][4], const float (&dv)[1][NT][4]) const {
+    T* gdK = static_cast<T*>(p.dk.ptr) + bwd::seq_base(p, p.dk, b, false) + int64_t(hk) * p.dk.head +
+             int64_t(k0 + row0) * p.dk.seq + col0;
+    T* gdV = static_cast<T*>(p.dv.ptr) + bwd::seq_base(p, p.dv, b, false) + int64_t(hk) * p.dv.head +
+             int64_t(k0 + row0) * p.dv.seq + col0;
+    bwd::store_grad_frag<T>(p.pair_grads, dk, p.scale, gdK, p.dk.seq, k1 - k0 - row0, p.headdim_qk - col0);
+    bwd::store_grad_frag<T>(p.pair_grads, dv, 1.0f, gdV, p.dv.seq, k1 - k0 - row0, p.headdim_v - col0);
+  }
 };
 
 // kStages stages of one step each, from `base`: Q, dO (tiles of kBlockM rows), then the rows'
