@@ -1,8 +1,9 @@
 #pragma once
-// What the Hopper backward kernels that own a block of keys share: the block and its query steps,
-// the stage format the producer streams them in, the producer thread itself, the two score
-// products every step of every Hopper backward kernel starts with, and the step from them to P and
-// dS (with ALiBi's bias in the kernels' kAlibi instances).
+// What the Hopper backward kernels share: the block of keys (or queries) and its steps, the
+// barriers of what a block loads once beside its stage ring (BwdBarriers), the stage format and
+// the producer thread that streams them, the two score products every step starts with, the step
+// from them to P and dS (with ALiBi's bias in the kAlibi instances), the dQ warp's reduction loop
+// (reduce_dq_tiles) and the dK/dV epilogue (BwdKeyBlock::store_grads).
 #include <cuda_runtime.h>
 
 #include <cstdint>
