@@ -33,3 +33,12 @@ def fresh_seed(request):
 @pytest.fixture
 def cuda():
     return torch.device("cuda", torch.cuda.current_device())
+
+
+@pytest.fixture
+def precision():
+    """Restores PyTorch's fp32 matmul switch (which selects tileattn's fp32 fast mode) after a test."""
+    saved = torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32
+    yield
+    torch.set_float32_matmul_precision(saved[0])
+    torch.backends.cuda.matmul.allow_tf32 = saved[1]

@@ -232,18 +232,10 @@ def test_cuda_dropout_is_reproducible_from_the_seed():
     assert not torch.equal(a, tileattn.flash_attn_func(q, q, q, dropout_p=0.2))
 
 
-@pytest.fixture
-def matmul_precision():
-    saved = torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32
-    yield
-    torch.set_float32_matmul_precision(saved[0])
-    torch.backends.cuda.matmul.allow_tf32 = saved[1]
-
-
 @CUDA
 @pytest.mark.parametrize("fast", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
-def test_cuda_fp32_dropout_against_float64_with_the_returned_mask(matmul_precision, fast, causal):
+def test_cuda_fp32_dropout_against_float64_with_the_returned_mask(precision, fast, causal):
     # fp32 on the GPU: the returned keep mask rebuilds the float64 reference, and the 2x rule holds
     # against the same computation in fp32 on the CPU. Fast mode (TF32 products in the forward) bounds
     # out and lse by 16 TF32 roundoffs of the largest value instead; the backward is exact in both.

@@ -10,14 +10,6 @@ import tileattn
 from tileattn import _ops
 
 
-@pytest.fixture
-def precision():
-    saved = torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32
-    yield
-    torch.set_float32_matmul_precision(saved[0])
-    torch.backends.cuda.matmul.allow_tf32 = saved[1]
-
-
 class _Recorder:
     """Stands in for the extension module, recording the fp32_fast each call is built with."""
 
