@@ -6,7 +6,7 @@
 //   dS             from S, dP and the rows' L and D (bwd_grads.cuh, per element)
 //   dQ += dS K     wgmma, dS from registers, K read N-major
 // No atomics: every dQ element is summed by one thread in a fixed order. kAlibi: dS carries
-// ALiBi's bias through P (step_grads, bwd_stream_sm90.cuh), in an instance of its own.
+// ALiBi's bias through P (bwd::grads_to_fragments, bwd_grads.cuh), in an instance of its own.
 #include <cuda_runtime.h>
 
 #include "common/mask.hpp"
@@ -133,7 +133,7 @@ __global__ void __launch_bounds__(DqSm90Traits<T, kHeadDim>::kThreads, 1)
       uint32_t pa[BN / 16][4], da[BN / 16][4];
       grads.col0 = key0;
       const bool masked = !(key0 >= full_begin && key0 + BN <= full_end);
-      step_grads<T, false, kAlibi>(masked, st, dpt, grads, slope, p, pa, da);
+      bwd::grads_to_fragments<T, false, kAlibi>(masked, st, dpt, grads, p, pa, da, slope);
 
       sm90::fence_registers(dq[0]);
       sm90::wgmma_fence();

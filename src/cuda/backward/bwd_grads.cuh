@@ -212,11 +212,13 @@ struct Fragment {
 
 // s, dp: m64nN accumulators (per warp the mma.sync C layout). Writes P and dS rounded to T as
 // A fragments of the next product (k-step ks covers columns 16 ks .. 16 ks + 15); fp32 never
-// comes here.
-template <class T, bool kRowsAreKeys, bool kCapped, bool kMasked, int NT>
+// comes here. kAlibi adds ALiBi's bias of slope `slope` (natural units, as prob_of_score takes
+// it) at the mask's indices; L comes without the causal form's offset (the preprocess took it
+// off), so P is the forward's, and the bias is constant in s: dS needs nothing more from it.
+template <class T, bool kRowsAreKeys, bool kCapped, bool kMasked, bool kAlibi, int NT>
 __device__ __forceinline__ void grads_to_fragments(const float (&s)[1][NT][4], const float (&dp)[1][NT][4],
                                                    const Fragment& f, const BwdParams& p, uint32_t (&pa)[NT / 2][4],
-                                                   uint32_t (&da)[NT / 2][4]) {
+                                                   uint32_t (&da)[NT / 2][4], [[maybe_unused]] float slope) {
   static_assert(!std::is_same_v<T, float>, "16-bit inputs only");
   const int t = threadIdx.x % 4;
 #pragma unroll
@@ -229,12 +231,22 @@ __device__ __forceinline__ void grads_to_fragments(const float (&s)[1][NT][4], c
         const int c = j * 8 + 2 * t + e;
         const float l = kRowsAreKeys ? f.col_lse2[c] : f.row_lse2[half];
         const float d = kRowsAreKeys ? f.col_dsum[c] : f.row_dsum[half];
-        float cap;
-        float pe = prob_of_score<T, kCapped>(s[0][j][2 * half + e], l, 1.0f, p, cap);
-        if constexpr (kMasked) {
-          const int qi = kRowsAreKeys ? f.col0 + c : f.row + 8 * half;
-          const int kj = kRowsAreKeys ? f.row + 8 * half : f.col0 + c;
-          if (!f.mask.visible(qi, kj)) pe = 0.0f;
+        // The element's query and key (sequence positions).
+        auto query = [&] { return kRowsAreKeys ? f.col0 + c : f.row + 8 * half; };
+        auto key = [&] { return kRowsAreKeys ? f.row + 8 * half : f.col0 + c; };
+        // (Read once per element, where the bias needs them too: ptxas keeps each instance's code
+        // as it was before the two forms shared this function.)
+        float cap, pe;
+        if constexpr (kAlibi) {
+          const int qi = query(), kj = key();
+          const float bias = ScoreMod::alibi_bias(slope, qi, kj, f.mask.seqlen_q, f.mask.seqlen_k);
+          pe = prob_of_score<T, kCapped, true>(s[0][j][2 * half + e], l, 1.0f, p, cap, bias);
+          if constexpr (kMasked)
+            if (!f.mask.visible(qi, kj)) pe = 0.0f;
+        } else {
+          pe = prob_of_score<T, kCapped>(s[0][j][2 * half + e], l, 1.0f, p, cap);
+          if constexpr (kMasked)
+            if (!f.mask.visible(query(), key())) pe = 0.0f;
         }
         pv[e] = pe;
         ds[e] = grad_of_prob<kCapped>(pe, dp[0][j][2 * half + e], d, cap, p);
@@ -244,18 +256,19 @@ __device__ __forceinline__ void grads_to_fragments(const float (&s)[1][NT][4], c
     }
 }
 
-// The variant for this tile: soft-capping per problem, masking per tile.
-template <class T, bool kRowsAreKeys, int NT>
+// The variant for this tile: soft-capping per problem, masking per tile; ALiBi per kernel
+// instance (slope: the tile's sequence and query head).
+template <class T, bool kRowsAreKeys, bool kAlibi = false, int NT>
 __device__ __forceinline__ void grads_to_fragments(bool masked, const float (&s)[1][NT][4],
                                                    const float (&dp)[1][NT][4], const Fragment& f,
                                                    const BwdParams& p, uint32_t (&pa)[NT / 2][4],
-                                                   uint32_t (&da)[NT / 2][4]) {
+                                                   uint32_t (&da)[NT / 2][4], float slope = 0.0f) {
   if (p.softcap > 0.0f) {
-    if (masked) grads_to_fragments<T, kRowsAreKeys, true, true>(s, dp, f, p, pa, da);
-    else grads_to_fragments<T, kRowsAreKeys, true, false>(s, dp, f, p, pa, da);
+    if (masked) grads_to_fragments<T, kRowsAreKeys, true, true, kAlibi>(s, dp, f, p, pa, da, slope);
+    else grads_to_fragments<T, kRowsAreKeys, true, false, kAlibi>(s, dp, f, p, pa, da, slope);
   } else {
-    if (masked) grads_to_fragments<T, kRowsAreKeys, false, true>(s, dp, f, p, pa, da);
-    else grads_to_fragments<T, kRowsAreKeys, false, false>(s, dp, f, p, pa, da);
+    if (masked) grads_to_fragments<T, kRowsAreKeys, false, true, kAlibi>(s, dp, f, p, pa, da, slope);
+    else grads_to_fragments<T, kRowsAreKeys, false, false, kAlibi>(s, dp, f, p, pa, da, slope);
   }
 }
 

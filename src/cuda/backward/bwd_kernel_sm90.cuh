@@ -21,7 +21,7 @@
 // run; the deterministic mode runs without kFusedDq and gives dQ its own pass
 // (bwd_dq_kernel_sm90.cuh).
 //
-// kAlibi: P carries ALiBi's bias (step_grads, bwd_stream_sm90.cuh); an instance of its own, so
+// kAlibi: P carries ALiBi's bias (bwd::grads_to_fragments, bwd_grads.cuh); an instance of its own, so
 // that the kernels without it keep their registers.
 //
 // Named barriers (kFusedDq only; pipeline_sm90.cuh): kBwdDsReady both consumers' dS^T written;
@@ -163,7 +163,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
       const bool masked = !(kb.mask.full_begin_key(q1) <= kb.k0 && kb.mask.full_end_key(q0) >= kb.k0 + BN);
       uint32_t pa[BM / 16][4], da[BM / 16][4];
       const bwd::Fragment grads{stages.lse2(s), stages.dsum(s), {0.0f, 0.0f}, {0.0f, 0.0f}, q0, kb.k0 + key_row, kb.mask};
-      step_grads<T, true, kAlibi>(masked, st, dpt, grads, slope, p, pa, da);
+      bwd::grads_to_fragments<T, true, kAlibi>(masked, st, dpt, grads, p, pa, da, slope);
 
       sm90::fence_registers(dv[0]);
       sm90::fence_registers(dk[0]);

@@ -13,7 +13,7 @@
 // written once. Named barriers (pipeline_sm90.cuh): kBwdPdsReady the step's P^T and dS^T
 // written; kBwdDqFull a dQ tile written (consumers arrive, the dQ warp waits); kBwdStepDone both
 // consumers' products of the step done.
-// kAlibi: P carries ALiBi's bias (step_grads, bwd_stream_sm90.cuh), in an instance of its own.
+// kAlibi: P carries ALiBi's bias (bwd::grads_to_fragments, bwd_grads.cuh), in an instance of its own.
 #include <cuda_runtime.h>
 
 #include <type_traits>
@@ -142,7 +142,7 @@ __global__ void __launch_bounds__(BwdWideSm90Traits<T, kHeadDim>::kThreads, 1)
         uint32_t pa[BM / 32][4], da[BM / 32][4];
         const bwd::Fragment grads{stages.lse2(s) + 32 * consumer, stages.dsum(s) + 32 * consumer, {0.0f, 0.0f},
                                   {0.0f, 0.0f}, q0 + 32 * consumer, kb.k0 + key_row, kb.mask};
-        step_grads<T, true, kAlibi>(masked, st, dpt, grads, slope, p, pa, da);
+        bwd::grads_to_fragments<T, true, kAlibi>(masked, st, dpt, grads, p, pa, da, slope);
 
         // Into the (keys x queries) tiles: A fragment (ks, i) holds rows g + 8 (i % 2) and this
         // consumer's columns 32 c + 16 ks + 8 (i / 2) + 2 t, + 1.

@@ -1,8 +1,8 @@
 #pragma once
 // What the Hopper backward kernels share: the block of keys (or queries) and its steps, the
 // barriers of what a block loads once beside its stage ring (BwdBarriers), the stage format and
-// the producer thread that streams them, the two score products every step starts with, the step
-// from them to P and dS (with ALiBi's bias in the kAlibi instances), the dQ warp's reduction loop
+// the producer thread that streams them, the two score products every step starts with (the step
+// from them to P and dS is bwd::grads_to_fragments, bwd_grads.cuh), the dQ warp's reduction loop
 // (reduce_dq_tiles) and the dK/dV epilogue (BwdKeyBlock::store_grads).
 #include <cuda_runtime.h>
 
@@ -159,58 +159,5 @@ __device__ __forceinline__ void score_products(float (&s)[1][kN / 8][4], float (
   sm90::fence_registers(dp[0]);
 }
 #endif
-
-// bwd::grads_to_fragments with ALiBi: P = exp(cap(scale s) + bias - L), the bias in natural units
-// at the mask's indices (the portable backward's form, prob_of_score), of slope `slope` (the
-// step's sequence and query head). L comes without the causal form's offset (the preprocess took
-// it off), so P is the forward's. The bias is constant in s: dS needs nothing more from it.
-template <class T, bool kRowsAreKeys, bool kCapped, bool kMasked, int NT>
-__device__ __forceinline__ void alibi_grads_to_fragments(const float (&s)[1][NT][4], const float (&dp)[1][NT][4],
-                                                         const bwd::Fragment& f, float slope, const bwd::BwdParams& p,
-                                                         uint32_t (&pa)[NT / 2][4], uint32_t (&da)[NT / 2][4]) {
-  const int t = threadIdx.x % 4;
-#pragma unroll
-  for (int j = 0; j < NT; ++j)
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      float pv[2], ds[2];
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int c = j * 8 + 2 * t + e;
-        const float l = kRowsAreKeys ? f.col_lse2[c] : f.row_lse2[half];
-        const float d = kRowsAreKeys ? f.col_dsum[c] : f.row_dsum[half];
-        const int qi = kRowsAreKeys ? f.col0 + c : f.row + 8 * half;
-        const int kj = kRowsAreKeys ? f.row + 8 * half : f.col0 + c;
-        const float bias = ScoreMod::alibi_bias(slope, qi, kj, f.mask.seqlen_q, f.mask.seqlen_k);
-        float cap;
-        float pe = bwd::prob_of_score<T, kCapped, true>(s[0][j][2 * half + e], l, 1.0f, p, cap, bias);
-        if constexpr (kMasked) {
-          if (!f.mask.visible(qi, kj)) pe = 0.0f;
-        }
-        pv[e] = pe;
-        ds[e] = bwd::grad_of_prob<kCapped>(pe, dp[0][j][2 * half + e], d, cap, p);
-      }
-      pa[j / 2][2 * (j % 2) + half] = pack2<T>(pv[0], pv[1]);
-      da[j / 2][2 * (j % 2) + half] = pack2<T>(ds[0], ds[1]);
-    }
-}
-
-// P and dS of one step as A fragments: bwd::grads_to_fragments, or with kAlibi the variant above
-// (soft-capping per problem, masking per tile, as there).
-template <class T, bool kRowsAreKeys, bool kAlibi, int NT>
-__device__ __forceinline__ void step_grads(bool masked, const float (&s)[1][NT][4], const float (&dp)[1][NT][4],
-                                           const bwd::Fragment& f, [[maybe_unused]] float slope,
-                                           const bwd::BwdParams& p, uint32_t (&pa)[NT / 2][4],
-                                           uint32_t (&da)[NT / 2][4]) {
-  if constexpr (!kAlibi) {
-    bwd::grads_to_fragments<T, kRowsAreKeys>(masked, s, dp, f, p, pa, da);
-  } else if (p.softcap > 0.0f) {
-    if (masked) alibi_grads_to_fragments<T, kRowsAreKeys, true, true>(s, dp, f, slope, p, pa, da);
-    else alibi_grads_to_fragments<T, kRowsAreKeys, true, false>(s, dp, f, slope, p, pa, da);
-  } else {
-    if (masked) alibi_grads_to_fragments<T, kRowsAreKeys, false, true>(s, dp, f, slope, p, pa, da);
-    else alibi_grads_to_fragments<T, kRowsAreKeys, false, false>(s, dp, f, slope, p, pa, da);
-  }
-}
 
 }  // namespace tileattn::cuda
