@@ -48,6 +48,23 @@ _MODES = ("ring", "allgather")
 
 # ---- the process group and the split ----------------------------------------------------------
 
+def _check_shards(q: Tensor, k: Tensor, v: Tensor, mode: str, rank: int, dims: str, token_dim: int,
+                  what: str) -> None:
+    """The rules every form of the call shares: the mode, q/k/v tensors of `rank` dimensions with
+    the same number of local tokens along `token_dim` (`what` they are, for the message)."""
+    if mode not in _MODES:
+        raise ValueError(f"mode={mode!r} must be one of {_MODES}")
+    for t, name in ((q, "q"), (k, "k"), (v, "v")):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != rank:
+            raise ValueError(f"{name} must have {rank} dimensions {dims}, got shape {tuple(t.shape)}")
+    n = token_dim
+    if k.shape[n] != q.shape[n] or v.shape[n] != q.shape[n]:
+        raise ValueError(f"k.shape[{n}]={k.shape[n]} and v.shape[{n}]={v.shape[n]} must equal "
+                         f"q.shape[{n}]={q.shape[n]} (q, k and v are {what})")
+
+
 def _group_rank_size(group) -> tuple[int, int]:
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("tileattn.distributed needs an initialised torch.distributed process group "
@@ -429,17 +446,7 @@ def context_parallel_attn(q: Tensor, k: Tensor, v: Tensor, group=None, causal: b
     same sequence); GQA/MQA take fewer K/V heads. Differentiable in q, k and v; every rank of the
     group must call it with the same shapes and options.
     """
-    if mode not in _MODES:
-        raise ValueError(f"mode={mode!r} must be one of {_MODES}")
-    for t, name in ((q, "q"), (k, "k"), (v, "v")):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must have 4 dimensions (batch, seqlen_local, heads, headdim), "
-                             f"got shape {tuple(t.shape)}")
-    if k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]:
-        raise ValueError(f"k.shape[1]={k.shape[1]} and v.shape[1]={v.shape[1]} must equal q.shape[1]={q.shape[1]} "
-                         "(q, k and v are shards of one sequence)")
+    _check_shards(q, k, v, mode, 4, "(batch, seqlen_local, heads, headdim)", 1, "shards of one sequence")
     if causal and q.shape[1] % 2 != 0:
         raise ValueError(f"q.shape[1]={q.shape[1]} must be even (causal: two zig-zag chunks per rank)")
     cfg = _config(q, group, causal, mode, softmax_scale, window_size, softcap)

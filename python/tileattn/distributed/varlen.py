@@ -27,8 +27,8 @@ import torch
 from torch import Tensor
 
 from .. import _ops
-from .context_parallel import (_MODES, _all_gather, _block, _call_backward, _Config, _config, _group_rank_size, _pack,
-                               _reduce_scatter, _ring_backward_walk, _ring_walk, _segments, _unpack)
+from .context_parallel import (_all_gather, _block, _call_backward, _check_shards, _Config, _config, _group_rank_size,
+                               _pack, _reduce_scatter, _ring_backward_walk, _ring_walk, _segments, _unpack)
 from .merge import merge_attention
 
 __all__ = ["shard_varlen", "unshard_varlen", "shard_cu_seqlens", "context_parallel_attn_varlen"]
@@ -322,17 +322,7 @@ def context_parallel_attn_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Te
     does. Differentiable in q, k and v. cu_seqlens is read on the host once per forward (one copy
     and stream sync on CUDA); the backward reuses what was read.
     """
-    if mode not in _MODES:
-        raise ValueError(f"mode={mode!r} must be one of {_MODES}")
-    for t, name in ((q, "q"), (k, "k"), (v, "v")):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 3:
-            raise ValueError(f"{name} must have 3 dimensions (total_tokens_local, heads, headdim), "
-                             f"got shape {tuple(t.shape)}")
-    if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
-        raise ValueError(f"k.shape[0]={k.shape[0]} and v.shape[0]={v.shape[0]} must equal q.shape[0]={q.shape[0]} "
-                         "(q, k and v are parts of one packed batch)")
+    _check_shards(q, k, v, mode, 3, "(total_tokens_local, heads, headdim)", 0, "parts of one packed batch")
     cfg = _config(q, group, causal, mode, softmax_scale, window_size, softcap)
     rank, world = _group_rank_size(group)
     cu = _read_cu_seqlens(cu_seqlens, q, "q", world, cfg.causal)
