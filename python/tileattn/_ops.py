@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import functools
+import os
+import warnings
 from typing import Optional
 
 import torch
@@ -25,6 +28,27 @@ import torch.utils.dlpack
 from torch import Tensor
 
 from . import _ext
+
+
+def _load_torch_ops() -> Optional[ctypes.CDLL]:
+    """The PyTorch operator library (python/src/torch_ops.cpp): both attention operators with their
+    CPU, CUDA and Autograd kernels in C++, built against the PyTorch present when the package was
+    built. None where it was not built, where it does not load (another PyTorch since), or where
+    TILEATTN_TORCH_OPS=0 asks for the Python registration below; that one computes the same
+    results over _ext, at a higher host cost per call."""
+    path = os.path.join(os.path.dirname(__file__), "_torch_ops.so")
+    if os.environ.get("TILEATTN_TORCH_OPS", "1") == "0" or not os.path.exists(path):
+        return None
+    try:
+        torch.ops.load_library(path)
+        return ctypes.CDLL(path)
+    except (OSError, RuntimeError) as e:
+        warnings.warn(f"tileattn: the PyTorch operator library did not load ({e}); the operators are "
+                      "registered in Python instead, which costs more host time per call", RuntimeWarning)
+        return None
+
+
+_torch_ops = _load_torch_ops()
 
 __all__ = ["attention_forward", "attention_backward", "softmax_matmul", "attention"]
 
@@ -83,6 +107,8 @@ def check_cu_seqlens(enabled: bool = True) -> None:
     being captured the check is skipped.
     """
     _checks["cu_seqlens"] = bool(enabled)
+    if _torch_ops is not None:
+        _torch_ops.tileattn_set_check_cu_seqlens(int(bool(enabled)))
 
 
 def _num_threads(device: torch.device) -> int:
@@ -320,14 +346,17 @@ def plan_cache_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[T
     return out, lse, run
 
 
-# The two attention operators are registered with torch.library.Library directly rather than
-# through torch.library.custom_op: custom_op wraps every call in an aliasing check and a dynamo
-# guard that cost about 110 us a call on an H100 host (more than the rest of the call), and
-# these implementations return fresh tensors by construction.
+# Without the operator library the two attention operators are registered here, with
+# torch.library.Library directly rather than through torch.library.custom_op: custom_op wraps every
+# call in an aliasing check and a dynamo guard that cost about 110 us a call on an H100 host (more
+# than the rest of the call), and these implementations return fresh tensors by construction. The
+# schemas are torch_ops.cpp's, word for word.
 _lib = torch.library.Library("tileattn", "FRAGMENT")
 
 
 def _define(name: str, schema: str, impl) -> None:
+    if _torch_ops is not None:
+        return
     _lib.define(f"{name}{schema}")
     for key in ("CPU", "CUDA"):
         _lib.impl(name, impl, key)
@@ -496,7 +525,9 @@ try:
     from torch._library.autograd import Info as _AutogradInfo, make_autograd_impl as _make_autograd_impl
 except ImportError:  # a torch without these internals keeps the public registration alone
     _make_autograd_impl = None
-if _make_autograd_impl is not None:
+if _torch_ops is not None:
+    pass  # torch_ops.cpp registers the Autograd kernel
+elif _make_autograd_impl is not None:
     _lib.impl("attention_forward",
               _forward_autograd_kernel(_make_autograd_impl(torch.ops.tileattn.attention_forward.default,
                                                            _AutogradInfo(_forward_backward, _forward_setup_context))),
@@ -514,6 +545,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], c
     """(out, lse), differentiable in q, k, v: what the public functions call. Under torch.compile
     it is the ``tileattn::attention_forward`` operator (traced, no graph break), in eager mode the
     same computation without the operator dispatch."""
+    if _torch_ops is not None:
+        # One dispatcher call: the operator library's Autograd and backend kernels do the rest.
+        op = torch.ops.tileattn.attention_forward if torch.compiler.is_compiling() else _forward_op
+        return op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                  window_left, window_right, softcap, deterministic, alibi_slopes, dropout_p, dropout_rng)
     options = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, deterministic,
                alibi_slopes, dropout_p, dropout_rng)
     if torch.compiler.is_compiling() or not _plain_on_one_device(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes):
@@ -525,6 +561,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], c
         return _forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, *options)
     return _EagerAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, options)
 
+
+# The overload's own builtin: calling it skips OpOverload.__call__'s Python frame.
+_forward_op = getattr(torch.ops.tileattn.attention_forward.default, "_op", torch.ops.tileattn.attention_forward.default)
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 

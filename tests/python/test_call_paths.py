@@ -1,7 +1,14 @@
-"""The short paths a call takes (tileattn._ops): an ordinary call builds the extension's call once
-per pass, whatever its options; a call the extension refuses is redone by the checked path, which
-raises its own message; the operator's Autograd kernel goes straight to the implementation for plain
-tensors and leaves everything else (dispatch modes, tracing) to torch.library's kernel."""
+"""The paths a call takes (tileattn._ops). Where the operator library (python/src/torch_ops.cpp) is
+built, an eager call is one dispatcher call into it and builds no tileattn._ext call. The Python
+route (the registration used without the library, and tileattn.distributed's partial calls) builds
+the extension's call once per pass, whatever its options; a call the extension refuses is redone by
+the checked path, which raises its own message. Either way the operator's Autograd kernel gives the
+oracle's gradients, and a dispatch mode sees the operator, not the calls inside it."""
+
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -28,9 +35,64 @@ class _Counter:
 
 @pytest.fixture
 def counter(monkeypatch):
+    """Counts the extension calls of the Python route (taken as if the operator library were absent)."""
     c = _Counter(_ops._ext)
     monkeypatch.setattr(_ops, "_ext", c)
+    monkeypatch.setattr(_ops, "_torch_ops", None)
     return c
+
+
+_LIBRARY_BUILT = os.path.exists(os.path.join(os.path.dirname(_ops.__file__), "_torch_ops.so"))
+
+
+@pytest.mark.skipif(not _LIBRARY_BUILT, reason="the package was built without the PyTorch operator library")
+def test_operator_library_serves_eager_calls(monkeypatch):
+    """With the library loaded, forward and backward never build a tileattn._ext call: the
+    dispatcher goes straight to the C++ kernels."""
+    assert _ops._torch_ops is not None
+    c = _Counter(_ops._ext)
+    monkeypatch.setattr(_ops, "_ext", c)
+    q, k, v = (torch.randn(1, 6, 2, 8, requires_grad=True) for _ in range(3))
+    out = tileattn.flash_attn_func(q, k, v, causal=True)
+    out.sum().backward()
+    assert c.built == 0
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, _ = naive.attention(qd, kd, vd, causal=True)
+    ref.sum().backward()
+    _assert_close_to_oracle(out, ref.detach(), "out")
+    for ours, exact, name in ((q.grad, qd.grad, "dq"), (k.grad, kd.grad, "dk"), (v.grad, vd.grad, "dv")):
+        _assert_close_to_oracle(ours, exact, name)
+
+
+def test_python_registration_without_the_library():
+    """TILEATTN_TORCH_OPS=0 (as a PyTorch the library was not built for) registers the operators in
+    Python: values, gradients, refusals and a fullgraph compile still hold."""
+    script = textwrap.dedent("""
+        import torch, tileattn
+        from tileattn import _ops
+        assert _ops._torch_ops is None
+        q, k, v = (torch.randn(2, 7, 2, 16, dtype=torch.float64).float().requires_grad_() for _ in range(3))
+        out = tileattn.flash_attn_func(q, k, v, causal=True)
+        out.sum().backward()
+        qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+        s = torch.einsum("bqhd,bkhd->bhqk", qd, kd) / 4.0
+        s = s.masked_fill(torch.ones(7, 7, dtype=torch.bool).triu(1), float("-inf"))
+        ref = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), vd)
+        ref.sum().backward()
+        for ours, exact in ((out, ref), (q.grad, qd.grad), (k.grad, kd.grad), (v.grad, vd.grad)):
+            assert (ours.double() - exact).abs().max().item() < 1e-5
+        try:
+            tileattn.flash_attn_func(q, k.half(), v)
+            raise SystemExit("a float16 k was accepted")
+        except TypeError as e:
+            assert "k.dtype=float16 must equal q.dtype=float32" in str(e)
+        f = torch.compile(lambda a, b, c: tileattn.flash_attn_func(a, b, c), fullgraph=True, backend="eager")
+        assert torch.equal(f(q, k, v), tileattn.flash_attn_func(q, k, v))
+        print("ok")
+    """)
+    env = dict(os.environ, TILEATTN_TORCH_OPS="0")
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
 
 
 def _assert_close_to_oracle(ours, ref, what):
@@ -84,7 +146,10 @@ def test_one_extension_call_per_pass(counter, case):
             _assert_close_to_oracle(ours, exact, name)
 
 
-def test_refused_call_gives_the_checked_message(counter):
+@pytest.mark.parametrize("route", ["as_built", "python"])
+def test_refused_call_gives_the_checked_message(monkeypatch, route):
+    if route == "python":
+        monkeypatch.setattr(_ops, "_torch_ops", None)
     q = torch.randn(1, 4, 2, 16)
     k = torch.randn(1, 4, 2, 16, dtype=torch.float16)
     with pytest.raises(TypeError, match=r"k\.dtype=float16 must equal q\.dtype=float32"):
@@ -97,7 +162,7 @@ def test_refused_call_gives_the_checked_message(counter):
 
 def test_operator_call_is_differentiable():
     """torch.ops.tileattn.attention_forward called directly on tensors that require grad: the
-    Autograd kernel's direct path gives the oracle's gradients."""
+    operator's Autograd kernel (C++ or Python, as registered) gives the oracle's gradients."""
     q, k, v = (torch.randn(1, 7, 2, 8, dtype=torch.float32, requires_grad=True) for _ in range(3))
     out, lse = torch.ops.tileattn.attention_forward(q, k, v, None, None, 0, 0, None, True, -1, -1, 0.0, False)
     assert out.requires_grad and not lse.requires_grad
@@ -143,8 +208,8 @@ class _Recording(TorchDispatchMode):
 
 
 def test_dispatch_mode_sees_the_operator():
-    """Under a dispatch mode the Autograd kernel leaves the call to torch.library's kernel, so the
-    mode sees the operator (as tracing does) instead of the calls inside its implementation."""
+    """Under a dispatch mode the Autograd kernel calls the operator below autograd, so the mode sees
+    the operator (as tracing does) instead of the calls inside its implementation."""
     q, k, v = (torch.randn(1, 6, 1, 8, requires_grad=True) for _ in range(3))
     with _Recording() as mode:
         out, _ = torch.ops.tileattn.attention_forward(q, k, v, None, None, 0, 0, None, False, -1, -1, 0.0, False)

@@ -30,8 +30,10 @@ class _Recorder:
 
 @pytest.mark.parametrize("setting,fast", [("highest", False), ("high", True), ("medium", True), ("tf32", True)])
 def test_each_call_reads_the_switch(monkeypatch, precision, setting, fast):
+    """On the Python route (the operator library reads the same switch in C++: the GPU test below)."""
     recorder = _Recorder(_ops._ext)
     monkeypatch.setattr(_ops, "_ext", recorder)
+    monkeypatch.setattr(_ops, "_torch_ops", None)
     torch.set_float32_matmul_precision("highest")
     if setting == "tf32":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -72,3 +74,6 @@ def test_cuda_fast_mode_is_tf32_and_highest_is_exact(cuda, precision):
     assert not torch.equal(fast, exact), "precision 'high' did not reach the fast mode"
     # TF32 keeps 10 mantissa bits: errors near 2^-11 relative per product.
     assert naive.max_error(fast, ref) < 5e-3
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    assert torch.equal(tileattn.flash_attn_func(q, k, v), fast), "allow_tf32 did not reach the fast mode"

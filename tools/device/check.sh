@@ -21,7 +21,8 @@
 #   --jobs N              build parallelism (default: all cores)
 #   --build-dir DIR       (default build-device; the package builds in DIR/pip)
 #   --python-bench        also `python -m tileattn.bench.attention --preset h100` (needs --pytest)
-#   --overhead            also `python -m tileattn.bench.overhead` (host overhead beside SDPA; needs --pytest)
+#   --overhead            also `python -m tileattn.bench.overhead` (host overhead beside SDPA; needs --pytest),
+#                         once as built and once with TILEATTN_TORCH_OPS=0
 #   --decode              also `python -m tileattn.bench.decode` (KV-cache decode GB/s beside SDPA; needs --pytest)
 #   --profile             also Nsight Compute (full set) on one forward kernel
 #   --profile-smm         also Nsight Compute (full set, SASS stall samples) on the fp32 softmax_matmul
@@ -275,6 +276,12 @@ if [[ $OVERHEAD -eq 1 && "$PYTEST" != none ]]; then
     run "$LOG/overhead.log" python3 -m tileattn.bench.overhead --csv "$(realpath -m "$LOG")/overhead.csv"
   note "overhead: rc=$? $(( $(now) - t0 ))s"
   cat "$LOG/overhead.log" | tee -a "$SUMMARY"
+  # The same bench with the operators registered in Python (the package's fallback), for an A/B.
+  TILEATTN_TORCH_OPS=0 PYTHONPATH="$(realpath -m "$PYTARGET")${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 \
+    run "$LOG/overhead_python_ops.log" python3 -m tileattn.bench.overhead \
+    --csv "$(realpath -m "$LOG")/overhead_python_ops.csv"
+  note "overhead, Python registration (TILEATTN_TORCH_OPS=0):"
+  cat "$LOG/overhead_python_ops.log" | tee -a "$SUMMARY"
 fi
 
 # ---- decode bandwidth over a key/value cache, beside SDPA ------------------------------------

@@ -1,0 +1,306 @@
+// tileattn's two attention operators as a PyTorch operator library: the schemas, the CPU and CUDA
+// kernels and the autograd formula, all in C++. A call (eager, or from a torch.compile graph) goes
+// from the dispatcher straight to the library and never re-enters Python, so its host cost is that
+// of any ATen operator. The fake (meta) implementations stay in Python (tileattn/_ops.py), where
+// they are only needed while tracing. Built against the PyTorch present at build time; where it
+// is missing or does not load, _ops.py registers the same operators in Python over tileattn._ext.
+#include <ATen/Context.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros_like.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <optional>
+#include <tuple>
+
+#include "tensor_args.hpp"
+#include "tileattn/tileattn.hpp"
+
+namespace {
+
+using namespace tileattn::bind;
+using at::Tensor;
+using OptTensor = std::optional<Tensor>;
+using c10::SymInt;
+
+// tileattn.check_cu_seqlens(): the opt-in host check of device offsets (tileattn/_ops.py).
+std::atomic<bool> g_check_cu_seqlens{false};
+
+DType dl_type(at::ScalarType s) {
+  switch (s) {
+    case at::kFloat: return {DType::Float, 32};
+    case at::kHalf: return {DType::Float, 16};
+    case at::kBFloat16: return {DType::Bfloat, 16};
+    case at::kDouble: return {DType::Float, 64};
+    case at::kInt: return {DType::Int, 32};
+    case at::kLong: return {DType::Int, 64};
+    case at::kShort: return {DType::Int, 16};
+    case at::kChar: return {DType::Int, 8};
+    case at::kByte: return {DType::UInt, 8};
+    case at::kBool: return {DType::Bool, 8};
+    case at::kComplexFloat: return {DType::Complex, 64};
+    case at::kComplexDouble: return {DType::Complex, 128};
+    default: return {};
+  }
+}
+
+TensorRef tensor_ref(const Tensor& t) {
+  TensorRef r;
+  r.ptr = t.data_ptr();
+  r.type = dl_type(t.scalar_type());
+  if (r.type.code == DType::Other) r.type_text = c10::toString(t.scalar_type());
+  r.device = t.is_cuda() ? kCuda : t.is_cpu() ? kCpu : 0;
+  r.device_index = t.is_cuda() ? t.device().index() : 0;
+  r.rank = size_t(t.dim());
+  r.sizes = t.sizes().data();
+  r.steps = t.strides().data();
+  return r;
+}
+OptRef tensor_ref(const OptTensor& t) { return t && t->defined() ? OptRef(tensor_ref(*t)) : std::nullopt; }
+
+// tileattn::Error as the Python exception the same rule raises through tileattn._ext.
+template <typename F>
+auto translate_errors(F&& f) {
+  try {
+    return f();
+  } catch (const tileattn::Error& e) {
+    switch (e.kind()) {
+      case tileattn::ErrorKind::invalid_argument: C10_THROW_ERROR(ValueError, e.what());
+      case tileattn::ErrorKind::invalid_type: C10_THROW_ERROR(TypeError, e.what());
+      case tileattn::ErrorKind::unsupported: C10_THROW_ERROR(NotImplementedError, e.what());
+      default: C10_THROW_ERROR(Error, e.what());
+    }
+  }
+}
+
+// PyTorch's switch for fp32 matmuls, read at each call as tileattn._ext's callers do: "high" or
+// "medium" precision (or allow_tf32) selects the TF32 fast mode.
+bool fp32_fast(const Tensor& q) {
+  if (q.scalar_type() != at::kFloat) return false;
+  auto& ctx = at::globalContext();
+  return ctx.float32MatmulPrecision() != at::Float32MatmulPrecision::HIGHEST || ctx.allowTF32CuBLAS();
+}
+
+struct Scalars {  // the operators' scalar arguments
+  int64_t max_seqlen_q, max_seqlen_k;
+  std::optional<double> softmax_scale;
+  bool causal;
+  int64_t window_left, window_right;
+  double softcap;
+  bool deterministic;
+  double dropout_p;
+};
+
+Options options_of(const Tensor& q, const Scalars& s) {
+  Options o;
+  o.max_seqlen_q = s.max_seqlen_q;
+  o.max_seqlen_k = s.max_seqlen_k;
+  if (s.softmax_scale) o.softmax_scale = float(*s.softmax_scale);
+  o.causal = s.causal;
+  o.window_left = s.window_left;
+  o.window_right = s.window_right;
+  o.softcap = float(s.softcap);
+  o.deterministic = s.deterministic;
+  o.fp32_fast = fp32_fast(q);
+  o.num_threads = q.is_cpu() ? at::get_num_threads() : 0;
+  o.check_cu_seqlens = g_check_cu_seqlens.load(std::memory_order_relaxed);
+  o.dropout_p = float(s.dropout_p);
+  return o;
+}
+
+// Plans the problem on q's device and current stream, then runs it with a workspace from
+// PyTorch's allocator (so the caching allocator and graph capture see it).
+void plan_and_run(tileattn::AttentionProblem p, const Tensor& q, bool backward) {
+  std::optional<c10::DeviceGuard> guard;
+  if (q.is_cuda()) {
+    guard.emplace(q.device());
+    p.stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(q.device()).native_handle();
+  }
+  const tileattn::Plan plan = backward ? tileattn::plan_backward(p) : tileattn::plan_forward(p);
+  const size_t bytes = plan.workspace_size();
+  Tensor workspace;
+  if (bytes) workspace = at::empty({int64_t(bytes)}, q.options().dtype(at::kByte));
+  plan.run(bytes ? workspace.data_ptr() : nullptr, bytes);
+}
+
+// Ranks first, as the Python layer always checked them: the outputs are shaped from them.
+void check_ranks(const Tensor& q, const Tensor& k, const Tensor& v, bool varlen) {
+  const int64_t rank = varlen ? 3 : 4;
+  const char* dims = varlen ? kVarlenDims : kFixedDims;
+  for (auto [t, name] : {std::pair<const Tensor*, const char*>{&q, "q"}, {&k, "k"}, {&v, "v"}})
+    if (t->dim() != rank)
+      fail(tileattn::ErrorKind::invalid_argument, std::string(name) + " must have " + std::to_string(rank) +
+                                                      " dimensions " + dims + ", got shape " +
+                                                      shape_of(tensor_ref(*t)));
+}
+
+std::tuple<Tensor, Tensor> attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                             const OptTensor& cu_seqlens_q, const OptTensor& cu_seqlens_k,
+                                             SymInt max_seqlen_q, SymInt max_seqlen_k,
+                                             std::optional<double> softmax_scale, bool causal, SymInt window_left,
+                                             SymInt window_right, double softcap, bool deterministic,
+                                             const OptTensor& alibi_slopes, double dropout_p,
+                                             const OptTensor& dropout_rng) {
+  return translate_errors([&] {
+    const bool varlen = cu_seqlens_q.has_value();
+    check_ranks(q, k, v, varlen);
+    check_inputs(tensor_ref(q), tensor_ref(k), tensor_ref(v), varlen);
+    auto out_shape = q.sizes().vec();
+    out_shape.back() = v.size(-1);
+    Tensor out = at::empty(out_shape, q.options());
+    Tensor lse = varlen ? at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat))
+                        : at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
+    const Scalars s{max_seqlen_q.expect_int(), max_seqlen_k.expect_int(), softmax_scale, causal,
+                    window_left.expect_int(), window_right.expect_int(), softcap, deterministic, dropout_p};
+    AttentionTensors t{tensor_ref(q), tensor_ref(k), tensor_ref(v), tensor_ref(out), tensor_ref(lse)};
+    t.cu_seqlens_q = tensor_ref(cu_seqlens_q);
+    t.cu_seqlens_k = tensor_ref(cu_seqlens_k);
+    t.alibi_slopes = tensor_ref(alibi_slopes);
+    t.dropout_rng = tensor_ref(dropout_rng);
+    plan_and_run(attention_problem(t, options_of(q, s)), q, false);
+    return std::make_tuple(out, lse);
+  });
+}
+
+std::tuple<Tensor, Tensor, Tensor> attention_backward(
+    const Tensor& dout_in, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
+    const OptTensor& cu_seqlens_q, const OptTensor& cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k,
+    std::optional<double> softmax_scale, bool causal, SymInt window_left, SymInt window_right, double softcap,
+    bool deterministic, const OptTensor& alibi_slopes, double dropout_p, const OptTensor& dropout_rng) {
+  return translate_errors([&] {
+    check_ranks(q, k, v, cu_seqlens_q.has_value());
+    // dout comes from whatever follows attention (the gradient of a sum is an expanded tensor);
+    // its layout is not the caller's choice.
+    const Tensor dout = dout_in.dim() > 0 && dout_in.stride(-1) != 1 ? dout_in.contiguous() : dout_in;
+    Tensor dq = at::empty(q.sizes(), q.options());
+    Tensor dk = at::empty(k.sizes(), k.options());
+    Tensor dv = at::empty(v.sizes(), v.options());
+    const Scalars s{max_seqlen_q.expect_int(), max_seqlen_k.expect_int(), softmax_scale, causal,
+                    window_left.expect_int(), window_right.expect_int(), softcap, deterministic, dropout_p};
+    AttentionTensors t{tensor_ref(q), tensor_ref(k), tensor_ref(v), tensor_ref(out), tensor_ref(lse)};
+    t.cu_seqlens_q = tensor_ref(cu_seqlens_q);
+    t.cu_seqlens_k = tensor_ref(cu_seqlens_k);
+    t.dout = tensor_ref(dout);
+    t.dq = tensor_ref(dq);
+    t.dk = tensor_ref(dk);
+    t.dv = tensor_ref(dv);
+    t.alibi_slopes = tensor_ref(alibi_slopes);
+    t.dropout_rng = tensor_ref(dropout_rng);
+    plan_and_run(attention_problem(t, options_of(q, s)), q, true);
+    return std::make_tuple(dq, dk, dv);
+  });
+}
+
+using ForwardSig = decltype(attention_forward);
+using BackwardSig = decltype(attention_backward);
+
+const c10::TypedOperatorHandle<ForwardSig>& forward_op() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("tileattn::attention_forward", "").typed<ForwardSig>();
+  return op;
+}
+const c10::TypedOperatorHandle<BackwardSig>& backward_op() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("tileattn::attention_backward", "").typed<BackwardSig>();
+  return op;
+}
+
+// The gradient of (out, lse) -> (q, k, v): only Q, K, V, O and L are kept (nothing of size
+// seqlen_q x seqlen_k); dropout's mask is regenerated from dropout_rng, never stored. Both passes
+// call the operators through the dispatcher, so a torch.compile trace records them.
+struct AttentionFunction : torch::autograd::Function<AttentionFunction> {
+  static torch::autograd::variable_list forward(
+      torch::autograd::AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
+      const OptTensor& cu_seqlens_q, const OptTensor& cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k,
+      std::optional<double> softmax_scale, bool causal, SymInt window_left, SymInt window_right, double softcap,
+      bool deterministic, const OptTensor& alibi_slopes, double dropout_p, const OptTensor& dropout_rng) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    auto [out, lse] = forward_op().call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                        softmax_scale, causal, window_left, window_right, softcap, deterministic,
+                                        alibi_slopes, dropout_p, dropout_rng);
+    auto or_undefined = [](const OptTensor& t) { return t ? *t : Tensor(); };
+    ctx->save_for_backward({q, k, v, out, lse, or_undefined(cu_seqlens_q), or_undefined(cu_seqlens_k),
+                            or_undefined(alibi_slopes), or_undefined(dropout_rng)});
+    auto& d = ctx->saved_data;
+    d["max_seqlen_q"] = max_seqlen_q;
+    d["max_seqlen_k"] = max_seqlen_k;
+    d["softmax_scale"] = softmax_scale;
+    d["causal"] = causal;
+    d["window_left"] = window_left;
+    d["window_right"] = window_right;
+    d["softcap"] = softcap;
+    d["deterministic"] = deterministic;
+    d["dropout_p"] = dropout_p;
+    ctx->mark_non_differentiable({lse});
+    // lse never has a gradient: without this every backward would allocate zeros for it.
+    ctx->set_materialize_grads(false);
+    return {out, lse};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
+    auto optional = [](const Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; };
+    const Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(out);
+    auto& d = ctx->saved_data;
+    auto [dq, dk, dv] = backward_op().call(
+        dout, q, k, v, out, lse, optional(saved[5]), optional(saved[6]), d["max_seqlen_q"].toSymInt(),
+        d["max_seqlen_k"].toSymInt(), d["softmax_scale"].toOptional<double>(), d["causal"].toBool(),
+        d["window_left"].toSymInt(), d["window_right"].toSymInt(), d["softcap"].toDouble(),
+        d["deterministic"].toBool(), optional(saved[7]), d["dropout_p"].toDouble(), optional(saved[8]));
+    torch::autograd::variable_list grad_inputs(16);  // one per forward argument
+    grad_inputs[0] = dq;
+    grad_inputs[1] = dk;
+    grad_inputs[2] = dv;
+    return grad_inputs;
+  }
+};
+
+std::tuple<Tensor, Tensor> attention_forward_autograd(
+    const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& cu_seqlens_q, const OptTensor& cu_seqlens_k,
+    SymInt max_seqlen_q, SymInt max_seqlen_k, std::optional<double> softmax_scale, bool causal, SymInt window_left,
+    SymInt window_right, double softcap, bool deterministic, const OptTensor& alibi_slopes, double dropout_p,
+    const OptTensor& dropout_rng) {
+  auto outputs = AttentionFunction::apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                          softmax_scale, causal, window_left, window_right, softcap, deterministic,
+                                          alibi_slopes, dropout_p, dropout_rng);
+  return std::make_tuple(outputs[0], outputs[1]);
+}
+
+}  // namespace
+
+// The schemas are tileattn/_ops.py's fallback registration's, word for word.
+TORCH_LIBRARY_FRAGMENT(tileattn, m) {
+  m.def("attention_forward(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
+        "SymInt max_seqlen_q, SymInt max_seqlen_k, float? softmax_scale, bool causal, SymInt window_left, "
+        "SymInt window_right, float softcap, bool deterministic, Tensor? alibi_slopes=None, float dropout_p=0.0, "
+        "Tensor? dropout_rng=None) -> (Tensor, Tensor)");
+  m.def("attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+        "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, "
+        "float? softmax_scale, bool causal, SymInt window_left, SymInt window_right, float softcap, "
+        "bool deterministic, Tensor? alibi_slopes=None, float dropout_p=0.0, Tensor? dropout_rng=None) "
+        "-> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(tileattn, CPU, m) {
+  m.impl("attention_forward", &attention_forward);
+  m.impl("attention_backward", &attention_backward);
+}
+
+TORCH_LIBRARY_IMPL(tileattn, CUDA, m) {
+  m.impl("attention_forward", &attention_forward);
+  m.impl("attention_backward", &attention_backward);
+}
+
+TORCH_LIBRARY_IMPL(tileattn, Autograd, m) { m.impl("attention_forward", &attention_forward_autograd); }
+
+// tileattn.check_cu_seqlens(enabled), through ctypes: the operators read it at every call.
+extern "C" __attribute__((visibility("default"))) void tileattn_set_check_cu_seqlens(int enabled) {
+  g_check_cu_seqlens.store(enabled != 0, std::memory_order_relaxed);
+}
