@@ -11,30 +11,34 @@
 namespace tileattn::cpu {
 namespace {
 
-// Rows of a register block, measured best: AVX2 4 x 16 (6 x 16 ran Q K^T and dS K ~10% slower on
-// Zen 3, its six row addresses crowding the registers), SSE 2 x 16.
+// Rows of a register block, measured best: AVX2 4 x 16 (6 x 16 ran ~5% slower on Zen 3, with the
+// block's six row addresses and a 4-row edge for 64-row tiles), SSE 2 x 16.
 constexpr int kGemmRows = kLanes == 8 ? 4 : 2;
 constexpr int kGemmVecs = 16 / kLanes;
 constexpr int kGemmCols = kLanes * kGemmVecs;
 
-// One run of `Len` terms into an MR x (kLanes * NV) block of C (Len = kGemmChunk: a full run,
-// unrolled at compile time; Len = 0: a shorter run of `len` terms). Register blocking: the
-// block's partial sums stay in registers for the whole run, and each B row is loaded once per MR
-// rows. The run's sum is added into C, or with `Store` stored as sum + 0, the value adding it to
-// a zeroed C gives, without reading C.
-template <int MR, int NV, int Len, bool Store>
+// One run of `terms` (<= kGemmChunk) terms into an MR x (kLanes * NV) block of C. Register
+// blocking: the block's partial sums stay in registers for the whole run, and each B row is loaded
+// once per MR rows. The run's sum is added into C, or with `Store` stored as sum + 0, the value
+// adding it to a zeroed C gives, without reading C.
+// A's element (r, d) is a[r * a_row + d * a_col]; the pointers step by one term at a time rather
+// than the loop being unrolled over the whole run: unrolled, every term's address was a register
+// of its own and GCC spilled them (a 64 x 64 x 64 product went from ~76 to ~83 GFLOP/s on one Zen 3
+// core with the partial unroll).
+template <int MR, int NV, bool Store>
 [[gnu::always_inline]] inline void gemm_run(const float* a, int64_t a_row, int64_t a_col, const float* b, int64_t ldb,
-                                            float* c, int64_t ldc, int64_t len) {
+                                            float* c, int64_t ldc, int64_t terms) {
   f32xN acc[MR][NV] = {};
-  const int64_t terms = Len > 0 ? Len : len;
-#pragma GCC unroll 16
+#pragma GCC unroll 4
   for (int64_t d = 0; d < terms; ++d) {
     f32xN bd[NV];
-    for (int v = 0; v < NV; ++v) bd[v] = load_lanes(b + d * ldb + kLanes * v);
+    for (int v = 0; v < NV; ++v) bd[v] = load_lanes(b + kLanes * v);
     for (int r = 0; r < MR; ++r) {
-      const f32xN x = broadcast_lanes(a[r * a_row + d * a_col]);
+      const f32xN x = broadcast_lanes(a[r * a_row]);
       for (int v = 0; v < NV; ++v) acc[r][v] = fma_lanes(x, bd[v], acc[r][v]);
     }
+    a += a_col;
+    b += ldb;
   }
   for (int r = 0; r < MR; ++r)
     for (int v = 0; v < NV; ++v) {
@@ -49,17 +53,11 @@ template <int MR, int NV, bool Overwrite>
                                               int64_t ldb, float* c, int64_t ldc, int64_t k) {
   int64_t d0 = 0;
   if (Overwrite) {
-    if (k >= kGemmChunk) {
-      gemm_run<MR, NV, kGemmChunk, true>(a, a_row, a_col, b, ldb, c, ldc, kGemmChunk);
-      d0 = kGemmChunk;
-    } else {
-      gemm_run<MR, NV, 0, true>(a, a_row, a_col, b, ldb, c, ldc, k);
-      return;
-    }
+    d0 = std::min(k, kGemmChunk);
+    gemm_run<MR, NV, true>(a, a_row, a_col, b, ldb, c, ldc, d0);
   }
-  for (; d0 + kGemmChunk <= k; d0 += kGemmChunk)
-    gemm_run<MR, NV, kGemmChunk, false>(a + d0 * a_col, a_row, a_col, b + d0 * ldb, ldb, c, ldc, kGemmChunk);
-  if (d0 < k) gemm_run<MR, NV, 0, false>(a + d0 * a_col, a_row, a_col, b + d0 * ldb, ldb, c, ldc, k - d0);
+  for (; d0 < k; d0 += kGemmChunk)
+    gemm_run<MR, NV, false>(a + d0 * a_col, a_row, a_col, b + d0 * ldb, ldb, c, ldc, std::min(kGemmChunk, k - d0));
 }
 
 // The rows and columns the blocks leave, one scalar lane per element, in the blocks' order.

@@ -66,5 +66,36 @@ TEST(TileOps, GemmMatchesDoubleOnFullBlocksAndEdges) {
         }
 }
 
+// The products' rounding is part of their contract (tile_ops.hpp): each element sums its k terms in
+// runs of kGemmChunk, each run from zero, and adds the runs into C in order, whatever the register
+// blocking; the backward's two schedules agree bitwise only because of it. Each element of a
+// product must therefore equal the same product computed alone (a 1 x 1 problem: the scalar edge
+// loop, no register block), bit for bit.
+TEST(TileOps, GemmRoundsTheSameWhateverTheBlocking) {
+  std::mt19937 rng(test::fresh_seed() & 0xffffffffu);
+  std::normal_distribution<float> dist;
+  for (int64_t m : {1, 3, 4, 6, 64})
+    for (int64_t n : {1, 8, 16, 24, 64})
+      for (int64_t k : {1, 16, 17, 64, 100})
+        for (bool transposed_a : {false, true})
+          for (bool accumulate : {false, true}) {
+            const int64_t lda = 101, ldb = 72, ldc = 80;
+            std::vector<float> a(size_t(lda * 101)), b(size_t(ldb * 100)), c(size_t(ldc * 64));
+            for (auto& e : a) e = dist(rng);
+            for (auto& e : b) e = dist(rng);
+            for (auto& e : c) e = dist(rng);
+            const std::vector<float> c0 = c;
+            const int64_t a_row = transposed_a ? 1 : lda, a_col = transposed_a ? lda : 1;
+            const auto product = accumulate ? gemm_accumulate : gemm;
+            product(a.data(), a_row, a_col, b.data(), ldb, c.data(), ldc, m, n, k);
+            for (int64_t i = 0; i < m; ++i)
+              for (int64_t j = 0; j < n; ++j) {
+                float alone = c0[size_t(i * ldc + j)];
+                product(&a[size_t(i * a_row)], a_row, a_col, &b[size_t(j)], ldb, &alone, 1, 1, 1, k);
+                ASSERT_EQ(c[size_t(i * ldc + j)], alone) << m << " " << n << " " << k << " at " << i << "," << j;
+              }
+          }
+}
+
 }  // namespace
 }  // namespace tileattn::cpu
