@@ -27,11 +27,15 @@ def visible_mask(seqlen_q: int, seqlen_k: int, causal: bool, window: tuple[int, 
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, window=(-1, -1), softcap: float = 0.0,
-              scale: float | None = None, mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+              scale: float | None = None, mask: Tensor | None = None,
+              delta_from_out: bool = False) -> tuple[Tensor, Tensor]:
     """(batch, seqlen, heads, headdim) attention; returns out and lse (batch, heads, seqlen_q).
 
     Differentiable (autograd gives the reference gradients). Rows that see no key give out = 0 and
     lse = -inf without NaN in values or gradients. `mask` overrides causal/window when given.
+    `delta_from_out`: the gradient of the scores is P (dP - D) with D = rowsum(dO * O), as a
+    backward that keeps no score matrix forms it, instead of autograd's rowsum(P * dP)
+    (_WeightsTimesV).
     """
     batch, seqlen_q, heads_q, d = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
@@ -46,9 +50,34 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, window=(-1,
     s = s.masked_fill(~mask, -math.inf)
     seen = mask.any(dim=-1).expand(batch, heads_q, seqlen_q)
     lse = torch.logsumexp(s.masked_fill(~seen[..., None], 0.0), dim=-1)
-    p = torch.exp(s - torch.where(seen, lse, 0.0)[..., None])
-    out = torch.einsum("bhqk,bkhd->bqhd", p.to(v.dtype), v)
+    if delta_from_out:
+        out = _WeightsTimesV.apply(s, torch.where(seen, lse, 0.0).detach(), v)
+    else:
+        p = torch.exp(s - torch.where(seen, lse, 0.0)[..., None])
+        out = torch.einsum("bhqk,bkhd->bqhd", p.to(v.dtype), v)
     return out, torch.where(seen, lse, -math.inf)
+
+
+class _WeightsTimesV(torch.autograd.Function):
+    """out = exp(s - lse) v, every operation in the inputs' dtype, with the memory-efficient
+    backward's score gradient P (dP - D), D = rowsum(dO * out): D comes from the output, not from
+    the P and dP it is subtracted from, so it does not carry dP's rounding (docs/accuracy.md)."""
+
+    @staticmethod
+    def forward(ctx, s, lse, v):
+        p = torch.exp(s - lse[..., None])
+        out = torch.einsum("bhqk,bkhd->bqhd", p.to(v.dtype), v)
+        ctx.save_for_backward(p, v, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        p, v, out = ctx.saved_tensors
+        dp = torch.einsum("bqhd,bkhd->bhqk", dout, v)
+        delta = (dout * out).sum(dim=-1).transpose(1, 2)[..., None]
+        ds = p * (dp - delta.to(p.dtype))
+        dv = torch.einsum("bhqk,bqhd->bkhd", p.to(dout.dtype), dout)
+        return ds, None, dv
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, **options) -> tuple[Tensor, Tensor]:
