@@ -37,31 +37,33 @@ struct OnlineRows {
 // order, as a scalar loop would.
 void online_step(float* s, int64_t rows, int64_t n, int64_t dv, float scale, OnlineRows& st) {
   const int64_t vecs = ceil_div(rows, kLanes);  // only the columns the products filled
-  float m_new[kTileQ], ref[kTileQ];
+  float m_new[kTileQ], tile_sum[kTileQ];
   const f32xN scale_lanes = broadcast_lanes(scale);
+  // One column of kLanes queries at a time, down the keys: its max, then its weights and their
+  // sum, with the column's max and sum in one register each. Walking the keys outermost instead
+  // kept all eight columns' sums live beside exp2's constants, and GCC spilled them. The scaled
+  // scores are stored and re-read: recomputed in the second pass, the product was fused into the
+  // subtraction of the max (GCC contracts vector a * b - c), which changed the weights' rounding.
   for (int64_t c = 0; c < vecs; ++c) {
+    float* col = s + c * kLanes;
     f32xN mx = load_lanes(st.m + c * kLanes);
     for (int64_t j = 0; j < n; ++j) {
-      float* sj = s + j * kTileQ + c * kLanes;
-      const f32xN x = load_lanes(sj) * scale_lanes;
-      store_lanes(sj, x);
+      const f32xN x = load_lanes(col + j * kTileQ) * scale_lanes;
+      store_lanes(col + j * kTileQ, x);
       mx = x > mx ? x : mx;
     }
     store_lanes(m_new + c * kLanes, mx);
-  }
-  for (int64_t i = 0; i < vecs * kLanes; ++i) ref[i] = safe_row_max(m_new[i]);
-  f32xN sum[kTileQ / kLanes];
-  for (int64_t c = 0; c < vecs; ++c) sum[c] = f32xN{};
-  for (int64_t j = 0; j < n; ++j) {
-    float* sj = s + j * kTileQ;
-    for (int64_t c = 0; c < vecs; ++c) {
-      const f32xN e = weight_lanes(load_lanes(sj + c * kLanes), load_lanes(ref + c * kLanes));
-      store_lanes(sj + c * kLanes, e);
-      sum[c] += e;
+    float ref[kLanes];
+    for (int l = 0; l < kLanes; ++l) ref[l] = safe_row_max(m_new[c * kLanes + l]);
+    const f32xN ref_lanes = load_lanes(ref);
+    f32xN sum = f32xN{};
+    for (int64_t j = 0; j < n; ++j) {
+      const f32xN e = weight_lanes(load_lanes(col + j * kTileQ), ref_lanes);
+      store_lanes(col + j * kTileQ, e);
+      sum += e;
     }
+    store_lanes(tile_sum + c * kLanes, sum);
   }
-  float tile_sum[kTileQ];
-  for (int64_t c = 0; c < vecs; ++c) store_lanes(tile_sum + c * kLanes, sum[c]);
   for (int64_t i = 0; i < rows; ++i) {
     const float alpha = st.m[i] == -INFINITY ? 0.0f : exp2f((st.m[i] - m_new[i]) * kLog2e);
     st.l[i] = st.l[i] * alpha + tile_sum[i];
