@@ -145,6 +145,10 @@ struct AttentionProblem {
   void* workspace = nullptr;     // optional caller scratch (size from *_workspace_size); nullptr:
   size_t workspace_bytes = 0;    // the library allocates on the stream
   int num_threads = 0;           // CPU backend: 0 = all hardware threads
+  // Planning asks the CUDA runtime, for every pointer, whether it is the backend's memory (one
+  // query each, about half a microsecond). A caller that already knows each buffer's device (the
+  // Python bindings) may turn this off; a pointer of the wrong space is then undefined behaviour.
+  bool check_memory_spaces = true;
 
   bool is_varlen() const { return cu_seqlens_q != nullptr || cu_seqlens_k != nullptr; }
   bool is_paged() const { return block_table != nullptr; }
@@ -173,6 +177,7 @@ struct SoftmaxMatmulProblem {
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
   int num_threads = 0;
+  bool check_memory_spaces = true;  // as AttentionProblem's
 };
 
 }  // namespace tileattn

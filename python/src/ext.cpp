@@ -132,6 +132,7 @@ class SoftmaxMatmul {
     p.out_row_stride = out_.stride(1);
     p.fp32_mode = fp32_fast ? tileattn::Fp32Mode::fast : tileattn::Fp32Mode::exact;
     p.num_threads = num_threads;
+    p.check_memory_spaces = false;  // the devices were checked above
   }
 
   // As Attention: plan once for the stream, then run that plan.
@@ -278,13 +279,13 @@ NB_MODULE(_ext, m) {
         if (!dtype_of(out_b))
           fail(ErrorKind::invalid_type, "out_b.dtype=" + dtype_name(out_b) +
                                             " is not supported (float16, bfloat16 or float32)");
-        check_shape(out_b, "out_b", std::vector<int64_t>(out.sizes, out.sizes + rank), "(the shape of out)");
+        check_shape(out_b, "out_b", Dims(out), "(the shape of out)");
         check_same_device(out_b, "out_b", out, "out");
         check_last_contiguous(out_b, "out_b");
         tileattn::MergeProblem p;
         const int64_t b = varlen ? 1 : int64_t(out.shape(0)), n = int64_t(out.shape(rank - 3));
         p.batch = b, p.seqlen = n, p.heads = int64_t(out.shape(rank - 2)), p.headdim = int64_t(out.shape(rank - 1));
-        const std::vector<int64_t> l_shape = varlen ? std::vector<int64_t>{p.heads, n} : std::vector<int64_t>{b, p.heads, n};
+        const Dims l_shape = varlen ? Dims{p.heads, n} : Dims{b, p.heads, n};
         const char* l_why = varlen ? "(heads, total)" : "(batch, heads, seqlen)";
         for (auto [l, name] : {std::pair<const TensorRef*, const char*>{&lse, "lse"}, {&lse_b, "lse_b"}}) {
           if (l->type != kF32)

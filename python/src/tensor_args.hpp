@@ -6,11 +6,11 @@
 // other rule is the library's (src/host/validate.cpp).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 #include <optional>
 #include <string>
-#include <utility>
-#include <vector>
 
 #include "tileattn/tileattn.hpp"
 
@@ -139,18 +139,25 @@ inline void check_operand(const TensorRef& a, const char* name, size_t rank, con
   check_last_contiguous(a, name);
 }
 
-inline void check_shape(const TensorRef& a, const char* name, const std::vector<int64_t>& expected,
-                        const std::string& why) {
-  bool ok = a.rank == expected.size();
-  for (size_t i = 0; ok && i < expected.size(); ++i) ok = a.shape(i) == expected[i];
+// An expected shape, on the stack: these checks run on every call.
+struct Dims {
+  int64_t v[8] = {};
+  size_t n = 0;
+  Dims(std::initializer_list<int64_t> d) : n(d.size()) { std::copy(d.begin(), d.end(), v); }
+  explicit Dims(const TensorRef& a) : n(std::min<size_t>(a.rank, 8)) { std::copy(a.sizes, a.sizes + n, v); }
+};
+
+inline void check_shape(const TensorRef& a, const char* name, const Dims& expected, const char* why) {
+  bool ok = a.rank == expected.n;
+  for (size_t i = 0; ok && i < expected.n; ++i) ok = a.shape(i) == expected.v[i];
   if (ok) return;
   fail(ErrorKind::invalid_argument, std::string(name) + ".shape=" + shape_of(a) + " must be " +
-                                        tuple_text(expected.data(), expected.size()) + " " + why);
+                                        tuple_text(expected.v, expected.n) + " " + why);
 }
 
 // A dense row-major tensor of the given dtype on the reference's device (lse, cu_seqlens).
-inline void check_aux(const TensorRef& a, const char* name, const std::vector<int64_t>& shape, const std::string& why,
-                      DType dtype, const char* dtype_text, const TensorRef& ref, const char* ref_name) {
+inline void check_aux(const TensorRef& a, const char* name, const Dims& shape, const char* why, DType dtype,
+                      const char* dtype_text, const TensorRef& ref, const char* ref_name) {
   if (a.type != dtype)
     fail(ErrorKind::invalid_type, std::string(name) + ".dtype=" + dtype_name(a) + " must be " + dtype_text);
   check_same_device(a, name, ref, ref_name);
@@ -316,21 +323,20 @@ inline AttentionProblem attention_problem(const AttentionTensors& t, const Optio
   p.headdim_v = t.v.shape(kd);
 
   // k and v share every axis but the last; q and k share batch and headdim.
-  auto shape = [](const TensorRef& a) { return std::vector<int64_t>(a.sizes, a.sizes + a.rank); };
-  std::vector<int64_t> k_shape = shape(t.k);
-  k_shape[kd] = p.headdim_qk;
+  Dims k_shape(t.k);
+  k_shape.v[kd] = p.headdim_qk;
   check_shape(t.k, "k", k_shape, "(its head dim must equal q.shape[-1])");
-  std::vector<int64_t> v_shape = k_shape;
-  v_shape[kd] = p.headdim_v;
+  Dims v_shape = k_shape;
+  v_shape.v[kd] = p.headdim_v;
   check_shape(t.v, "v", v_shape, "(all dimensions but the last must equal k's)");
-  std::vector<int64_t> o_shape = shape(t.q);
-  o_shape[d] = p.headdim_v;
+  Dims o_shape(t.q);
+  o_shape.v[d] = p.headdim_v;
   check_shape(t.out, "out", o_shape, "(q's shape with v's head dim)");
   if (has_grads) {
     check_shape(*t.dout, "dout", o_shape, "(the shape of out)");
-    check_shape(*t.dq, "dq", shape(t.q), "(the shape of q)");
-    check_shape(*t.dk, "dk", shape(t.k), "(the shape of k)");
-    check_shape(*t.dv, "dv", shape(t.v), "(the shape of v)");
+    check_shape(*t.dq, "dq", Dims(t.q), "(the shape of q)");
+    check_shape(*t.dk, "dk", Dims(t.k), "(the shape of k)");
+    check_shape(*t.dv, "dv", Dims(t.v), "(the shape of v)");
   }
 
   if (varlen) {
@@ -388,6 +394,9 @@ inline AttentionProblem attention_problem(const AttentionTensors& t, const Optio
   p.dropout_seed = options.dropout_seed;
   p.dropout_offset = options.dropout_offset;
   if (t.dropout_rng) detail::set_dropout_rng(p, *t.dropout_rng, t.q);
+  // Every tensor's device was checked above (one device, cpu or cuda): the library need not ask
+  // the CUDA runtime about each pointer again.
+  p.check_memory_spaces = false;
   return p;
 }
 

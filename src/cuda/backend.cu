@@ -32,12 +32,16 @@
 namespace tileattn::cuda {
 
 bool device_available() {
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess) {
-    cudaGetLastError();  // no driver or no device: not an error of later calls
-    return false;
-  }
-  return count > 0;
+  // The visible devices are fixed once the runtime has started: asked once (every call checks).
+  static const bool available = [] {
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess) {
+      cudaGetLastError();  // no driver or no device: not an error of later calls
+      return false;
+    }
+    return count > 0;
+  }();
+  return available;
 }
 
 bool is_device_pointer(const void* p) {

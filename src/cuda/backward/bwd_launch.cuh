@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "cuda/common/check.cuh"
+#include "cuda/common/runtime_cache.hpp"
 #include "cuda/backward/bwd_row_stats_fp32.cuh"
 #include "cuda/backward/bwd_dkdv_kernel.cuh"
 #include "cuda/backward/bwd_dq_kernel.cuh"
@@ -23,9 +24,7 @@ namespace tileattn::cuda::bwd {
 template <class T, int D>
 void launch_backward(const BwdParams& params, cudaStream_t stream) {
   using KV = DkdvTile<T, D>;
-  int device = 0, smem_optin = 0;
-  TA_CUDA_CHECK(cudaGetDevice(&device));
-  TA_CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  const int smem_optin = device_props().smem_optin;
   BwdParams p = params;
   p.dkdv_stages = KV::smem_bytes(2) <= smem_optin ? 2 : 1;
   p.dq_stages = DqTile<T, D>::smem_bytes(2) <= smem_optin ? 2 : 1;
@@ -47,7 +46,7 @@ void launch_backward(const BwdParams& params, cudaStream_t stream) {
     if (!p.partial_keys) {
       using Q = DqTile<T, D>;
       constexpr int smem = RowStatsTile<D>::kSmemBytes;
-      TA_CUDA_CHECK(cudaFuncSetAttribute(row_stats_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+      allow_dynamic_smem(row_stats_kernel<D>, smem);
       const dim3 grid((p.seqlen_q + Q::kBlockM - 1) / Q::kBlockM, p.batch, p.heads_q);
       row_stats_kernel<D><<<grid, kThreads, smem, stream>>>(p);
       TA_CUDA_CHECK_LAUNCH("backward fp32 row statistics");
@@ -55,7 +54,7 @@ void launch_backward(const BwdParams& params, cudaStream_t stream) {
   }
 
   const int kv_smem = KV::smem_bytes(p.dkdv_stages);
-  TA_CUDA_CHECK(cudaFuncSetAttribute(dkdv_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, kv_smem));
+  allow_dynamic_smem(dkdv_kernel<T, D>, kv_smem);
   const dim3 kv_grid((p.seqlen_k + KV::kBlockN - 1) / KV::kBlockN, p.batch, p.heads_kv);
   dkdv_kernel<T, D><<<kv_grid, kThreads, kv_smem, stream>>>(p);
   TA_CUDA_CHECK_LAUNCH("backward dK/dV");
@@ -66,7 +65,7 @@ void launch_backward(const BwdParams& params, cudaStream_t stream) {
   } else {
     using Q = DqTile<T, D>;
     const int q_smem = Q::smem_bytes(p.dq_stages);
-    TA_CUDA_CHECK(cudaFuncSetAttribute(dq_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, q_smem));
+    allow_dynamic_smem(dq_kernel<T, D>, q_smem);
     const dim3 q_grid((p.seqlen_q + Q::kBlockM - 1) / Q::kBlockM, p.batch, p.heads_q);
     dq_kernel<T, D><<<q_grid, kThreads, q_smem, stream>>>(p);
     TA_CUDA_CHECK_LAUNCH("backward dQ");

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "cuda/common/check.cuh"
+#include "cuda/common/runtime_cache.hpp"
 #include "cuda/backward/bwd_preprocess.cuh"
 #include "cuda/backward/bwd_dq_tiles_sm90.cuh"
 #include "cuda/backward/bwd_kernel_sm90.cuh"
@@ -40,7 +41,7 @@ void launch_bwd_sm90(const BwdSm90Params& params, cudaStream_t stream) {
   using Traits = BwdSm90Traits<T, kHeadDim, kFusedDq>;
   const bwd::BwdParams& p = params.bwd;
   const auto kernel = bwd_kernel_sm90<T, kHeadDim, kFusedDq, kAlibi>;
-  TA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes));
+  allow_dynamic_smem(kernel, Traits::kSmemBytes);
   const dim3 grid((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, p.batch, p.heads_kv);
   if (grid.x == 0) return;
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
@@ -53,7 +54,7 @@ void launch_bwd_wide_sm90(const BwdSm90Params& params, cudaStream_t stream) {
   using Traits = BwdWideSm90Traits<T, kHeadDim>;
   const bwd::BwdParams& p = params.bwd;
   const auto kernel = bwd_kernel_wide_sm90<T, kHeadDim, kAlibi>;
-  TA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes));
+  allow_dynamic_smem(kernel, Traits::kSmemBytes);
   const dim3 grid((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, p.batch, p.heads_kv);
   if (grid.x == 0) return;
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
@@ -66,7 +67,7 @@ void launch_dq_sm90(const BwdSm90Params& params, cudaStream_t stream) {
   using Traits = DqSm90Traits<T, kHeadDim>;
   const bwd::BwdParams& p = params.bwd;
   const auto kernel = dq_kernel_sm90<T, kHeadDim, kAlibi>;
-  TA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes));
+  allow_dynamic_smem(kernel, Traits::kSmemBytes);
   const dim3 grid((p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, p.heads_q, p.batch);
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
   TA_CUDA_CHECK_LAUNCH("backward dQ (sm90)");

@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include "cuda/common/check.cuh"
+#include "cuda/common/runtime_cache.hpp"
 #include "cuda/forward/combine_fwd_sm80.cuh"
 #include "cuda/forward/decode_fwd_sm80.cuh"
 #include "cuda/common/split_heuristic.hpp"
@@ -27,10 +28,7 @@ Kernel pick(const FwdParams& p) {
   using Traits = FwdTraits<T, kHeadDim>;
   // At most 16 (packed) query rows: the decode kernel, where its ring fits the device.
   if (int64_t(p.seqlen_q) * p.pack <= Decode::kBlockM) {
-    int device = 0, optin = 0;
-    TA_CUDA_CHECK(cudaGetDevice(&device));
-    TA_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    if (Decode::kSmemBytes <= optin)
+    if (Decode::kSmemBytes <= device_props().smem_optin)
       return {reinterpret_cast<const void*>(fwd_decode_kernel_sm80<T, kHeadDim>), Decode::kThreads,
               Decode::kSmemBytes, Decode::kBlockM, Decode::kBlockN};
   }
@@ -41,7 +39,7 @@ Kernel pick(const FwdParams& p) {
 
 inline void prepare(const Kernel& k) {
   // Above 48 KiB, dynamic shared memory must be opted into per kernel (and per device).
-  TA_CUDA_CHECK(cudaFuncSetAttribute(k.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, k.smem_bytes));
+  allow_dynamic_smem(k.fn, k.smem_bytes);
 }
 
 }  // namespace fwd_sm80_detail
@@ -50,9 +48,8 @@ template <class T, int kHeadDim>
 int FwdSm80<T, kHeadDim>::num_splits(const FwdParams& p) {
   const fwd_sm80_detail::Kernel k = fwd_sm80_detail::pick<T, kHeadDim>(p);
   fwd_sm80_detail::prepare(k);
-  int device = 0, sms = 0, per_sm = 0;
-  TA_CUDA_CHECK(cudaGetDevice(&device));
-  TA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int sms = device_props().sms;
+  int per_sm = 0;
   TA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k.fn, k.threads, k.smem_bytes));
   const int64_t tiles = int64_t(p.batch) * (p.heads_q / p.pack) * fwd_query_tiles(p, k.block_m);
   const int key_blocks = (p.seqlen_k + k.block_n - 1) / k.block_n;

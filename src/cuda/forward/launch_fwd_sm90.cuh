@@ -7,6 +7,7 @@
 #include <string>
 
 #include "cuda/common/check.cuh"
+#include "cuda/common/runtime_cache.hpp"
 #include "cuda/forward/combine_fwd_sm80.cuh"
 #include "cuda/common/split_heuristic.hpp"
 #include "cuda/forward/fwd_kernel_sm90.cuh"
@@ -22,7 +23,7 @@ template <class T, int kHeadDim, int kBlockN, bool kAlibi>
 void launch(const FwdSm90Params& params, int64_t tiles, cudaStream_t stream) {
   using Traits = FwdSm90Traits<T, kHeadDim, kBlockN>;
   const auto kernel = fwd_kernel_sm90<T, kHeadDim, kBlockN, kAlibi>;
-  TA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes));
+  allow_dynamic_smem(kernel, Traits::kSmemBytes);
   kernel<<<fwd_grid(params.fwd, tiles), Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
   TA_CUDA_CHECK_LAUNCH("fwd_kernel_sm90");
 }
@@ -50,9 +51,7 @@ bool FwdSm90<T, kHeadDim>::make_maps(const AttentionProblem& pr, FwdSm90Params& 
 template <class T, int kHeadDim>
 int FwdSm90<T, kHeadDim>::num_splits(const FwdSm90Params& params) {
   const FwdParams& p = params.fwd;
-  int device = 0, sms = 0;
-  TA_CUDA_CHECK(cudaGetDevice(&device));
-  TA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int sms = device_props().sms;
   const int64_t tiles = int64_t(p.batch) * p.heads_q * fwd_query_tiles(p, FwdSm90Traits<T, kHeadDim>::kBlockM);
   const int key_blocks = (p.seqlen_k + params.block_n - 1) / params.block_n;
   return fwd_num_splits(tiles, key_blocks, sms, 1);  // one block per SM (launch bounds)

@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include "cuda/common/check.cuh"
+#include "cuda/common/runtime_cache.hpp"
 #include "cuda/fp32/forward_fp32_kernel.cuh"
 #include "cuda/fp32/launch_fwd_fp32.hpp"
 
@@ -15,7 +16,7 @@ void launch(const FwdParams& params, int64_t batch, int64_t seqlen_q, int64_t he
   using Tile = FwdTile<kD, kExact>;
   const auto kernel = forward_fp32_kernel<kD, kExact, kDropout>;
   const size_t smem = sizeof(float) * Tile::smem_floats();
-  TA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  allow_dynamic_smem(kernel, int(smem));
   const dim3 grid(unsigned((seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM), unsigned(heads_q), unsigned(batch));
   kernel<<<grid, Tile::kThreads, smem, stream>>>(params);
   TA_CUDA_CHECK_LAUNCH("forward_fp32_kernel");

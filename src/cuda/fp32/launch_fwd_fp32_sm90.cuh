@@ -6,6 +6,7 @@
 #include "cuda/arch/hopper_available.hpp"
 #include "cuda/arch/tma_map.hpp"
 #include "cuda/common/check.cuh"
+#include "cuda/common/runtime_cache.hpp"
 #include "cuda/fp32/fwd_kernel_fp32_sm90.cuh"
 #include "cuda/fp32/launch_fwd_fp32.hpp"
 
@@ -32,7 +33,7 @@ bool FwdFp32Sm90<kD>::run(const AttentionProblem& pr, const FwdParams& params, c
       !sm90::make_tile_map(&p.v, DType::f32, pr.v.data,
                            attention_map_shape(pr, pr.v, pr.headdim_v, pr.seqlen_k, pr.total_k, pr.heads_kv, Tile::kBlockN)))
     return false;
-  TA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes));
+  allow_dynamic_smem(kernel, Tile::kSmemBytes);
   const dim3 grid(unsigned((pr.seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM), unsigned(pr.heads_q),
                   unsigned(pr.batch));
   kernel<<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(p);

@@ -9,6 +9,7 @@
 
 #include "common/backend_plan.hpp"
 #include "cuda/common/check.cuh"
+#include "cuda/common/runtime_cache.hpp"
 #include "cuda/cuda_backend.hpp"
 #include "cuda/softmax_matmul/softmax_matmul_kernel.cuh"
 #include "cuda/softmax_matmul/smm_fast_f32_kernel_sm90.cuh"
@@ -42,7 +43,7 @@ void launch(const SoftmaxMatmulProblem& pr) {
                                             " must be <= 65535 and d1 x d3 tiles fit a grid");
   const auto kernel = smm::softmax_matmul_kernel<T, kBlockD3, kExact>;
   const size_t smem = Tile::smem_bytes();
-  TA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  allow_dynamic_smem(kernel, int(smem));
   const dim3 grid(unsigned(bands * p.d3_blocks), unsigned(pr.batch));
   kernel<<<grid, Tile::kThreads, smem, static_cast<cudaStream_t>(pr.stream)>>>(p);
   TA_CUDA_CHECK_LAUNCH("softmax_matmul_kernel");
@@ -81,7 +82,7 @@ void launch_sm90_kernel(Kernel kernel, const smm::Sm90Params& p, const SoftmaxMa
   if (bands * p.d3_blocks > INT32_MAX || pr.batch > 65535)
     throw Error(ErrorKind::unsupported, "softmax_matmul on CUDA: batch=" + std::to_string(pr.batch) +
                                             " must be <= 65535 and d1 x d3 tiles fit a grid");
-  TA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  allow_dynamic_smem(kernel, smem);
   const dim3 grid(unsigned(bands * p.d3_blocks), unsigned(pr.batch));
   kernel<<<grid, threads, smem, static_cast<cudaStream_t>(pr.stream)>>>(p);
   TA_CUDA_CHECK_LAUNCH("softmax_matmul_kernel_sm90");
