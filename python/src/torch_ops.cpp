@@ -226,16 +226,10 @@ struct AttentionFunction : torch::autograd::Function<AttentionFunction> {
     auto or_undefined = [](const OptTensor& t) { return t ? *t : Tensor(); };
     ctx->save_for_backward({q, k, v, out, lse, or_undefined(cu_seqlens_q), or_undefined(cu_seqlens_k),
                             or_undefined(alibi_slopes), or_undefined(dropout_rng)});
-    auto& d = ctx->saved_data;
-    d["max_seqlen_q"] = max_seqlen_q;
-    d["max_seqlen_k"] = max_seqlen_k;
-    d["softmax_scale"] = softmax_scale;
-    d["causal"] = causal;
-    d["window_left"] = window_left;
-    d["window_right"] = window_right;
-    d["softcap"] = softcap;
-    d["deterministic"] = deterministic;
-    d["dropout_p"] = dropout_p;
+    // The scalars as one tuple under one key: each key of saved_data is a string hashed and stored.
+    ctx->saved_data["scalars"] =
+        c10::ivalue::Tuple::create({max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
+                                    softcap, deterministic, dropout_p});
     ctx->mark_non_differentiable({lse});
     // lse never has a gradient: without this every backward would allocate zeros for it.
     ctx->set_materialize_grads(false);
@@ -248,12 +242,11 @@ struct AttentionFunction : torch::autograd::Function<AttentionFunction> {
     const Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
     auto optional = [](const Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; };
     const Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(out);
-    auto& d = ctx->saved_data;
+    const auto& a = ctx->saved_data["scalars"].toTupleRef().elements();
     auto [dq, dk, dv] = backward_op().call(
-        dout, q, k, v, out, lse, optional(saved[5]), optional(saved[6]), d["max_seqlen_q"].toSymInt(),
-        d["max_seqlen_k"].toSymInt(), d["softmax_scale"].toOptional<double>(), d["causal"].toBool(),
-        d["window_left"].toSymInt(), d["window_right"].toSymInt(), d["softcap"].toDouble(),
-        d["deterministic"].toBool(), optional(saved[7]), d["dropout_p"].toDouble(), optional(saved[8]));
+        dout, q, k, v, out, lse, optional(saved[5]), optional(saved[6]), a[0].toSymInt(), a[1].toSymInt(),
+        a[2].toOptional<double>(), a[3].toBool(), a[4].toSymInt(), a[5].toSymInt(), a[6].toDouble(), a[7].toBool(),
+        optional(saved[7]), a[8].toDouble(), optional(saved[8]));
     torch::autograd::variable_list grad_inputs(16);  // one per forward argument
     grad_inputs[0] = dq;
     grad_inputs[1] = dk;
@@ -267,6 +260,12 @@ std::tuple<Tensor, Tensor> attention_forward_autograd(
     SymInt max_seqlen_q, SymInt max_seqlen_k, std::optional<double> softmax_scale, bool causal, SymInt window_left,
     SymInt window_right, double softcap, bool deterministic, const OptTensor& alibi_slopes, double dropout_p,
     const OptTensor& dropout_rng) {
+  // Nothing to differentiate (inference, or no input that requires grad): no graph node to build.
+  if (!at::GradMode::is_enabled() || !(q.requires_grad() || k.requires_grad() || v.requires_grad())) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return forward_op().call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                             window_left, window_right, softcap, deterministic, alibi_slopes, dropout_p, dropout_rng);
+  }
   auto outputs = AttentionFunction::apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                           softmax_scale, causal, window_left, window_right, softcap, deterministic,
                                           alibi_slopes, dropout_p, dropout_rng);
