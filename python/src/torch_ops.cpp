@@ -1,9 +1,11 @@
-// tileattn's two attention operators as a PyTorch operator library: the schemas, the CPU and CUDA
-// kernels and the autograd formula, all in C++. A call (eager, or from a torch.compile graph) goes
-// from the dispatcher straight to the library and never re-enters Python, so its host cost is that
-// of any ATen operator. The fake (meta) implementations stay in Python (tileattn/_ops.py), where
-// they are only needed while tracing. Built against the PyTorch present at build time; where it
-// is missing or does not load, _ops.py registers the same operators in Python over tileattn._ext.
+// tileattn._torch_ops: tileattn's two attention operators as a PyTorch operator library (the
+// schemas, the CPU and CUDA kernels and the autograd formula, all in C++), and a Python entry that
+// calls the forward operator through the dispatcher without boxing its arguments. A call, eager or
+// from a torch.compile graph, goes from the dispatcher straight to the library and never re-enters
+// Python, so its host cost is that of an ATen operator. The fake (meta) implementations stay in
+// Python (tileattn/_ops.py), where they are only needed while tracing. Built against the PyTorch
+// present at build time; where it is missing or does not load, _ops.py registers the same
+// operators in Python over tileattn._ext.
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -12,6 +14,7 @@
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
 #include <atomic>
@@ -299,7 +302,39 @@ TORCH_LIBRARY_IMPL(tileattn, CUDA, m) {
 
 TORCH_LIBRARY_IMPL(tileattn, Autograd, m) { m.impl("attention_forward", &attention_forward_autograd); }
 
-// tileattn.check_cu_seqlens(enabled), through ctypes: the operators read it at every call.
-extern "C" __attribute__((visibility("default"))) void tileattn_set_check_cu_seqlens(int enabled) {
-  g_check_cu_seqlens.store(enabled != 0, std::memory_order_relaxed);
+namespace py = pybind11;
+
+PYBIND11_MODULE(_torch_ops, m) {
+  // The errors the kernels raise (translate_errors) as the Python exceptions torch's own bindings
+  // give for them; this module's pybind11 may not share torch's translators.
+  py::register_exception_translator([](std::exception_ptr e) {
+    try {
+      if (e) std::rethrow_exception(e);
+    } catch (const c10::ValueError& err) {
+      PyErr_SetString(PyExc_ValueError, err.what_without_backtrace());
+    } catch (const c10::TypeError& err) {
+      PyErr_SetString(PyExc_TypeError, err.what_without_backtrace());
+    } catch (const c10::NotImplementedError& err) {
+      PyErr_SetString(PyExc_NotImplementedError, err.what_without_backtrace());
+    } catch (const c10::Error& err) {
+      PyErr_SetString(PyExc_RuntimeError, err.what_without_backtrace());
+    }
+  });
+  // The eager forward: what torch.ops.tileattn.attention_forward does, with the arguments converted
+  // by pybind11's casters instead of boxed through the operator's schema (a few microseconds of a
+  // tiny call). Still a dispatcher call, so autograd, dispatch modes and fake tensors see it.
+  m.def(
+      "attention_forward",
+      [](const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& cu_seqlens_q,
+         const OptTensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, std::optional<double> softmax_scale,
+         bool causal, int64_t window_left, int64_t window_right, double softcap, bool deterministic,
+         const OptTensor& alibi_slopes, double dropout_p, const OptTensor& dropout_rng) {
+        return forward_op().call(q, k, v, cu_seqlens_q, cu_seqlens_k, SymInt(max_seqlen_q), SymInt(max_seqlen_k),
+                                 softmax_scale, causal, SymInt(window_left), SymInt(window_right), softcap,
+                                 deterministic, alibi_slopes, dropout_p, dropout_rng);
+      },
+      py::call_guard<py::gil_scoped_release>());
+  // tileattn.check_cu_seqlens(enabled): the operators read it at every call.
+  m.def("set_check_cu_seqlens",
+        [](bool enabled) { g_check_cu_seqlens.store(enabled, std::memory_order_relaxed); });
 }

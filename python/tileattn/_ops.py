@@ -30,22 +30,23 @@ from torch import Tensor
 from . import _ext
 
 
-def _load_torch_ops() -> Optional[ctypes.CDLL]:
-    """The PyTorch operator library (python/src/torch_ops.cpp): both attention operators with their
-    CPU, CUDA and Autograd kernels in C++, built against the PyTorch present when the package was
-    built. None where it was not built, where it does not load (another PyTorch since), or where
-    TILEATTN_TORCH_OPS=0 asks for the Python registration below; that one computes the same
-    results over _ext, at a higher host cost per call."""
-    path = os.path.join(os.path.dirname(__file__), "_torch_ops.so")
-    if os.environ.get("TILEATTN_TORCH_OPS", "1") == "0" or not os.path.exists(path):
+def _load_torch_ops():
+    """The PyTorch operator library, tileattn._torch_ops (python/src/torch_ops.cpp): both attention
+    operators with their CPU, CUDA and Autograd kernels in C++, built against the PyTorch present
+    when the package was built. None where it was not built, where it does not load (another PyTorch
+    since), or where TILEATTN_TORCH_OPS=0 asks for the Python registration below; that one computes
+    the same results over _ext, at a higher host cost per call."""
+    if os.environ.get("TILEATTN_TORCH_OPS", "1") == "0":
         return None
     try:
-        torch.ops.load_library(path)
-        return ctypes.CDLL(path)
-    except (OSError, RuntimeError) as e:
+        from . import _torch_ops as module
+    except ModuleNotFoundError:
+        return None  # built without it
+    except (ImportError, OSError) as e:
         warnings.warn(f"tileattn: the PyTorch operator library did not load ({e}); the operators are "
                       "registered in Python instead, which costs more host time per call", RuntimeWarning)
         return None
+    return module
 
 
 _torch_ops = _load_torch_ops()
@@ -108,7 +109,7 @@ def check_cu_seqlens(enabled: bool = True) -> None:
     """
     _checks["cu_seqlens"] = bool(enabled)
     if _torch_ops is not None:
-        _torch_ops.tileattn_set_check_cu_seqlens(int(bool(enabled)))
+        _torch_ops.set_check_cu_seqlens(bool(enabled))
 
 
 def _num_threads(device: torch.device) -> int:
@@ -546,10 +547,18 @@ def attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], c
     it is the ``tileattn::attention_forward`` operator (traced, no graph break), in eager mode the
     same computation without the operator dispatch."""
     if _torch_ops is not None:
-        # One dispatcher call: the operator library's Autograd and backend kernels do the rest.
-        op = torch.ops.tileattn.attention_forward if torch.compiler.is_compiling() else _forward_op
-        return op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                  window_left, window_right, softcap, deterministic, alibi_slopes, dropout_p, dropout_rng)
+        # One dispatcher call: the operator library's Autograd and backend kernels do the rest. The
+        # library's own entry skips the boxing of torch.ops; tracing, __torch_function__ overrides
+        # (tensor subclasses, modes) and symbolic sizes take the operator as torch.ops gives it.
+        if (torch.compiler.is_compiling() or type(q) not in _PLAIN or type(k) not in _PLAIN or type(v) not in _PLAIN
+                or type(max_seqlen_q) is not int or type(max_seqlen_k) is not int or _torch_function_mode_enabled()):
+            return torch.ops.tileattn.attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                        max_seqlen_k, softmax_scale, causal, window_left,
+                                                        window_right, softcap, deterministic, alibi_slopes,
+                                                        dropout_p, dropout_rng)
+        return _torch_ops.attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                            softmax_scale, causal, window_left, window_right, softcap,
+                                            deterministic, alibi_slopes, dropout_p, dropout_rng)
     options = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, deterministic,
                alibi_slopes, dropout_p, dropout_rng)
     if torch.compiler.is_compiling() or not _plain_on_one_device(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes):
@@ -562,9 +571,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], c
     return _EagerAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, options)
 
 
-# The overload's own builtin: calling it skips OpOverload.__call__'s Python frame.
-_forward_op = getattr(torch.ops.tileattn.attention_forward.default, "_op", torch.ops.tileattn.attention_forward.default)
-
+_torch_function_mode_enabled = getattr(torch._C, "_is_torch_function_mode_enabled", lambda: True)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
