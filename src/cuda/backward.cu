@@ -198,7 +198,7 @@ class BackwardPlan final : public detail::BackendPlan {
     params.dsum = ws.take<float>(layout_.dsum);
     params.row_sum = layout_.row_sum > 0 ? ws.take<float>(layout_.row_sum) : nullptr;
     params.dq_accum = layout_.accum > 0 ? ws.take<float>(layout_.accum) : nullptr;
-    if (params.dq_accum != nullptr) TA_CUDA_CHECK(cudaMemsetAsync(params.dq_accum, 0, layout_.accum, stream_));
+    // dq_accum starts at zero: the preprocess kernel zeroes it (bwd_preprocess.cuh).
     if (plan_.sm90) {
       BwdSm90Params sm90 = plan_.params;
       sm90.bwd = params;
