@@ -89,31 +89,36 @@ bool fp32_fast(const Tensor& q) {
   return ctx.float32MatmulPrecision() != at::Float32MatmulPrecision::HIGHEST || ctx.allowTF32CuBLAS();
 }
 
-struct Scalars {  // the operators' scalar arguments
-  int64_t max_seqlen_q, max_seqlen_k;
-  std::optional<double> softmax_scale;
-  bool causal;
-  int64_t window_left, window_right;
-  double softcap;
-  bool deterministic;
-  double dropout_p;
-};
-
-Options options_of(const Tensor& q, const Scalars& s) {
+// The options both operators take, as the bindings' Options.
+Options options_of(const Tensor& q, const SymInt& max_seqlen_q, const SymInt& max_seqlen_k,
+                   std::optional<double> softmax_scale, bool causal, const SymInt& window_left,
+                   const SymInt& window_right, double softcap, bool deterministic, double dropout_p) {
   Options o;
-  o.max_seqlen_q = s.max_seqlen_q;
-  o.max_seqlen_k = s.max_seqlen_k;
-  if (s.softmax_scale) o.softmax_scale = float(*s.softmax_scale);
-  o.causal = s.causal;
-  o.window_left = s.window_left;
-  o.window_right = s.window_right;
-  o.softcap = float(s.softcap);
-  o.deterministic = s.deterministic;
+  o.max_seqlen_q = max_seqlen_q.expect_int();
+  o.max_seqlen_k = max_seqlen_k.expect_int();
+  if (softmax_scale) o.softmax_scale = float(*softmax_scale);
+  o.causal = causal;
+  o.window_left = window_left.expect_int();
+  o.window_right = window_right.expect_int();
+  o.softcap = float(softcap);
+  o.deterministic = deterministic;
   o.fp32_fast = fp32_fast(q);
   o.num_threads = q.is_cpu() ? at::get_num_threads() : 0;
   o.check_cu_seqlens = g_check_cu_seqlens.load(std::memory_order_relaxed);
-  o.dropout_p = float(s.dropout_p);
+  o.dropout_p = float(dropout_p);
   return o;
+}
+
+// The tensors both operators take (the backward adds its gradients).
+AttentionTensors tensors_of(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
+                            const OptTensor& cu_seqlens_q, const OptTensor& cu_seqlens_k,
+                            const OptTensor& alibi_slopes, const OptTensor& dropout_rng) {
+  AttentionTensors t{tensor_ref(q), tensor_ref(k), tensor_ref(v), tensor_ref(out), tensor_ref(lse)};
+  t.cu_seqlens_q = tensor_ref(cu_seqlens_q);
+  t.cu_seqlens_k = tensor_ref(cu_seqlens_k);
+  t.alibi_slopes = tensor_ref(alibi_slopes);
+  t.dropout_rng = tensor_ref(dropout_rng);
+  return t;
 }
 
 // Plans the problem on q's device and current stream, then runs it with a workspace from
@@ -158,14 +163,10 @@ std::tuple<Tensor, Tensor> attention_forward(const Tensor& q, const Tensor& k, c
     Tensor out = at::empty(out_shape, q.options());
     Tensor lse = varlen ? at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat))
                         : at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
-    const Scalars s{max_seqlen_q.expect_int(), max_seqlen_k.expect_int(), softmax_scale, causal,
-                    window_left.expect_int(), window_right.expect_int(), softcap, deterministic, dropout_p};
-    AttentionTensors t{tensor_ref(q), tensor_ref(k), tensor_ref(v), tensor_ref(out), tensor_ref(lse)};
-    t.cu_seqlens_q = tensor_ref(cu_seqlens_q);
-    t.cu_seqlens_k = tensor_ref(cu_seqlens_k);
-    t.alibi_slopes = tensor_ref(alibi_slopes);
-    t.dropout_rng = tensor_ref(dropout_rng);
-    plan_and_run(attention_problem(t, options_of(q, s)), q, false);
+    const AttentionTensors t = tensors_of(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_rng);
+    const Options o = options_of(q, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
+                                 softcap, deterministic, dropout_p);
+    plan_and_run(attention_problem(t, o), q, false);
     return std::make_tuple(out, lse);
   });
 }
@@ -183,18 +184,14 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(
     Tensor dq = at::empty(q.sizes(), q.options());
     Tensor dk = at::empty(k.sizes(), k.options());
     Tensor dv = at::empty(v.sizes(), v.options());
-    const Scalars s{max_seqlen_q.expect_int(), max_seqlen_k.expect_int(), softmax_scale, causal,
-                    window_left.expect_int(), window_right.expect_int(), softcap, deterministic, dropout_p};
-    AttentionTensors t{tensor_ref(q), tensor_ref(k), tensor_ref(v), tensor_ref(out), tensor_ref(lse)};
-    t.cu_seqlens_q = tensor_ref(cu_seqlens_q);
-    t.cu_seqlens_k = tensor_ref(cu_seqlens_k);
+    AttentionTensors t = tensors_of(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_rng);
     t.dout = tensor_ref(dout);
     t.dq = tensor_ref(dq);
     t.dk = tensor_ref(dk);
     t.dv = tensor_ref(dv);
-    t.alibi_slopes = tensor_ref(alibi_slopes);
-    t.dropout_rng = tensor_ref(dropout_rng);
-    plan_and_run(attention_problem(t, options_of(q, s)), q, true);
+    const Options o = options_of(q, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
+                                 softcap, deterministic, dropout_p);
+    plan_and_run(attention_problem(t, o), q, true);
     return std::make_tuple(dq, dk, dv);
   });
 }
