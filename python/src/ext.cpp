@@ -63,9 +63,9 @@ class Attention {
         cu_q_(cu_seqlens_q), cu_k_(cu_seqlens_k), alibi_(alibi_slopes), rng_(dropout_rng),
         seqused_k_(seqused_k), leftpad_k_(leftpad_k), kv_batch_idx_(kv_batch_idx), block_table_(block_table) {
     const auto r = [](const auto& a) { return tensor_ref(a); };
-    AttentionTensors t{r(q_),     r(k_),  r(v_),  r(out_),   r(lse_), r(cu_q_),      r(cu_k_),        r(dout_), r(dq_),
-                       r(dk_),    r(dv_), r(alibi_), r(rng_), r(seqused_k_), r(leftpad_k_), r(kv_batch_idx_),
-                       r(block_table_)};
+    const AttentionTensors t{r(q_), r(k_), r(v_), r(out_), r(lse_), r(cu_q_), r(cu_k_), r(dout_), r(dq_), r(dk_),
+                             r(dv_), r(alibi_), r(rng_), r(seqused_k_), r(leftpad_k_), r(kv_batch_idx_),
+                             r(block_table_)};
     problem_ = attention_problem(t, options);
   }
 
