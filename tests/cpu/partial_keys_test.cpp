@@ -83,22 +83,26 @@ SplitGrads split_backward(HostProblem& hp, const Case& c, bool partial_keys) {
   return g;
 }
 
+ProblemShape shape_of(const Case& c, DType dtype) {
+  ProblemShape shape;
+  shape.batch = c.batch;
+  shape.seqlen_q = c.seqlen_q;
+  shape.seqlen_k = c.seqlen_k;
+  shape.heads_q = c.heads_q;
+  shape.heads_kv = c.heads_kv;
+  shape.headdim_qk = c.headdim_qk;
+  shape.headdim_v = c.headdim_v;
+  shape.dtype = dtype;
+  shape.causal = c.causal;
+  shape.softcap = c.softcap;
+  shape.layout = c.layout;
+  shape.num_threads = 2;
+  return shape;
+}
+
 void check_case(const Case& c, DType dtype) {
   for (int trial = 0; trial < kTrials; ++trial) {
-    ProblemShape shape;
-    shape.batch = c.batch;
-    shape.seqlen_q = c.seqlen_q;
-    shape.seqlen_k = c.seqlen_k;
-    shape.heads_q = c.heads_q;
-    shape.heads_kv = c.heads_kv;
-    shape.headdim_qk = c.headdim_qk;
-    shape.headdim_v = c.headdim_v;
-    shape.dtype = dtype;
-    shape.causal = c.causal;
-    shape.softcap = c.softcap;
-    shape.layout = c.layout;
-    shape.num_threads = 2;
-    HostProblem hp(shape);
+    HostProblem hp(shape_of(c, dtype));
     AttentionProblem& p = hp.problem;
     p.backend = Backend::cpu;
     tileattn::forward(p);
@@ -151,16 +155,7 @@ TEST(PartialKeys, SmallHeaddimQk) {
 // from the call's keys (fp16 here): the option is what makes the parts add up.
 TEST(PartialKeys, WithoutTheOptionThePartsDoNotAddUp) {
   const Case c{64, 96, 2, 2, 32, 32, false, {40}};
-  ProblemShape shape;
-  shape.seqlen_q = c.seqlen_q;
-  shape.seqlen_k = c.seqlen_k;
-  shape.heads_q = c.heads_q;
-  shape.heads_kv = c.heads_kv;
-  shape.headdim_qk = c.headdim_qk;
-  shape.headdim_v = c.headdim_v;
-  shape.dtype = DType::f16;
-  shape.num_threads = 2;
-  HostProblem hp(shape);
+  HostProblem hp(shape_of(c, DType::f16));
   hp.problem.backend = Backend::cpu;
   tileattn::forward(hp.problem);
   const SplitGrads split = split_backward(hp, c, false);
