@@ -122,11 +122,15 @@ inline void check_last_contiguous(const TensorRef& a, const char* name) {
 
 // Rank, dtype (one of the attention dtypes and equal to the reference's), device and a contiguous
 // last dimension: the checks the problem struct cannot express because it only sees pointers.
-inline void check_operand(const TensorRef& a, const char* name, size_t rank, const char* dims, const TensorRef& ref,
-                          const char* ref_name) {
+inline void check_rank(const TensorRef& a, const char* name, size_t rank, const char* dims) {
   if (a.rank != rank)
     fail(ErrorKind::invalid_argument, std::string(name) + " must have " + std::to_string(rank) + " dimensions " +
                                           dims + ", got shape " + shape_of(a));
+}
+
+inline void check_operand(const TensorRef& a, const char* name, size_t rank, const char* dims, const TensorRef& ref,
+                          const char* ref_name) {
+  check_rank(a, name, rank, dims);
   if (!dtype_of(a))
     fail(ErrorKind::invalid_type,
          std::string(name) + ".dtype=" + dtype_name(a) + " is not supported (float16, bfloat16 or float32)");
@@ -216,11 +220,15 @@ struct AttentionTensors {
   OptRef seqused_k, leftpad_k, kv_batch_idx, block_table;
 };
 
-// q, k and v alone, before the outputs are shaped from them: ranks, dtypes, devices, contiguous last
-// dimensions (attention_problem() repeats these checks; they cost nanoseconds).
+// q, k and v alone, before the outputs are shaped from them: the three ranks first (the order the
+// Python layer always checked in), then dtypes, devices, contiguous last dimensions
+// (attention_problem() repeats these checks; they cost nanoseconds).
 inline void check_inputs(const TensorRef& q, const TensorRef& k, const TensorRef& v, bool varlen) {
   const size_t rank = varlen ? 3 : 4;
   const char* dims = varlen ? kVarlenDims : kFixedDims;
+  check_rank(q, "q", rank, dims);
+  check_rank(k, "k", rank, dims);
+  check_rank(v, "v", rank, dims);
   check_operand(q, "q", rank, dims, q, "q");
   check_operand(k, "k", rank, dims, q, "q");
   check_operand(v, "v", rank, dims, q, "q");

@@ -136,17 +136,6 @@ void plan_and_run(tileattn::AttentionProblem p, const Tensor& q, bool backward) 
   plan.run(bytes ? workspace.data_ptr() : nullptr, bytes);
 }
 
-// Ranks first, as the Python layer always checked them: the outputs are shaped from them.
-void check_ranks(const Tensor& q, const Tensor& k, const Tensor& v, bool varlen) {
-  const int64_t rank = varlen ? 3 : 4;
-  const char* dims = varlen ? kVarlenDims : kFixedDims;
-  for (auto [t, name] : {std::pair<const Tensor*, const char*>{&q, "q"}, {&k, "k"}, {&v, "v"}})
-    if (t->dim() != rank)
-      fail(tileattn::ErrorKind::invalid_argument, std::string(name) + " must have " + std::to_string(rank) +
-                                                      " dimensions " + dims + ", got shape " +
-                                                      shape_of(tensor_ref(*t)));
-}
-
 std::tuple<Tensor, Tensor> attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
                                              const OptTensor& cu_seqlens_q, const OptTensor& cu_seqlens_k,
                                              SymInt max_seqlen_q, SymInt max_seqlen_k,
@@ -156,7 +145,6 @@ std::tuple<Tensor, Tensor> attention_forward(const Tensor& q, const Tensor& k, c
                                              const OptTensor& dropout_rng) {
   return translate_errors([&] {
     const bool varlen = cu_seqlens_q.has_value();
-    check_ranks(q, k, v, varlen);
     check_inputs(tensor_ref(q), tensor_ref(k), tensor_ref(v), varlen);
     auto out_shape = q.sizes().vec();
     out_shape.back() = v.size(-1);
@@ -177,7 +165,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(
     std::optional<double> softmax_scale, bool causal, SymInt window_left, SymInt window_right, double softcap,
     bool deterministic, const OptTensor& alibi_slopes, double dropout_p, const OptTensor& dropout_rng) {
   return translate_errors([&] {
-    check_ranks(q, k, v, cu_seqlens_q.has_value());
+    check_inputs(tensor_ref(q), tensor_ref(k), tensor_ref(v), cu_seqlens_q.has_value());
     // dout comes from whatever follows attention (the gradient of a sum is an expanded tensor);
     // its layout is not the caller's choice.
     const Tensor dout = dout_in.dim() > 0 && dout_in.stride(-1) != 1 ? dout_in.contiguous() : dout_in;
