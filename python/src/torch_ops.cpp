@@ -21,6 +21,7 @@
 #include <optional>
 #include <tuple>
 
+#include "cpu/parallel.hpp"
 #include "tensor_args.hpp"
 #include "tileattn/tileattn.hpp"
 
@@ -33,6 +34,24 @@ using c10::SymInt;
 
 // tileattn.check_cu_seqlens(): the opt-in host check of device offsets (tileattn/_ops.py).
 std::atomic<bool> g_check_cu_seqlens{false};
+
+// The CPU kernels' tasks run on PyTorch's intra-op threads, which torch's own CPU kernels use, so
+// the process has one pool, not two competing for its cores (src/cpu/parallel.hpp). Each of the
+// `threads` chunks drains the shared task counter, so uneven (causal) tasks still balance.
+bool run_on_torch_threads(int threads, void (*work)(void*), void* job) {
+  // An explicit count above torch's (not one this library passes) keeps tileattn's own pool.
+  if (threads > at::get_num_threads()) return false;
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) work(job);
+  });
+  return true;
+}
+
+// With torch's OpenMP backend at::parallel_for's region is compiled in this file: built without
+// OpenMP it would run every task on the caller, so tileattn's pool is kept then.
+#if !AT_PARALLEL_OPENMP || defined(_OPENMP)
+[[maybe_unused]] const bool g_torch_threads_installed = (tileattn::cpu::set_executor(run_on_torch_threads), true);
+#endif
 
 DType dl_type(at::ScalarType s) {
   switch (s) {

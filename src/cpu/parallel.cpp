@@ -1,4 +1,5 @@
-// The process-wide worker pool behind parallel_for (see parallel.hpp).
+// The process-wide worker pool behind parallel_for, and the hand-over to an installed executor
+// (see parallel.hpp).
 //
 // A call posts a job (a new generation) and works on it itself; workers that wake in time join.
 // When the tasks run out the caller closes the job and waits only for the workers that joined,
@@ -134,6 +135,35 @@ class Pool {
 
 std::atomic<Pool*> g_pool{nullptr};
 
+std::atomic<Executor> g_executor{nullptr};
+
+// One parallel_for handed to an executor: its threads claim tasks from `next`, as the pool's do.
+struct Job {
+  int64_t tasks;
+  TaskFn fn;
+  void* context;
+  std::atomic<int64_t> next{0};
+  std::mutex m;  // guards error
+  std::exception_ptr error;
+};
+
+void drain(void* raw) {
+  Job& job = *static_cast<Job*>(raw);
+  const bool outer = t_in_region;  // a caller's own flag comes back when it returns
+  t_in_region = true;
+  for (int64_t t = job.next.fetch_add(1, std::memory_order_relaxed); t < job.tasks;
+       t = job.next.fetch_add(1, std::memory_order_relaxed)) {
+    try {
+      job.fn(job.context, t);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(job.m);
+      if (!job.error) job.error = std::current_exception();
+      job.next.store(job.tasks, std::memory_order_relaxed);  // the others run out
+    }
+  }
+  t_in_region = outer;
+}
+
 // A forked child has none of the parent's workers and may have inherited locked mutexes: it
 // starts a pool of its own (the parent's is left behind, unused).
 void forget_pool_in_child() { g_pool.store(nullptr, std::memory_order_relaxed); }
@@ -151,8 +181,24 @@ Pool& pool() {
 
 }  // namespace
 
-void run_on_pool(int64_t tasks, int helpers, TaskFn fn, void* context) { pool().run(tasks, helpers, fn, context); }
+void run_parallel(int64_t tasks, int threads, TaskFn fn, void* context) {
+  if (const Executor executor = g_executor.load(std::memory_order_acquire)) {
+    Job job{tasks, fn, context};
+    if (executor(threads, drain, &job)) {
+      drain(&job);  // whatever the executor's threads left (none, when it ran work at least once)
+      if (job.error) std::rethrow_exception(job.error);
+      return;
+    }
+  }
+  pool().run(tasks, threads - 1, fn, context);
+}
 
 bool inside_parallel_region() { return t_in_region; }
 
 }  // namespace tileattn::cpu::detail
+
+namespace tileattn::cpu {
+
+void set_executor(Executor executor) { detail::g_executor.store(executor, std::memory_order_release); }
+
+}  // namespace tileattn::cpu
