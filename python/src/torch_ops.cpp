@@ -338,6 +338,16 @@ PYBIND11_MODULE(_torch_ops, m) {
                                  deterministic, alibi_slopes, dropout_p, dropout_rng);
       },
       py::call_guard<py::gil_scoped_release>());
+#if !AT_PARALLEL_OPENMP || defined(_OPENMP)
+  // tileattn._ext (imported first by tileattn._ops) links its own copy of the CPU backend: its
+  // CPU calls (kv cache, softmax_matmul, merges, the Python route) take torch's threads too.
+  m.attr("cpu_executor") = py::capsule(reinterpret_cast<void*>(&run_on_torch_threads), "tileattn.cpu_executor");
+  try {
+    py::module_::import("tileattn._ext").attr("set_cpu_executor")(m.attr("cpu_executor"));
+  } catch (const py::error_already_set&) {
+    // An _ext without the hook keeps its own pool.
+  }
+#endif
   // tileattn.check_cu_seqlens(enabled): the operators read it at every call.
   m.def("set_check_cu_seqlens",
         [](bool enabled) { g_check_cu_seqlens.store(enabled, std::memory_order_relaxed); });

@@ -1,8 +1,10 @@
-"""CPU calls through the PyTorch operator library (python/src/torch_ops.cpp) run their tasks on
-torch's own intra-op threads (src/cpu/parallel.hpp's executor), not on a second pool competing
-with torch's for the same cores: such a call starts no thread of its own, and its results are
-bitwise those of a one-thread call and of tileattn's own pool (the Python route), at any torch
-thread count and from several Python threads at once."""
+"""CPU calls run their tasks on torch's own intra-op threads (src/cpu/parallel.hpp's executor,
+installed by the PyTorch operator library python/src/torch_ops.cpp in itself and in tileattn._ext),
+not on a second pool competing with torch's for the same cores: such a call starts no thread of its
+own, and its results are bitwise those of a one-thread call and of tileattn's own pool, at any
+torch thread count and from several Python threads at once."""
+
+import ctypes
 
 import os
 import subprocess
@@ -41,6 +43,7 @@ def test_cpu_calls_start_no_threads_of_their_own():
         before = threads()
         out = tileattn.flash_attn_func(q, q, q, causal=True)
         out.sum().backward()
+        tileattn.softmax_matmul(torch.randn(4, 512, 512), torch.randn(4, 512, 64))  # through tileattn._ext
         print(before, threads())
     """)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
@@ -112,8 +115,21 @@ def test_bitwise_across_torch_threads_callers_and_pools(monkeypatch):
         for i, r in enumerate(results):
             _assert_bitwise(r, one, f"Python thread {i}")
 
-        # The Python route runs on tileattn's own pool (the _ext module's): the same bits.
+        # The Python route (tileattn._ext's calls) on torch's threads, then on _ext's own pool.
+        executor = _ops._torch_ops.cpu_executor
         monkeypatch.setattr(_ops, "_torch_ops", None)
-        _assert_bitwise(_run(q, k, v, do), one, "tileattn's own pool")
+        _assert_bitwise(_run(q, k, v, do), one, "the Python route on torch's threads")
+        _ops._ext.set_cpu_executor(None)
+        try:
+            _assert_bitwise(_run(q, k, v, do), one, "tileattn's own pool")
+        finally:
+            _ops._ext.set_cpu_executor(executor)
     finally:
         torch.set_num_threads(saved)
+
+
+def test_set_cpu_executor_takes_only_the_libraries_capsule():
+    new_capsule = ctypes.pythonapi.PyCapsule_New
+    new_capsule.restype, new_capsule.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    with pytest.raises(TypeError, match="executor is a capsule named 'other', not 'tileattn.cpu_executor'"):
+        _ops._ext.set_cpu_executor(new_capsule(1, b"other", None))
