@@ -180,7 +180,8 @@ class BackwardPlan final : public detail::BackendPlan {
     params.dropout = make_dropout(p.dropout_p, p.dropout_seed, p.dropout_offset, p.heads_q, p.dropout_rng_state);
     params.vec_io = vector_io_ok(p);
     params.pair_grads = pair_stores_ok(p);
-    params.partial_keys = p.partial_keys;
+    params.fp32_fast = p.dtype == DType::f32 && p.fp32_mode == Fp32Mode::fast;
+    params.given_stats = p.partial_keys || params.fp32_fast;
     params.seqlen_q_rounded = int(layout_.rows / (p.batch * p.heads_q));
     params.dq_accum_dim = layout_.dim;
   }

@@ -506,6 +506,60 @@ TEST_P(Backward, GradientsWithin2xOfNaive) {
 INSTANTIATE_TEST_SUITE_P(Sweep, Backward, testing::ValuesIn(cases()),
                          [](const testing::TestParamInfo<Case>& info) { return info.param.name; });
 
+std::vector<Case> fp32_cases() {
+  std::vector<Case> c;
+  for (const Case& x : cases())
+    if (x.shape.dtype == DType::f32) c.push_back(x);
+  return c;
+}
+
+class BackwardFp32Fast : public testing::TestWithParam<Case> {};
+
+// fp32 fast mode (forward and backward in TF32): every gradient within the TF32 bound of the
+// float64 oracle, in both dQ modes, and the backward's products really TF32 (the exact backward on
+// the same O and L gives other bits).
+TEST_P(BackwardFp32Fast, GradientsWithinTf32Bound) {
+  TA_SKIP_WITHOUT_GPU();
+  HostProblem hp(GetParam().shape);
+  const auto ref = cpu::reference_backward(host::validate_attention(hp.problem, host::Pass::backward, Backend::cpu));
+  DeviceProblem dp(hp);
+  for (bool deterministic : {false, true}) {
+    SCOPED_TRACE(deterministic ? "deterministic" : "atomic dQ");
+    dp.problem.deterministic = deterministic;
+    dp.problem.fp32_mode = Fp32Mode::fast;
+    try {
+      run_forward_backward(dp);
+    } catch (const Error& e) {
+      if (e.kind() == ErrorKind::unsupported) GTEST_SKIP() << e.what();
+      throw;
+    }
+    const auto dq = hp.dq.gather(), dk = hp.dk.gather(), dv = hp.dv.gather();
+    auto check = [&](const std::string& name, const std::vector<double>& got, const std::vector<double>& want) {
+      const ErrorStats e = compare(got, want);
+      const double bound = kTf32GradRelBound * e.max_ref;
+      record_margin(name + "_fast", e.max_abs, 0.0, bound);
+      testing::Test::RecordProperty(name + "_fast_err", property_text(e.max_abs));
+      EXPECT_EQ(e.nonfinite, 0) << name << " " << e;
+      EXPECT_LE(e.max_abs, bound) << name << " " << e;
+    };
+    check("dQ", dq, ref.dq);
+    check("dK", dk, ref.dk);
+    check("dV", dv, ref.dv);
+    EXPECT_EQ(hp.dq.touched_outside_view(), 0);
+    EXPECT_EQ(hp.dk.touched_outside_view(), 0);
+    EXPECT_EQ(hp.dv.touched_outside_view(), 0);
+    EXPECT_EQ(nonzero_dq_in_empty_rows(hp), 0);
+
+    dp.problem.fp32_mode = Fp32Mode::exact;
+    tileattn::backward(dp.problem);
+    dp.download();
+    EXPECT_NE(hp.dk.gather(), dk) << "the exact backward gave the fast mode's dK";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Sweep, BackwardFp32Fast, testing::ValuesIn(fp32_cases()),
+                         [](const testing::TestParamInfo<Case>& info) { return info.param.name; });
+
 // deterministic = true: two runs give the same bits, with the library's workspace and the caller's.
 TEST(BackwardDeterministic, BitwiseRepeatable) {
   TA_SKIP_WITHOUT_GPU();

@@ -8,9 +8,9 @@
 // on query % 64 (full masks only: then every weight is 1 / seqlen_k). Random inputs then check O,
 // L, dQ, dK and dV against the float64 oracle (which implements the same rule), with the CPU
 // backend's error on the same inputs and seed as the comparison point: a different mask moves the
-// gradients by a fraction of their size, far past the bound. fp32 fast mode (TF32 products in
-// the forward) checks O and L against fp32_forward_test.cu's TF32 bound instead; its backward is
-// the exact one.
+// gradients by a fraction of their size, far past the bound. fp32 fast mode (TF32 products)
+// checks O and L against fp32_forward_test.cu's TF32 bound instead, and the gradients against
+// gpu_test_util.cuh's.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -238,6 +238,17 @@ void check_against_oracle(ProblemShape shape, float prob, bool deterministic, Fp
     // L is the log-sum-exp of the undropped scores.
     EXPECT_TRUE(within(lse, f.lse, 1e-5, 1e-5)) << "L";
   }
+  if (shape.dtype == DType::f32 && mode == Fp32Mode::fast) {
+    auto tf32 = [](const char* what, const std::vector<double>& got, const std::vector<double>& want) {
+      const ErrorStats e = compare(got, want);
+      EXPECT_EQ(e.nonfinite, 0) << what << " " << e;
+      EXPECT_LE(e.max_abs, kTf32GradRelBound * e.max_ref) << what << " " << e;
+    };
+    tf32("dQ", dq, g.dq);
+    tf32("dK", dk, g.dk);
+    tf32("dV", dv, g.dv);
+    return;
+  }
   check("dQ", dq, hp.dq.gather(), g.dq);
   check("dK", dk, hp.dk.gather(), g.dk);
   check("dV", dv, hp.dv.gather(), g.dv);
@@ -271,7 +282,7 @@ TEST(CudaDropout, GradientsAgainstOracle) {
   }
 }
 
-// fp32: one backward in both modes (fast mode changes the forward's products only).
+// fp32 in both modes.
 TEST(CudaDropout, GradientsAgainstOracleF32) {
   TA_SKIP_WITHOUT_GPU();
   for (Fp32Mode mode : {Fp32Mode::exact, Fp32Mode::fast}) {

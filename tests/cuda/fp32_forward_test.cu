@@ -15,11 +15,8 @@
 namespace tileattn::test {
 namespace {
 
-// TF32 keeps 10 explicit mantissa bits: u = 2^-11 when rounded (Q, P), 2^-10 when truncated by
-// the tensor core (K, V).
-constexpr double kTf32Roundoff = 1.0 / 2048.0;
-
-// Fast mode: a score moves by about 3u * scale * sqrt(sum (q_i k_i)^2) ~ 3u for scale = 1/sqrt(d)
+// Fast mode (Q and P rounded to TF32, K and V truncated; gpu_test_util.cuh's kTf32Roundoff): a
+// score moves by about 3u * scale * sqrt(sum (q_i k_i)^2) ~ 3u for scale = 1/sqrt(d)
 // and N(0, 1) inputs, which moves P relatively by as much; P and V add 3u. 16u of the largest
 // output (resp. of max(1, |L|)) leaves room for the tails of a few hundred thousand outputs.
 constexpr double kFastRelBound = 16 * kTf32Roundoff;

@@ -304,6 +304,15 @@ inline NaiveForward naive_forward(const AttentionProblem& device_problem) {
   return out;
 }
 
+// TF32 keeps 10 explicit mantissa bits: u = 2^-11 when rounded, 2^-10 when the tensor core
+// truncates an fp32 operand.
+constexpr double kTf32Roundoff = 1.0 / 2048.0;
+
+// fp32 fast mode's gradients: every backward product in TF32 (operands truncated, 2u each), P from
+// the fast forward's L and D from its O. Each gradient's largest error stays within this many
+// roundoffs of its largest reference element.
+constexpr double kTf32GradRelBound = 32 * kTf32Roundoff;
+
 // ---- the 2x rule ------------------------------------------------------------------------------
 
 // Floor for outputs stored in `dtype`: one rounding of the largest reference value.

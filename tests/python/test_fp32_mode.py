@@ -77,3 +77,28 @@ def test_cuda_fast_mode_is_tf32_and_highest_is_exact(cuda, precision):
     torch.set_float32_matmul_precision("highest")
     torch.backends.cuda.matmul.allow_tf32 = True
     assert torch.equal(tileattn.flash_attn_func(q, k, v), fast), "allow_tf32 did not reach the fast mode"
+
+
+@pytest.mark.gpu
+def test_cuda_fast_mode_reaches_the_backward(cuda, precision):
+    """The switch picks the backward's products too: TF32 gradients within 32 TF32 roundoffs of each
+    gradient's largest float64 value, and exact ones within the 2x rule of a naive fp32 backward."""
+    q, k, v, dout = (torch.randn(2, 200, 4, 64, device=cuda) for _ in range(4))
+    ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    ref, _ = naive.attention(*ref_leaves, causal=True)
+    ref_grads = torch.autograd.grad(ref, ref_leaves, dout.double())
+    torch.set_float32_matmul_precision("highest")
+    naive_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    naive_out, _ = naive.attention(*naive_leaves, causal=True)
+    naive_grads = torch.autograd.grad(naive_out, naive_leaves, dout)
+    grads = {}
+    for setting in ("highest", "high"):
+        torch.set_float32_matmul_precision(setting)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = tileattn.flash_attn_func(*leaves, causal=True)
+        grads[setting] = torch.autograd.grad(out, leaves, dout)
+    for name, exact, fast, naive_grad, want in zip("qkv", grads["highest"], grads["high"], naive_grads, ref_grads):
+        naive.assert_2x_rule(exact, naive_grad, want, 1e-6, f"exact d{name}")
+        assert not torch.equal(fast, exact), f"precision 'high' did not reach the backward (d{name})"
+        err, bound = naive.max_error(fast, want), 32 / 2048 * want.abs().max().item()
+        assert err <= bound, f"fast d{name}: error {err:.3g} > TF32 bound {bound:.3g}"

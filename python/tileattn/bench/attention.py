@@ -1,6 +1,6 @@
 """Attention forward and backward: tileattn beside PyTorch.
 
-    python -m tileattn.bench.attention [--impl pytorch_sdpa|tileattn] [--causal] [--csv PATH]
+    python -m tileattn.bench.attention [--impl pytorch_sdpa|tileattn] [--causal] [--tf32] [--csv PATH]
     python -m tileattn.bench.attention --preset h100 [--passes N] [--csv PATH]
 
 Default grid: fp32, batch 8, d_model 64 (one head, (batch, seq, d_model) tensors), seq_len 256 ...
@@ -254,6 +254,9 @@ def main(argv=None):
                         help="--preset h100: implementation(s) to run (tileattn, sdpa_flash, sdpa_cudnn, "
                              "sdpa_efficient, flex_attention; default all)")
     parser.add_argument("--causal", action="store_true", help="default grid: causal mask")
+    parser.add_argument("--tf32", action="store_true",
+                        help="default grid: TF32 allowed (torch.set_float32_matmul_precision('high')), which is "
+                             "tileattn's fp32 fast mode and lets PyTorch use TF32 too")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--passes", type=int, default=100)
     parser.add_argument("--csv", help="default outputs/csv/attention_benchmark.csv (attention_h100.csv with "
@@ -271,12 +274,16 @@ def main(argv=None):
                    "forward_matmul_fraction", "backward_ms", "backward_tflops", "backward_matmul_fraction"]
         print(frame[columns].to_string(index=False, float_format=lambda x: f"{x:.3f}"))
     else:
+        if args.tf32:
+            torch.set_float32_matmul_precision("high")
+            torch.backends.cuda.matmul.allow_tf32 = True
         frame = run_course(args.impl or ["pytorch_sdpa", "tileattn"], args.causal, args.warmup, args.passes)
         path = _common.output_path(args.csv or "outputs/csv/attention_benchmark.csv")
         frame.to_csv(path, index=False)
         _common.save_plot(frame, "seq_len", ["forward_ms", "backward_ms", "saved_activations_MiB"],
                           "implementation", path.rsplit(".", 1)[0] + ".png",
-                          f"attention fp32, batch {BATCH}, d_model {D_MODEL} ({frame.gpu[0]})")
+                          f"attention fp32{' (TF32 allowed)' if args.tf32 else ''}, batch {BATCH}, d_model "
+                          f"{D_MODEL} ({frame.gpu[0]})")
         print(frame.drop(columns=["gpu"]).to_string(index=False, float_format=lambda x: f"{x:.3f}"))
     print(f"wrote {path}")
 

@@ -4,7 +4,8 @@
 // Every product works on the m16n8 accumulator fragment of mma.sync: lane l holds
 // rows l/4 and l/4 + 8, columns 2*(l%4) and 2*(l%4) + 1 of each 16x8 tile, in fp32. The
 // fp16/bf16 path runs m16n8k16 on tensor cores with ldmatrix feeding the operands; the fp32
-// path computes the same fragments with scalar FMA so that its products stay exact fp32.
+// path runs on tensor cores too (mma_fp32.cuh): in fp64 (exact: every product exact, the call's
+// sums in 53 bits, rounded to fp32 once) or as one TF32 product (the fp32 fast mode).
 //
 // Operand layouts in shared memory are given from the product's point of view:
 //   A (m x k) is "row-major" when stored [m][k], "col-major" when stored [k][m];
@@ -17,9 +18,13 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "cuda/arch/mma_fp32.cuh"
 #include "cuda/arch/ptx_sm80.cuh"
 
 namespace tileattn::cuda::bwd {
+
+// How fp32 tiles multiply: on fp64 tensor cores (exact mode) or as one TF32 product (fast mode).
+enum class Fp32Math { fp64, tf32 };
 
 // Conversions, cp.async, ldmatrix, mma.sync and exp2 come from cuda/common/ptx.cuh.
 
@@ -58,10 +63,8 @@ __device__ __forceinline__ void convert(To (&dst)[MT][NT][4], const From (&src)[
 
 // acc (16*MT x 8*NT) += A (16*MT x K) * B (K x 8*NT). A and B point at the warp's first
 // row/column; lda/ldb are the stored row lengths in elements. For 16-bit types NT is even (B is
-// read 16 columns at a time). kWideSum (fp32 only): runs of 8 products are summed in fp32 and
-// the runs in double, for the products whose rounding does not cancel downstream (S and dP of
-// the fp32 backward, see the callers).
-template <class T, int MT, int NT, int K, bool ARowMajor, bool BRowMajor, bool kWideSum = false>
+// read 16 columns at a time). fp32 (K a multiple of 8) multiplies as kMath says.
+template <class T, int MT, int NT, int K, bool ARowMajor, bool BRowMajor, Fp32Math kMath = Fp32Math::fp64>
 __device__ __forceinline__ void warp_gemm(float (&acc)[MT][NT][4], const T* A, int lda, const T* B, int ldb) {
   const int lane = threadIdx.x & 31;
   if constexpr (sizeof(T) == 2) {
@@ -97,58 +100,71 @@ __device__ __forceinline__ void warp_gemm(float (&acc)[MT][NT][4], const T* A, i
       }
     }
   } else {
-    const int row = lane >> 2, col = (lane & 3) * 2;
-    auto step = [&](int k, auto& sum) {  // sum += column k of A times row k of B (fp32 or double)
-      using S = std::remove_reference_t<decltype(sum[0][0][0])>;
-      float a[MT][2], b[NT][2];
-#pragma unroll
-      for (int i = 0; i < MT; ++i)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int m = i * 16 + row + h * 8;
-          a[i][h] = ARowMajor ? A[m * lda + k] : A[k * lda + m];
-        }
-#pragma unroll
-      for (int j = 0; j < NT; ++j)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int n = j * 8 + col + h;
-          b[j][h] = BRowMajor ? B[k * ldb + n] : B[n * ldb + k];
-        }
-#pragma unroll
-      for (int i = 0; i < MT; ++i)
-#pragma unroll
-        for (int j = 0; j < NT; ++j) {
-          sum[i][j][0] = fma(S(a[i][0]), S(b[j][0]), sum[i][j][0]);
-          sum[i][j][1] = fma(S(a[i][0]), S(b[j][1]), sum[i][j][1]);
-          sum[i][j][2] = fma(S(a[i][1]), S(b[j][0]), sum[i][j][2]);
-          sum[i][j][3] = fma(S(a[i][1]), S(b[j][1]), sum[i][j][3]);
-        }
+    static_assert(K % 8 == 0, "fp32 tensor-core warp tiles are whole 8-wide steps");
+    // Fragments in mma_fp32.cuh's layout: the lane's two k values of a step are 2t and 2t + 1,
+    // adjacent in memory, so [m][k] and [n][k] operands load as one float2.
+    const int g = lane >> 2, t2 = (lane & 3) * 2;
+    auto load_a = [&](int i, int k0, float (&a)[4]) {
+      const int m = i * 16 + g;
+      if constexpr (ARowMajor) {
+        const float2 x0 = *reinterpret_cast<const float2*>(A + m * lda + k0 + t2);
+        const float2 x1 = *reinterpret_cast<const float2*>(A + (m + 8) * lda + k0 + t2);
+        a[0] = x0.x, a[1] = x1.x, a[2] = x0.y, a[3] = x1.y;
+      } else {
+        const T* col = A + (k0 + t2) * lda + m;
+        a[0] = col[0], a[1] = col[8], a[2] = col[lda], a[3] = col[lda + 8];
+      }
     };
-    if constexpr (!kWideSum) {
-#pragma unroll 4
-      for (int k = 0; k < K; ++k) step(k, acc);
-    } else {
-      // Short fp32 runs keep their partial sums small; one conversion and one double add per
-      // 8 fused multiply-adds. H100 (docs/perf.md): with S and dP summed so, 30 repeats of the
-      // fp32 backward tests stayed within 0.74 of the 2x bound; the fp32 backward (B2 H8 N4k
-      // d128 causal) took 12.2 ms against 10.7 with plain fp32 sums and 18.7 with whole double
-      // sums of S and dP.
-      static_assert(K % 8 == 0, "warp_gemm: wide sums take runs of 8 products");
-      double wide[MT][NT][4];
-      convert(wide, acc);
-#pragma unroll 1
-      for (int k0 = 0; k0 < K; k0 += 8) {
-        float run[MT][NT][4];
-        zero(run);
+    auto load_b = [&](int j, int k0, float (&b)[2]) {
+      const int n = j * 8 + g;
+      if constexpr (BRowMajor) {
+        b[0] = B[(k0 + t2) * ldb + n], b[1] = B[(k0 + t2 + 1) * ldb + n];
+      } else {
+        const float2 x = *reinterpret_cast<const float2*>(B + n * ldb + k0 + t2);
+        b[0] = x.x, b[1] = x.y;
+      }
+    };
+    if constexpr (kMath == Fp32Math::tf32) {
+      // The tensor core reads the top 19 bits of each fp32 operand (truncation to TF32).
 #pragma unroll
-        for (int k = k0; k < k0 + 8; ++k) step(k, run);
+      for (int k0 = 0; k0 < K; k0 += 8) {
+        float a[MT][4], b[NT][2];
+#pragma unroll
+        for (int i = 0; i < MT; ++i) load_a(i, k0, a[i]);
+#pragma unroll
+        for (int j = 0; j < NT; ++j) load_b(j, k0, b[j]);
 #pragma unroll
         for (int i = 0; i < MT; ++i)
 #pragma unroll
-          for (int j = 0; j < NT; ++j)
+          for (int j = 0; j < NT; ++j) {
+            const uint32_t au[4] = {__float_as_uint(a[i][0]), __float_as_uint(a[i][1]), __float_as_uint(a[i][2]),
+                                    __float_as_uint(a[i][3])};
+            const uint32_t bu[2] = {__float_as_uint(b[j][0]), __float_as_uint(b[j][1])};
+            fp32::mma_16x8x8_tf32(acc[i][j], au, bu);
+          }
+      }
+    } else {
+      // Each fp32 product is exact in fp64 and the call's sum keeps 53 bits: one rounding per call.
+      double wide[MT][NT][4];
+      convert(wide, acc);
+#pragma unroll 2
+      for (int k0 = 0; k0 < K; k0 += 8) {
+        float a[MT][4], b[NT][2];
 #pragma unroll
-            for (int e = 0; e < 4; ++e) wide[i][j][e] += double(run[i][j][e]);
+        for (int i = 0; i < MT; ++i) load_a(i, k0, a[i]);
+#pragma unroll
+        for (int j = 0; j < NT; ++j) load_b(j, k0, b[j]);
+        double ad[MT][4], bd[NT][2];
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) ad[i][e] = a[i][e];
+#pragma unroll
+        for (int j = 0; j < NT; ++j) bd[j][0] = b[j][0], bd[j][1] = b[j][1];
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+          for (int j = 0; j < NT; ++j) fp32::mma_16x8x8_f64(wide[i][j], ad[i], bd[j]);
       }
       convert(acc, wide);
     }

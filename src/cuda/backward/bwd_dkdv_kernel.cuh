@@ -30,7 +30,7 @@ __device__ __forceinline__ void atomic_add2(float* g, float a, float b) {
 #endif
 }
 
-template <class T, int D>
+template <class T, int D, Fp32Math M = Fp32Math::fp64>
 __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const BwdParams p) {
   using Tile = DkdvTile<T, D>;
   constexpr int BN = Tile::kBlockN, BM = Tile::kBlockM, LD = Tile::kLd, LDP = Tile::kLdP;
@@ -121,19 +121,20 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const BwdParams p) {
 
     float dp[GS.tm / 16][GS.tn / 8][4];
     zero(dp);
-    // S^T and dP^T summed wide (fp32), in the dQ pass's order: the two passes form the same dS.
-    warp_gemm<T, GS.tm / 16, GS.tn / 8, D, true, false, true>(dp, sV + s_row * LD, LD, cur.dout + s_col * LD, LD);
+    // S^T and dP^T: in exact fp32 mode summed in fp64 over the same k order as the dQ pass's S and
+    // dP, so that the two passes form the same dS.
+    warp_gemm<T, GS.tm / 16, GS.tn / 8, D, true, false, M>(dp, sV + s_row * LD, LD, cur.dout + s_col * LD, LD);
     float st[GS.tm / 16][GS.tn / 8][4];
     zero(st);
-    warp_gemm<T, GS.tm / 16, GS.tn / 8, D, true, false, true>(st, sK + s_row * LD, LD, cur.q + s_col * LD, LD);
+    warp_gemm<T, GS.tm / 16, GS.tn / 8, D, true, false, M>(st, sK + s_row * LD, LD, cur.q + s_col * LD, LD);
     const int q1 = min(q0 + BM, s.sq);
     const bool masked = !(mask.full_begin_key(q1) <= k0 && mask.full_end_key(q0) >= k0 + BN);
     scores_to_grads<T, true, true>(st, dp, cur.lse2, cur.row_sum, cur.dsum, s_row, s_col, q0, k0, masked, mask, p, sP,
                                    sdS, LDP, b, h);
     __syncthreads();
 
-    warp_gemm<T, GKV.tm / 16, GKV.tn / 8, BM, true, true>(dv, sP + kv_row * LDP, LDP, cur.dout + kv_col, LD);
-    warp_gemm<T, GKV.tm / 16, GKV.tn / 8, BM, true, true>(dk, sdS + kv_row * LDP, LDP, cur.q + kv_col, LD);
+    warp_gemm<T, GKV.tm / 16, GKV.tn / 8, BM, true, true, M>(dv, sP + kv_row * LDP, LDP, cur.dout + kv_col, LD);
+    warp_gemm<T, GKV.tm / 16, GKV.tn / 8, BM, true, true, M>(dk, sdS + kv_row * LDP, LDP, cur.q + kv_col, LD);
     if (p.dkdv_stages == 1) {
       __syncthreads();  // the single buffer is free once dK's product is done
       if (it + 1 < n_iter) load_stage(it + 1);
@@ -144,7 +145,7 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const BwdParams p) {
       // dS is dS^T read column-major; rows past the sequence land in workspace padding.
       float dq[GQ.tm / 16][GQ.tn / 8][4];
       zero(dq);
-      warp_gemm<T, GQ.tm / 16, GQ.tn / 8, BN, false, true>(dq, sdS + q_row, LDP, sK + q_col, LD);
+      warp_gemm<T, GQ.tm / 16, GQ.tn / 8, BN, false, true, M>(dq, sdS + q_row, LDP, sK + q_col, LD);
       float* g = p.dq_accum + (ws_row(p, b, h) + q0 + q_row) * p.dq_accum_dim + q_col;
 #pragma unroll
       for (int i = 0; i < GQ.tm / 16; ++i)

@@ -16,7 +16,7 @@
 
 namespace tileattn::cuda::bwd {
 
-template <class T, int D>
+template <class T, int D, Fp32Math M = Fp32Math::fp64>
 __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const BwdParams p) {
   using Tile = DqTile<T, D>;
   constexpr int BM = Tile::kBlockM, BN = Tile::kBlockN, LD = Tile::kLd, LDS = Tile::kLdS;
@@ -85,17 +85,17 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const BwdParams p) {
     const T* sV = sK + BN * LD;
     float dp[GS.tm / 16][GS.tn / 8][4];
     zero(dp);
-    // S and dP summed wide (fp32): dS = P (dP - D) cancels, and what P and dP round survives into
-    // dS (D comes from the forward's O, whose P used exact scores).
-    warp_gemm<T, GS.tm / 16, GS.tn / 8, D, true, false, true>(dp, sdO + s_row * LD, LD, sV + s_col * LD, LD);
+    // S and dP (exact fp32: summed in fp64, rounded once): dS = P (dP - D) cancels, and what P and
+    // dP round survives into dS.
+    warp_gemm<T, GS.tm / 16, GS.tn / 8, D, true, false, M>(dp, sdO + s_row * LD, LD, sV + s_col * LD, LD);
     float st[GS.tm / 16][GS.tn / 8][4];
     zero(st);
-    warp_gemm<T, GS.tm / 16, GS.tn / 8, D, true, false, true>(st, sQ + s_row * LD, LD, sK + s_col * LD, LD);
+    warp_gemm<T, GS.tm / 16, GS.tn / 8, D, true, false, M>(st, sQ + s_row * LD, LD, sK + s_col * LD, LD);
     const bool masked = !(mask.full_begin_key(q1) <= k0 && mask.full_end_key(q0) >= k0 + BN);
     scores_to_grads<T, false, false>(st, dp, sL, sRowSum, sDsum, s_row, s_col, q0, k0, masked, mask, p, nullptr, sdS,
                                      LDS, b, h);
     __syncthreads();
-    warp_gemm<T, GQ.tm / 16, GQ.tn / 8, BN, true, true>(dq, sdS + q_row * LDS, LDS, sK + q_col, LD);
+    warp_gemm<T, GQ.tm / 16, GQ.tn / 8, BN, true, true, M>(dq, sdS + q_row * LDS, LDS, sK + q_col, LD);
     if (p.dq_stages == 1) {
       __syncthreads();  // the single buffer and dS are free once dQ's product is done
       if (it + 1 < n_tiles) load_kv(it + 1);

@@ -1,5 +1,5 @@
 #pragma once
-// Host side of one backward: preprocess (and, for fp32 without partial_keys, the row statistics),
+// Host side of one backward: preprocess (and, for exact fp32 without partial_keys, the row statistics),
 // dK/dV (with atomic dQ, or not), then the dQ conversion or dQ's own pass. Instantiated per
 // (dtype, head-dim bucket) by the units src/cuda/CMakeLists.txt generates.
 #include <cuda_runtime.h>
@@ -21,6 +21,40 @@
 
 namespace tileattn::cuda::bwd {
 
+// Everything after the preprocess: fp32's row statistics, dK/dV, then dQ's conversion or pass.
+template <class T, int D, Fp32Math M>
+void launch_passes(const BwdParams& p, unsigned row_blocks, cudaStream_t stream) {
+  using KV = DkdvTile<T, D>;
+  if constexpr (std::is_same_v<T, float> && M != Fp32Math::tf32) {
+    if (!p.given_stats) {
+      using Q = DqTile<T, D>;
+      constexpr int smem = RowStatsTile<D>::kSmemBytes;
+      allow_dynamic_smem(row_stats_kernel<D, M>, smem);
+      const dim3 grid((p.seqlen_q + Q::kBlockM - 1) / Q::kBlockM, p.batch, p.heads_q);
+      row_stats_kernel<D, M><<<grid, kThreads, smem, stream>>>(p);
+      TA_CUDA_CHECK_LAUNCH("backward fp32 row statistics");
+    }
+  }
+
+  const int kv_smem = KV::smem_bytes(p.dkdv_stages);
+  allow_dynamic_smem(dkdv_kernel<T, D, M>, kv_smem);
+  const dim3 kv_grid((p.seqlen_k + KV::kBlockN - 1) / KV::kBlockN, p.batch, p.heads_kv);
+  dkdv_kernel<T, D, M><<<kv_grid, kThreads, kv_smem, stream>>>(p);
+  TA_CUDA_CHECK_LAUNCH("backward dK/dV");
+
+  if (p.dq_accum != nullptr) {
+    convert_dq_kernel<T><<<row_blocks, kRowKernelThreads, 0, stream>>>(p);
+    TA_CUDA_CHECK_LAUNCH("backward dQ conversion");
+  } else {
+    using Q = DqTile<T, D>;
+    const int q_smem = Q::smem_bytes(p.dq_stages);
+    allow_dynamic_smem(dq_kernel<T, D, M>, q_smem);
+    const dim3 q_grid((p.seqlen_q + Q::kBlockM - 1) / Q::kBlockM, p.batch, p.heads_q);
+    dq_kernel<T, D, M><<<q_grid, kThreads, q_smem, stream>>>(p);
+    TA_CUDA_CHECK_LAUNCH("backward dQ");
+  }
+}
+
 template <class T, int D>
 void launch_backward(const BwdParams& params, cudaStream_t stream) {
   using KV = DkdvTile<T, D>;
@@ -40,35 +74,11 @@ void launch_backward(const BwdParams& params, cudaStream_t stream) {
                 "query tiles never reach past the workspace padding");
   preprocess_kernel<T><<<row_blocks, kRowKernelThreads, 0, stream>>>(p);
   TA_CUDA_CHECK_LAUNCH("backward preprocess");
-
-  // With partial_keys the row's statistics are the given L's: the call sees only part of the row.
   if constexpr (std::is_same_v<T, float>) {
-    if (!p.partial_keys) {
-      using Q = DqTile<T, D>;
-      constexpr int smem = RowStatsTile<D>::kSmemBytes;
-      allow_dynamic_smem(row_stats_kernel<D>, smem);
-      const dim3 grid((p.seqlen_q + Q::kBlockM - 1) / Q::kBlockM, p.batch, p.heads_q);
-      row_stats_kernel<D><<<grid, kThreads, smem, stream>>>(p);
-      TA_CUDA_CHECK_LAUNCH("backward fp32 row statistics");
-    }
-  }
-
-  const int kv_smem = KV::smem_bytes(p.dkdv_stages);
-  allow_dynamic_smem(dkdv_kernel<T, D>, kv_smem);
-  const dim3 kv_grid((p.seqlen_k + KV::kBlockN - 1) / KV::kBlockN, p.batch, p.heads_kv);
-  dkdv_kernel<T, D><<<kv_grid, kThreads, kv_smem, stream>>>(p);
-  TA_CUDA_CHECK_LAUNCH("backward dK/dV");
-
-  if (p.dq_accum != nullptr) {
-    convert_dq_kernel<T><<<row_blocks, kRowKernelThreads, 0, stream>>>(p);
-    TA_CUDA_CHECK_LAUNCH("backward dQ conversion");
+    if (p.fp32_fast) launch_passes<T, D, Fp32Math::tf32>(p, row_blocks, stream);
+    else launch_passes<T, D, Fp32Math::fp64>(p, row_blocks, stream);
   } else {
-    using Q = DqTile<T, D>;
-    const int q_smem = Q::smem_bytes(p.dq_stages);
-    allow_dynamic_smem(dq_kernel<T, D>, q_smem);
-    const dim3 q_grid((p.seqlen_q + Q::kBlockM - 1) / Q::kBlockM, p.batch, p.heads_q);
-    dq_kernel<T, D><<<q_grid, kThreads, q_smem, stream>>>(p);
-    TA_CUDA_CHECK_LAUNCH("backward dQ");
+    launch_passes<T, D, Fp32Math::fp64>(p, row_blocks, stream);
   }
 }
 

@@ -1,6 +1,6 @@
 #pragma once
 // The two light kernels around the main backward pass:
-//  - preprocess: D = rowsum(O * dO) (16-bit, and fp32 with partial_keys; otherwise fp32's D comes
+//  - preprocess: D = rowsum(O * dO) (16-bit, and fp32 with given_stats; otherwise fp32's D comes
 //    from bwd_row_stats_fp32.cuh) and L * log2(e) (fp32: L) per query row, into the workspace,
 //    and the row's fp32 dQ accumulator (when dQ is summed by atomics) zeroed;
 //  - convert: the fp32 dQ accumulator, scaled, into dQ in the problem's dtype and strides.
@@ -56,14 +56,15 @@ __global__ void __launch_bounds__(kRowKernelThreads) preprocess_kernel(const Bwd
                int64_t(h) * p.dout.head;
   // fp32 forms D = rowsum(P dP) / rowsum(P) in the row-statistics kernel instead, from the
   // gradient passes' own P and dP (bwd_row_stats_fp32.cuh says why); 0 here until it does. With
-  // partial_keys the call's P and dP are only part of the row, so D is the given O's, here: summed
-  // in double and rounded once, as the fp32 products it cancels against are summed wide.
+  // given_stats (partial_keys: the call's P and dP are only part of the row; the fast mode) D is
+  // the given O's, here: summed in double and rounded once, as the exact products it cancels
+  // against are.
   float acc = 0.0f;
   if constexpr (!std::is_same_v<T, float>) {
     for (int c = lane; c < p.headdim_v; c += 32) acc = fmaf(to_float(o[c]), to_float(d[c]), acc);
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-  } else if (p.partial_keys) {
+  } else if (p.given_stats) {
     double wide = 0.0;
     for (int c = lane; c < p.headdim_v; c += 32) wide = fma(double(o[c]), double(d[c]), wide);
 #pragma unroll
@@ -76,7 +77,7 @@ __global__ void __launch_bounds__(kRowKernelThreads) preprocess_kernel(const Bwd
     // P is recomputed from (ScoreMod::lse_offset); it comes off here, once per row.
     if (p.mod.alibi_lse_offset && l != -INFINITY) l -= p.mod.lse_offset(p.mod.slope(b, h), i, s.sq, s.sk);
     // fp32 forms P = exp(s - lse2) / row_sum in the natural domain: lse2 is L itself there (the
-    // row-statistics kernel replaces it by the row max unless partial_keys).
+    // row-statistics kernel replaces it by the row max unless given_stats).
     p.lse2[w] = l == -INFINITY ? INFINITY : std::is_same_v<T, float> ? l : l * kLog2e;
     p.dsum[w] = acc;
   }

@@ -63,7 +63,7 @@ struct RowStatsTile {
       int(sizeof(float)) * (2 * Tile::kGridS.wn * Tile::kBlockM + 2 * Tile::kBlockM);
 };
 
-template <int D>
+template <int D, Fp32Math M = Fp32Math::fp64>
 __global__ void __launch_bounds__(kThreads, 1) row_stats_kernel(const BwdParams p) {
   using Tile = DqTile<float, D>;
   constexpr int BM = Tile::kBlockM, BN = Tile::kBlockN, LD = Tile::kLd;
@@ -117,8 +117,8 @@ __global__ void __launch_bounds__(kThreads, 1) row_stats_kernel(const BwdParams 
     __syncthreads();
     float st[MT][NT][4];
     zero(st);
-    // Summed wide, as the passes that form P from these statistics sum S.
-    warp_gemm<float, MT, NT, D, true, false, true>(st, sQ + s_row * LD, LD, sK + s_col * LD, LD);
+    // In fp64, as the passes that form P from these statistics sum S.
+    warp_gemm<float, MT, NT, D, true, false, M>(st, sQ + s_row * LD, LD, sK + s_col * LD, LD);
     const bool masked = !(mask.full_begin_key(q1) <= k0 && mask.full_end_key(q0) >= k0 + BN);
     // kAlibi: ALiBi's bias after the cap, added as prob_of_score adds it, so that P's statistics
     // are those of the scores it forms. One uniform branch per tile picks the variant.
@@ -190,7 +190,7 @@ __global__ void __launch_bounds__(kThreads, 1) row_stats_kernel(const BwdParams 
   __syncthreads();
 
   // D = rowsum(P dP) / rowsum(P), P and dP summed in double over the row's keys (see the file
-  // comment). The products are the dQ kernel's (same tiles, warp grid and wide sums), whose
+  // comment). The products are the dQ kernel's (same tiles, warp grid and fp64 sums), whose
   // elements equal the dK/dV kernel's transposed ones.
   double pdp[MT][2], psum[MT][2];
 #pragma unroll
@@ -205,8 +205,8 @@ __global__ void __launch_bounds__(kThreads, 1) row_stats_kernel(const BwdParams 
     float dp[MT][NT][4], st[MT][NT][4];
     zero(dp);
     zero(st);
-    warp_gemm<float, MT, NT, D, true, false, true>(dp, sdO + s_row * LD, LD, sV + s_col * LD, LD);
-    warp_gemm<float, MT, NT, D, true, false, true>(st, sQ + s_row * LD, LD, sK + s_col * LD, LD);
+    warp_gemm<float, MT, NT, D, true, false, M>(dp, sdO + s_row * LD, LD, sV + s_col * LD, LD);
+    warp_gemm<float, MT, NT, D, true, false, M>(st, sQ + s_row * LD, LD, sK + s_col * LD, LD);
     const bool masked = !(mask.full_begin_key(q1) <= k0 && mask.full_end_key(q0) >= k0 + BN);
     // kDropout: dP takes the element's z, as scores_to_grads_tile gives it (one Philox call per
     // pair of columns: k0 is a whole tile of keys, so the pair's first key is even).

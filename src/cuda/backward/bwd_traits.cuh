@@ -18,7 +18,7 @@ constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 
 // A grid of warps over an M x N product: WM warps down, kWarps / WM across, each warp tile 16k
-// rows by gn*k columns (tensor cores read B 16 columns at a time; scalar FMA needs only 8);
+// rows by gn*k columns (16-bit tensor cores read B 16 columns at a time, fp32 ones 8);
 // among those, the one reading the fewest operand rows per step.
 struct WarpGrid {
   int wm, wn, tm, tn;  // warps down/across, warp tile rows/columns
@@ -44,7 +44,7 @@ constexpr int kGranN = sizeof(T) == 2 ? 16 : 8;
 template <class T, int D>
 struct DkdvTile {
   static constexpr int kBlockN = (sizeof(T) == 2 ? (D <= 128 ? 128 : 64) : (D <= 64 ? 64 : 32));
-  static constexpr int kBlockM = (sizeof(T) == 2 ? (D <= 64 ? 128 : 64) : 32);
+  static constexpr int kBlockM = (sizeof(T) == 2 ? (D <= 64 ? 128 : 64) : (D <= 128 ? 64 : 32));
   static constexpr int kLd = D + kPad<T>;                                     // K, V, Q, dO rows
   static constexpr int kLdP = kBlockM + kPad<T>;                              // P^T, dS^T rows (one per key)
   static constexpr WarpGrid kGridS = warp_grid(kBlockN, kBlockM, kGranN<T>);  // S^T, dP^T

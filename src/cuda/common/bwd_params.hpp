@@ -39,9 +39,12 @@ struct BwdParams {
   bool vec_io;
   // dQ, dK and dV keep element pairs 4-byte aligned (bases and strides), so pairs store as one word.
   bool pair_grads;
-  // problem.hpp's partial_keys. fp32 then skips the row statistics: lse2 holds L (natural domain,
-  // less ALiBi's offset), row_sum 1 and dsum rowsum(O * dO), as the preprocess writes them.
-  bool partial_keys;
+  // fp32 takes the row statistics as given: lse2 holds L (natural domain, less ALiBi's offset),
+  // row_sum 1 and dsum rowsum(O * dO), as the preprocess writes them, with no row-statistics pass.
+  // Set for problem.hpp's partial_keys (the call sees part of each row, so the given L and O are
+  // the row's) and for the fast mode (TF32 products: the pass's accuracy would be lost on them).
+  bool given_stats;
+  bool fp32_fast;  // fp32 products as one TF32 product each (Fp32Mode::fast), else exact
   int dkdv_stages;  // query-tile buffers of the dK/dV kernel: 2 where shared memory allows, else 1
   int dq_stages;    // key-tile buffers of the dQ pass, likewise
 
