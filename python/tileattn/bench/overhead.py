@@ -5,7 +5,8 @@ is called in a loop, eager and under ``torch.compile(fullgraph=True)``, forward 
 backward, for tileattn (``flash_attn_func``) and for PyTorch's SDPA as a user calls it (its default
 backend choice). Every case is timed in ``--rounds`` rounds, the order of the cases reversed from
 one round to the next, and the best round is kept, so that a slow spell of the machine does not
-land on one side only.
+land on one side only; the ratio of tileattn's overhead to SDPA's is also given per round (median
+and range), each round's two figures taken a few milliseconds apart.
 
 On a GPU the device time of a call is taken from a CUDA graph of the same calls replayed (no host
 work between the kernels) and overhead = wall time per call - GPU time per call. On the CPU
@@ -19,6 +20,7 @@ SDPA's, which for tiny problems is almost all Python and framework overhead.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 
@@ -118,7 +120,7 @@ class _Case:
     def row(self, gpu_us: float) -> dict:
         wall = min(self.walls)
         return dict(impl=self.impl, mode=self.mode, direction="fwd+bwd" if self.backward else "fwd", wall_us=wall,
-                    gpu_us=gpu_us, overhead_us=wall - gpu_us)
+                    gpu_us=gpu_us, overhead_us=wall - gpu_us, rounds_us=[w - gpu_us for w in self.walls])
 
 
 def measure_all(args) -> list[dict]:
@@ -186,6 +188,15 @@ def main(argv=None) -> int:
         gpu = f"{'-':>8}" if cpu else f"{r['gpu_us']:8.1f}"
         print(f"{r['impl']:>9} {r['mode']:>9} {r['direction']:>8} {r['wall_us']:9.1f} {gpu} {r['overhead_us']:12.1f}",
               flush=True)
+    # The same round's two figures share the machine's state: their ratio is steadier than either.
+    print("tileattn / SDPA overhead, paired by round: median (min - max)", flush=True)
+    for ours in (r for r in rows if r["impl"] == "tileattn"):
+        peer = next(r for r in rows if r["impl"] == "sdpa" and r["mode"] == ours["mode"]
+                    and r["direction"] == ours["direction"])
+        ratios = sorted(a / b for a, b in zip(ours["rounds_us"], peer["rounds_us"]) if b > 0)
+        if ratios:
+            print(f"{ours['mode']:>9} {ours['direction']:>8} {statistics.median(ratios):6.2f} "
+                  f"({ratios[0]:.2f} - {ratios[-1]:.2f})", flush=True)
     if args.csv:
         with open(args.csv, "w") as f:
             f.write("device,impl,mode,direction,wall_us,gpu_us,overhead_us\n")
