@@ -7,7 +7,11 @@
 // accumulators leave room for 128-row query tiles: half the barriers and per-tile overhead per
 // FLOP, and twice the independent mma per k-step in the S^T and dP^T products.
 // dQ kernel (deterministic pass): a block owns kBlockM queries and walks key tiles of kBlockN.
-// fp32 tiles are half as long on one side: the same shared-memory budget holds half the values.
+// fp32 tiles are half as long on one side (the same shared memory holds half the values), except
+// that up to D = 128 the query tiles of the dK/dV kernel and the key tiles of the dQ pass (and of
+// the fp32 row statistics) stay 64 long: the fp32 tensor-core products read every operand from
+// shared memory, and 64 x 64 products give each warp a 32 x 16 tile, a third fewer operand loads
+// per product than a 16 x 16 one.
 // The streamed tiles (Q/dO, resp. K/V) get a second buffer where the device's shared memory
 // holds it (chosen at launch: smem_bytes(2) against the opt-in limit).
 #include "cuda/arch/warp_mma_sm80.cuh"
@@ -60,7 +64,7 @@ struct DkdvTile {
 template <class T, int D>
 struct DqTile {
   static constexpr int kBlockM = (sizeof(T) == 2 ? (D <= 128 ? 128 : 64) : (D <= 64 ? 64 : 32));
-  static constexpr int kBlockN = (sizeof(T) == 2 ? 64 : 32);
+  static constexpr int kBlockN = (sizeof(T) == 2 || D <= 128 ? 64 : 32);
   static constexpr int kLd = D + kPad<T>;
   static constexpr int kLdS = kBlockN + kPad<T>;
   static constexpr WarpGrid kGridS = warp_grid(kBlockM, kBlockN, kGranN<T>);  // S, dP
