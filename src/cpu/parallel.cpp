@@ -39,34 +39,56 @@ inline void cpu_relax() {
 // (~5-50 us on a VM) per call.
 constexpr auto kSpin = std::chrono::microseconds(100);
 
+// One parallel_for: whichever threads run it (the pool's, an executor's, the caller) claim its
+// tasks from `next` until none are left.
+struct Job {
+  int64_t tasks;
+  TaskFn fn;
+  void* context;
+  std::atomic<int64_t> next{0};
+  std::mutex m;  // guards error
+  std::exception_ptr error;
+};
+
+// Claims and runs tasks until none are left; the first exception is kept and ends the others' claims.
+void run_tasks(Job& job) {
+  for (int64_t t = job.next.fetch_add(1, std::memory_order_relaxed); t < job.tasks;
+       t = job.next.fetch_add(1, std::memory_order_relaxed)) {
+    try {
+      job.fn(job.context, t);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(job.m);
+      if (!job.error) job.error = std::current_exception();
+      job.next.store(job.tasks, std::memory_order_relaxed);  // the others run out
+    }
+  }
+}
+
 class Pool {
  public:
   void run(int64_t tasks, int helpers, TaskFn fn, void* context) {
     std::lock_guard<std::mutex> call(call_mutex_);
     grow(helpers);
+    Job job{tasks, fn, context};
     {
       std::lock_guard<std::mutex> lock(m_);
-      fn_ = fn;
-      context_ = context;
-      tasks_ = tasks;
+      job_ = &job;
       helpers_ = helpers;
-      next_.store(0, std::memory_order_relaxed);
       open_ = true;
       generation_.store(generation_.load(std::memory_order_relaxed) + 1, std::memory_order_release);
       if (sleepers_ > 0) wake_.notify_all();
     }
     t_in_region = true;
-    work();
+    run_tasks(job);
     t_in_region = false;
-    std::exception_ptr error;
     {
+      // The job lives on this frame: every worker that joined it is out before it goes.
       std::unique_lock<std::mutex> lock(m_);
       open_ = false;
       done_.wait(lock, [&] { return entered_ == 0; });
-      error = error_;
-      error_ = nullptr;
+      job_ = nullptr;
     }
-    if (error) std::rethrow_exception(error);
+    if (job.error) std::rethrow_exception(job.error);
   }
 
  private:
@@ -79,20 +101,6 @@ class Pool {
       const uint64_t seen = generation_.load(std::memory_order_relaxed);
       workers_.emplace_back([this, index, seen] { worker(index, seen); });
       workers_.back().detach();  // the pool lives as long as the process
-    }
-  }
-
-  void work() {
-    const int64_t tasks = tasks_;
-    for (int64_t t = next_.fetch_add(1, std::memory_order_relaxed); t < tasks;
-         t = next_.fetch_add(1, std::memory_order_relaxed)) {
-      try {
-        fn_(context_, t);
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(m_);
-        if (!error_) error_ = std::current_exception();
-        next_.store(tasks, std::memory_order_relaxed);  // the others run out
-      }
     }
   }
 
@@ -111,8 +119,9 @@ class Pool {
       seen = generation_.load(std::memory_order_relaxed);
       if (!open_ || index >= helpers_) continue;
       ++entered_;
+      Job& job = *job_;
       lock.unlock();
-      work();
+      run_tasks(job);
       lock.lock();
       if (--entered_ == 0 && !open_) done_.notify_one();
     }
@@ -121,46 +130,23 @@ class Pool {
   std::mutex call_mutex_;  // one call at a time
   std::vector<std::thread> workers_;
 
-  std::mutex m_;  // guards the job fields below (fn_ .. helpers_ are read without it only while open_)
+  std::mutex m_;  // guards the fields below
   std::condition_variable wake_, done_;
   std::atomic<uint64_t> generation_{0};
   bool open_ = false;
   int entered_ = 0, sleepers_ = 0, helpers_ = 0;
-  TaskFn fn_ = nullptr;
-  void* context_ = nullptr;
-  int64_t tasks_ = 0;
-  std::atomic<int64_t> next_{0};
-  std::exception_ptr error_;
+  Job* job_ = nullptr;  // the open call's job (on its caller's stack)
 };
 
 std::atomic<Pool*> g_pool{nullptr};
 
 std::atomic<Executor> g_executor{nullptr};
 
-// One parallel_for handed to an executor: its threads claim tasks from `next`, as the pool's do.
-struct Job {
-  int64_t tasks;
-  TaskFn fn;
-  void* context;
-  std::atomic<int64_t> next{0};
-  std::mutex m;  // guards error
-  std::exception_ptr error;
-};
-
+// The work an executor runs on each of its threads: the job's tasks, inside a parallel region.
 void drain(void* raw) {
-  Job& job = *static_cast<Job*>(raw);
   const bool outer = t_in_region;  // a caller's own flag comes back when it returns
   t_in_region = true;
-  for (int64_t t = job.next.fetch_add(1, std::memory_order_relaxed); t < job.tasks;
-       t = job.next.fetch_add(1, std::memory_order_relaxed)) {
-    try {
-      job.fn(job.context, t);
-    } catch (...) {
-      std::lock_guard<std::mutex> lock(job.m);
-      if (!job.error) job.error = std::current_exception();
-      job.next.store(job.tasks, std::memory_order_relaxed);  // the others run out
-    }
-  }
+  run_tasks(*static_cast<Job*>(raw));
   t_in_region = outer;
 }
 
