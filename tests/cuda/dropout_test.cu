@@ -239,14 +239,9 @@ void check_against_oracle(ProblemShape shape, float prob, bool deterministic, Fp
     EXPECT_TRUE(within(lse, f.lse, 1e-5, 1e-5)) << "L";
   }
   if (shape.dtype == DType::f32 && mode == Fp32Mode::fast) {
-    auto tf32 = [](const char* what, const std::vector<double>& got, const std::vector<double>& want) {
-      const ErrorStats e = compare(got, want);
-      EXPECT_EQ(e.nonfinite, 0) << what << " " << e;
-      EXPECT_LE(e.max_abs, kTf32GradRelBound * e.max_ref) << what << " " << e;
-    };
-    tf32("dQ", dq, g.dq);
-    tf32("dK", dk, g.dk);
-    tf32("dV", dv, g.dv);
+    EXPECT_TRUE(within_tf32_grad_bound("dQ", dq, g.dq));
+    EXPECT_TRUE(within_tf32_grad_bound("dK", dk, g.dk));
+    EXPECT_TRUE(within_tf32_grad_bound("dV", dv, g.dv));
     return;
   }
   check("dQ", dq, hp.dq.gather(), g.dq);

@@ -361,6 +361,20 @@ inline testing::AssertionResult within_2x(const std::string& what, const std::ve
   return testing::AssertionFailure() << os.str();
 }
 
+// fp32 fast mode's gradients: no NaN/inf where ref is finite, and max|got - ref| within
+// kTf32GradRelBound of ref's largest element.
+inline testing::AssertionResult within_tf32_grad_bound(const std::string& what, const std::vector<double>& got,
+                                                       const std::vector<double>& ref) {
+  const ErrorStats e = compare(got, ref);
+  const double bound = kTf32GradRelBound * e.max_ref;
+  testing::Test::RecordProperty(what + "_fast_err", property_text(e.max_abs));
+  record_margin(what + "_fast", e.max_abs, 0.0, bound);
+  std::ostringstream os;
+  os << what << " (TF32): {" << e << "} bound=" << bound;
+  if (e.nonfinite == 0 && e.max_abs <= bound) return testing::AssertionSuccess() << os.str();
+  return testing::AssertionFailure() << os.str();
+}
+
 // L is fp32 everywhere; its error is a few fp32 roundings of |L|.
 constexpr double kLseFloor = 1e-5;
 
