@@ -148,9 +148,11 @@ def test_llama_packed_sequences_match_sdpa(boundaries):
         inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths))
     got = _run_masked(ours, ids, labels, **inputs)
     _assert_same_training_step(got, expected, torch.ones_like(ids, dtype=torch.bool))
-    # And the packing matters: one causal sequence over the whole row gives another loss.
+    # And the packing matters: one causal sequence over the whole row gives other logits past the
+    # first sequence, by far more than the tolerance above (the loss, a mean over every token, can
+    # move by less than 1e-4 for some random models).
     unpacked = _run_masked(reference, ids, labels, position_ids=torch.arange(ids.shape[1])[None], use_cache=False)
-    assert abs(float(unpacked[1] - expected[1])) > 1e-4
+    assert float((unpacked[0] - expected[0]).abs().max()) > 1e-3
 
 
 def test_padded_generation_matches_sdpa():
