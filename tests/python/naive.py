@@ -28,14 +28,14 @@ def visible_mask(seqlen_q: int, seqlen_k: int, causal: bool, window: tuple[int, 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, window=(-1, -1), softcap: float = 0.0,
               scale: float | None = None, mask: Tensor | None = None,
-              delta_from_out: bool = False) -> tuple[Tensor, Tensor]:
+              delta_from_out: bool = False, stats: dict | None = None) -> tuple[Tensor, Tensor]:
     """(batch, seqlen, heads, headdim) attention; returns out and lse (batch, heads, seqlen_q).
 
     Differentiable (autograd gives the reference gradients). Rows that see no key give out = 0 and
     lse = -inf without NaN in values or gradients. `mask` overrides causal/window when given.
     `delta_from_out`: the gradient of the scores is P (dP - D) with D = rowsum(dO * O), as a
     backward that keeps no score matrix forms it, instead of autograd's rowsum(P * dP)
-    (_WeightsTimesV).
+    (_WeightsTimesV). `stats`: when given, its "max_abs_score" is raised to the largest visible |s|.
     """
     batch, seqlen_q, heads_q, d = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
@@ -47,6 +47,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, window=(-1,
         s = softcap * torch.tanh(s / softcap)
     if mask is None:
         mask = visible_mask(seqlen_q, seqlen_k, causal, window, q.device)
+    if stats is not None and s.numel():
+        largest = float(s.detach().masked_fill(~mask, 0.0).abs().max())
+        stats["max_abs_score"] = max(stats.get("max_abs_score", 0.0), largest)
     s = s.masked_fill(~mask, -math.inf)
     seen = mask.any(dim=-1).expand(batch, heads_q, seqlen_q)
     lse = torch.logsumexp(s.masked_fill(~seen[..., None], 0.0), dim=-1)
