@@ -1,5 +1,6 @@
 #pragma once
 #include "tileattn/attention.hpp"
+#include "tileattn/cpu_executor.hpp"
 #include "tileattn/error.hpp"
 #include "tileattn/flops.hpp"
 #include "tileattn/merge.hpp"

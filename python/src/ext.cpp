@@ -15,7 +15,6 @@
 #include <vector>
 
 #include "common/philox.hpp"
-#include "cpu/parallel.hpp"
 #include "tensor_args.hpp"
 #include "tileattn/tileattn.hpp"
 
@@ -319,16 +318,16 @@ NB_MODULE(_ext, m) {
       nb::arg("num_threads") = 0);
 
   // The CPU tasks of this module's calls on the executor the PyTorch operator library hands over
-  // at its import (torch's intra-op pool, src/cpu/parallel.hpp), so that they too share torch's
+  // at its import (torch's intra-op pool, tileattn/cpu_executor.hpp), so that they too share torch's
   // threads instead of this module's own pool. This module links the library's own copy.
   // None restores the module's own pool.
   m.def("set_cpu_executor", [](std::optional<nb::capsule> executor_or_none) {
-    if (!executor_or_none) return tileattn::cpu::set_executor(nullptr);
+    if (!executor_or_none) return tileattn::set_cpu_executor(nullptr);
     const nb::capsule& executor = *executor_or_none;
     const char* name = executor.name() ? executor.name() : "";
     if (std::string_view(name) != "tileattn.cpu_executor")
       fail(ErrorKind::invalid_type,
            std::string("executor is a capsule named '") + name + "', not 'tileattn.cpu_executor'");
-    tileattn::cpu::set_executor(reinterpret_cast<tileattn::cpu::Executor>(executor.data()));
+    tileattn::set_cpu_executor(reinterpret_cast<tileattn::CpuExecutor>(executor.data()));
   }, nb::arg("executor").none());
 }

@@ -21,7 +21,6 @@
 #include <optional>
 #include <tuple>
 
-#include "cpu/parallel.hpp"
 #include "tensor_args.hpp"
 #include "tileattn/tileattn.hpp"
 
@@ -36,7 +35,7 @@ using c10::SymInt;
 std::atomic<bool> g_check_cu_seqlens{false};
 
 // The CPU kernels' tasks run on PyTorch's intra-op threads, which torch's own CPU kernels use, so
-// the process has one pool, not two competing for its cores (src/cpu/parallel.hpp). Each of the
+// the process has one pool, not two competing for its cores (tileattn/cpu_executor.hpp). Each of the
 // `threads` chunks drains the shared task counter, so uneven (causal) tasks still balance.
 bool run_on_torch_threads(int threads, void (*work)(void*), void* job) {
   // An explicit count above torch's (not one this library passes) keeps tileattn's own pool.
@@ -50,7 +49,7 @@ bool run_on_torch_threads(int threads, void (*work)(void*), void* job) {
 // With torch's OpenMP backend at::parallel_for's region is compiled in this file: built without
 // OpenMP it would run every task on the caller, so tileattn's pool is kept then.
 #if !AT_PARALLEL_OPENMP || defined(_OPENMP)
-[[maybe_unused]] const bool g_torch_threads_installed = (tileattn::cpu::set_executor(run_on_torch_threads), true);
+[[maybe_unused]] const bool g_torch_threads_installed = (tileattn::set_cpu_executor(run_on_torch_threads), true);
 #endif
 
 DType dl_type(at::ScalarType s) {

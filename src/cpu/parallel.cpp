@@ -42,6 +42,7 @@ constexpr auto kSpin = std::chrono::microseconds(100);
 // One parallel_for: whichever threads run it (the pool's, an executor's, the caller) claim its
 // tasks from `next` until none are left.
 struct Job {
+  Job(int64_t tasks_, TaskFn fn_, void* context_) : tasks(tasks_), fn(fn_), context(context_) {}
   int64_t tasks;
   TaskFn fn;
   void* context;
@@ -140,7 +141,7 @@ class Pool {
 
 std::atomic<Pool*> g_pool{nullptr};
 
-std::atomic<Executor> g_executor{nullptr};
+std::atomic<CpuExecutor> g_executor{nullptr};
 
 // The work an executor runs on each of its threads: the job's tasks, inside a parallel region.
 void drain(void* raw) {
@@ -168,7 +169,7 @@ Pool& pool() {
 }  // namespace
 
 void run_parallel(int64_t tasks, int threads, TaskFn fn, void* context) {
-  if (const Executor executor = g_executor.load(std::memory_order_acquire)) {
+  if (const CpuExecutor executor = g_executor.load(std::memory_order_acquire)) {
     Job job{tasks, fn, context};
     if (executor(threads, drain, &job)) {
       drain(&job);  // whatever the executor's threads left (none, when it ran work at least once)
@@ -183,8 +184,8 @@ bool inside_parallel_region() { return t_in_region; }
 
 }  // namespace tileattn::cpu::detail
 
-namespace tileattn::cpu {
+namespace tileattn {
 
-void set_executor(Executor executor) { detail::g_executor.store(executor, std::memory_order_release); }
+void set_cpu_executor(CpuExecutor executor) { cpu::detail::g_executor.store(executor, std::memory_order_release); }
 
-}  // namespace tileattn::cpu
+}  // namespace tileattn

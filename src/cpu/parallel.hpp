@@ -12,17 +12,14 @@
 // others wait for it. A parallel_for inside a task (on a pool worker, or on the caller during a
 // call) runs serially on that thread instead of waiting for the pool it is part of.
 //
-// An embedding layer with a thread pool of its own (PyTorch's intra-op pool) may install an
-// Executor instead (set_executor): then one pool serves the process. Two pools on the same cores
-// compete: torch's OpenMP workers spin-wait for milliseconds after each of torch's calls, on the
-// cores a following tileattn call wants (measured: a 17 ms forward took 20.5-22.5 ms right after
-// a torch SDPA call, 17-18 ms with OMP_WAIT_POLICY=passive). The executor only supplies threads;
-// the tasks, and which task computes what, stay the same, so results are bitwise identical
-// whatever runs them.
+// A program with a pool of its own may install an executor instead (tileattn/cpu_executor.hpp);
+// the tasks, and which task computes what, stay the same.
 #include <algorithm>
 #include <cstdint>
 #include <thread>
 #include <type_traits>
+
+#include "tileattn/cpu_executor.hpp"
 
 namespace tileattn::cpu {
 
@@ -41,17 +38,6 @@ inline int threads_for(int num_threads, double flops) {
   const double useful = std::max(1.0, flops / kFlopsPerThread);
   return int(std::min<double>(resolve_threads(num_threads), useful));
 }
-
-// Runs work(job) on up to `threads` threads at once, the caller among them, and returns once every
-// call has returned. work claims tasks until none are left, so a call that starts late, or runs
-// after another on the same thread, finds nothing to do: an executor may start fewer calls than
-// `threads` (at least one, on the caller or not). work never throws. Returns false, having run
-// nothing, to leave the job to tileattn's own pool (e.g. more threads asked than it has).
-using Executor = bool (*)(int threads, void (*work)(void* job), void* job);
-
-// Installs the executor every later parallel_for of this library uses; nullptr restores tileattn's
-// own pool. Safe to call at any time: a call in flight finishes on what it started with.
-void set_executor(Executor executor);
 
 namespace detail {
 

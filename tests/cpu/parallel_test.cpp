@@ -118,16 +118,16 @@ bool idle_executor(int, void (*)(void*), void*) {
 
 // Installs an executor for one test and restores tileattn's own pool after it, also on failure.
 struct ExecutorScope {
-  explicit ExecutorScope(Executor e) {
+  explicit ExecutorScope(CpuExecutor e) {
     g_executor_calls.store(0);
     g_executor_threads.store(0);
-    set_executor(e);
+    set_cpu_executor(e);
   }
-  ~ExecutorScope() { set_executor(nullptr); }
+  ~ExecutorScope() { set_cpu_executor(nullptr); }
 };
 
 TEST(ParallelForExecutor, EveryTaskOnceOnTheExecutor) {
-  for (Executor e : {&thread_executor, &declining_executor, &idle_executor}) {
+  for (CpuExecutor e : {&thread_executor, &declining_executor, &idle_executor}) {
     ExecutorScope scope(e);
     for (int threads : {1, 2, 3, 8}) {
       for (int64_t tasks : {int64_t(0), int64_t(1), int64_t(2), int64_t(7), int64_t(1000)}) {
