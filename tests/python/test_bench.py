@@ -68,3 +68,30 @@ def test_attention_benchmark_small_grid():
     assert list(frame.columns) == attention.COLUMNS
     assert (frame["status"] == "ok").all(), frame["status"].tolist()
     assert (frame["backward_ms"] > 0).all()
+
+
+def test_overhead_ratios_pair_rounds():
+    from tileattn.bench.overhead import paired_ratios
+
+    def row(impl, mode, direction, rounds):
+        return dict(impl=impl, mode=mode, direction=direction, rounds_us=rounds)
+
+    rows = [row("tileattn", "eager", "fwd", [10.0, 30.0, 8.0]), row("sdpa", "eager", "fwd", [20.0, 10.0, 0.0]),
+            row("sdpa", "eager", "fwd+bwd", [5.0]), row("tileattn", "eager", "fwd+bwd", [4.0]),
+            row("tileattn", "compiled", "fwd", [1.0])]
+    # Round by round, not best against best (8/10 would be 0.8); a round SDPA measured as free is skipped.
+    assert paired_ratios(rows) == [("eager", "fwd", [0.5, 3.0]), ("eager", "fwd+bwd", [0.8])]
+
+
+def test_overhead_benchmark_on_cpu():
+    result = subprocess.run([sys.executable, "-m", "tileattn.bench.overhead", "--device", "cpu", "--modes", "eager",
+                             "--rounds", "2", "--calls", "50", "--seqlen", "16"], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    at = lines.index("tileattn / SDPA overhead, paired by round: median (min - max)")
+    paired = [line.split() for line in lines[at + 1:]]
+    assert [p[:2] for p in paired] == [["eager", "fwd"], ["eager", "fwd+bwd"]]
+    for p in paired:
+        median, low, high = float(p[2]), float(p[3].strip("(")), float(p[5].strip(")"))
+        assert 0 <= low <= median <= high  # two decimals: a loaded machine can print 0.00

@@ -145,6 +145,20 @@ def measure_all(args) -> list[dict]:
     return rows
 
 
+def paired_ratios(rows: list[dict]) -> list[tuple[str, str, list[float]]]:
+    """(mode, direction, ratios): tileattn's overhead over SDPA's in each round, sorted, for every
+    tileattn row that has an SDPA row of the same mode and direction. The same round's two figures
+    share the machine's state, so their ratio is steadier than either figure."""
+    out = []
+    for ours in (r for r in rows if r["impl"] == "tileattn"):
+        peer = next((r for r in rows if r["impl"] == "sdpa" and r["mode"] == ours["mode"]
+                     and r["direction"] == ours["direction"]), None)
+        if peer is not None:
+            ratios = sorted(a / b for a, b in zip(ours["rounds_us"], peer["rounds_us"]) if b > 0)
+            out.append((ours["mode"], ours["direction"], ratios))
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tileattn.bench.overhead", description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -188,15 +202,11 @@ def main(argv=None) -> int:
         gpu = f"{'-':>8}" if cpu else f"{r['gpu_us']:8.1f}"
         print(f"{r['impl']:>9} {r['mode']:>9} {r['direction']:>8} {r['wall_us']:9.1f} {gpu} {r['overhead_us']:12.1f}",
               flush=True)
-    # The same round's two figures share the machine's state: their ratio is steadier than either.
     print("tileattn / SDPA overhead, paired by round: median (min - max)", flush=True)
-    for ours in (r for r in rows if r["impl"] == "tileattn"):
-        peer = next(r for r in rows if r["impl"] == "sdpa" and r["mode"] == ours["mode"]
-                    and r["direction"] == ours["direction"])
-        ratios = sorted(a / b for a, b in zip(ours["rounds_us"], peer["rounds_us"]) if b > 0)
+    for mode, direction, ratios in paired_ratios(rows):
         if ratios:
-            print(f"{ours['mode']:>9} {ours['direction']:>8} {statistics.median(ratios):6.2f} "
-                  f"({ratios[0]:.2f} - {ratios[-1]:.2f})", flush=True)
+            print(f"{mode:>9} {direction:>8} {statistics.median(ratios):6.2f} ({ratios[0]:.2f} - {ratios[-1]:.2f})",
+                  flush=True)
     if args.csv:
         with open(args.csv, "w") as f:
             f.write("device,impl,mode,direction,wall_us,gpu_us,overhead_us\n")
