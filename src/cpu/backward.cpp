@@ -10,16 +10,17 @@
 //  - split, otherwise: tasks per (batch, kv head, key tile) produce dK, dV; then tasks per
 //    (batch, query head, query tile) recompute S and dP for dQ (7 tile products, full parallelism).
 // Both add the same dS K terms in increasing key order, so they agree bitwise.
-// Each tile product is summed in fp32 (a run of at most one tile) and the tiles in double: dV of
-// an early key sums P dO over every query row and GQA head that sees it, and a plain fp32 sum of
-// such long runs broke the 2x-of-naive rule (dV error 5.6e-6 against torch's 1.3e-6; 8 query
-// heads over 2 kv heads, 33 rows, causal, head dim 40).
+// Each tile product is summed in fp32 (dK and dV: over at most kWidenTiles query tiles) and the
+// tiles in double: dV of an early key sums P dO over every query row and GQA head that sees it,
+// and a plain fp32 sum of such long runs broke the 2x-of-naive rule (dV error 5.6e-6 against
+// torch's 1.3e-6; 8 query heads over 2 kv heads, 33 rows, causal, head dim 40).
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
 #include "cpu/cpu_backend.hpp"
 #include "cpu/parallel.hpp"
+#include "cpu/row_panels.hpp"
 #include "cpu/tile_ops.hpp"
 
 namespace tileattn::cpu {
@@ -29,6 +30,11 @@ namespace {
 // (causal, varlen) tasks; below it the split schedule's finer tasks win.
 constexpr int64_t kFusedTasksPerThread = 2;
 
+// dK and dV of a key tile sum over query tiles in fp32 for this many tiles (each product's terms in
+// runs of kGemmChunk, the runs added in order), then into double: widening every tile's products
+// (vcvtps2pd, vaddpd) was ~7% of a backward.
+constexpr int64_t kWidenTiles = 4;
+
 // Per (row, head), in L's layout: D, and (compute_delta_consistent only) 1 / rowsum(P), by which
 // every P of the row is multiplied, so that the weights sum to 1 as a softmax's do: the P
 // recomputed from the stored fp32 L carry L's rounding (up to ~|L| 2^-24) as one factor per row,
@@ -37,14 +43,22 @@ struct RowTerms {
   std::vector<float> delta, norm;
 };
 
+// Where the backward reads Q and dO rows: in place, or from per-call panels (row_panels.hpp).
+struct QueryRows {
+  const RowPanels& q;
+  const RowPanels& dout;
+};
+
 struct BackwardScratch {
-  std::vector<float> q, dout, lse, delta;  // query tile: rows, dO rows, L (less its ALiBi offset), D
+  std::vector<float> q, dout, lse, delta;  // query tile: Q, dO rows where copied, L (less its ALiBi offset), D
+  RowsView qv{}, dov{};                    // the tile's Q and dO rows, wherever they are
   float slope = 0.0f;                      // ALiBi slope of the tile's head
   int64_t head = 0;                        // the tile's query head (dropout's stream)
   std::vector<float> norm;                 // factor on each row's P (RowTerms)
   std::vector<float> kt, vt, k;             // key tile: K^T, V^T, K rows
   std::vector<float> p, ds, th;             // kTileQ x kTileK: P, dP then dS, tanh of capped scores
   std::vector<float> part;                  // one tile product
+  std::vector<float> part_dk, part_dv;      // dK / scale and dV of up to kWidenTiles query tiles
   std::vector<uint8_t> keep;                // dropout's keep mask of the tile (row-major like p)
   std::vector<double> wide, wide2;          // dQ, or dK and dV, summed over tiles
 };
@@ -67,6 +81,8 @@ void size_scratch(BackwardScratch& w, int64_t dqk, int64_t dv) {
   w.p.resize(size_t(kTileQ * kTileK));
   w.ds.resize(size_t(kTileQ * kTileK));
   w.part.resize(size_t(std::max(kTileQ, kTileK) * std::max(dqk, dv)));
+  w.part_dk.resize(size_t(kTileK * dqk));
+  w.part_dv.resize(size_t(kTileK * dv));
   w.th.resize(size_t(kTileQ * kTileK));
   w.keep.resize(size_t(kTileQ * kTileK));
 }
@@ -82,11 +98,11 @@ float row_lse(const AttentionProblem& p, const ScoreTransform& transform, const 
 
 // Loads the query-side tile: Q, dO, L, D, and the head's ALiBi slope.
 void load_query_tile(const AttentionProblem& p, const ScoreTransform& transform, const RowTerms& terms,
-                     const Sequence& s, int64_t h, int64_t i0, int64_t rows, BackwardScratch& w) {
+                     const QueryRows& in, const Sequence& s, int64_t h, int64_t i0, int64_t rows, BackwardScratch& w) {
   w.slope = transform.mod.slope(s.b, h);
   w.head = h;
-  load_rows(p, p.q, s, true, h, i0, rows, p.headdim_qk, w.q.data(), p.headdim_qk);
-  load_rows(p, p.dout, s, true, h, i0, rows, p.headdim_v, w.dout.data(), p.headdim_v);
+  w.qv = in.q.rows(p, s, h, i0, rows, w.q.data());
+  w.dov = in.dout.rows(p, s, h, i0, rows, w.dout.data());
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t li = lse_index(p, s, i0 + i, h);
     w.lse[size_t(i)] = row_lse(p, transform, s, i0 + i, h, w.slope);
@@ -103,8 +119,8 @@ void probabilities_and_dp(const AttentionProblem& p, const ScoreTransform& trans
   const bool capped = transform.softcap > 0.0f;
   const bool boundary = j0 < s.mask.full_begin_key(int(i0 + rows)) || j0 + n > s.mask.full_end_key(int(i0));
   // S = Q K^T;  dP = dO V^T
-  gemm(w.q.data(), dqk, 1, w.kt.data(), kTileK, w.p.data(), kTileK, rows, n, dqk);
-  gemm(w.dout.data(), dv, 1, w.vt.data(), kTileK, w.ds.data(), kTileK, rows, n, dv);
+  gemm(w.qv.data, w.qv.ld, 1, w.kt.data(), kTileK, w.p.data(), kTileK, rows, n, dqk);
+  gemm(w.dov.data, w.dov.ld, 1, w.vt.data(), kTileK, w.ds.data(), kTileK, rows, n, dv);
   for (int64_t i = 0; i < rows; ++i) {
     float* pi = &w.p[size_t(i * kTileK)];
     const float lse = w.lse[size_t(i)];
@@ -209,8 +225,8 @@ void compute_delta_consistent(const AttentionProblem& p, const ScoreTransform& t
     const int64_t rows = std::min(kTileQ, s.len_q - i0), i1 = i0 + rows;
     const int64_t dqk = p.headdim_qk, dv = p.headdim_v, hk = h / (p.heads_q / p.heads_kv);
     size_scratch(w, dqk, dv);
-    load_rows(p, p.q, s, true, h, i0, rows, dqk, w.q.data(), dqk);
-    load_rows(p, p.dout, s, true, h, i0, rows, dv, w.dout.data(), dv);
+    w.qv = view_rows(p, p.q, s, true, h, i0, rows, dqk, w.q.data());
+    w.dov = view_rows(p, p.dout, s, true, h, i0, rows, dv, w.dout.data());
     w.slope = transform.mod.slope(b, h);
     w.head = h;
     for (int64_t i = 0; i < rows; ++i) w.lse[size_t(i)] = row_lse(p, transform, s, i0 + i, h, w.slope);
@@ -254,7 +270,7 @@ bool use_consistent_delta(const AttentionProblem& p, const ScoreTransform& trans
 // dK, dV of one key tile, summed over the GQA group's query heads and the query tiles that see
 // the key tile. With `dq_accum` ((group head, row, dqk) of this sequence) also adds dS K.
 void key_tile(const AttentionProblem& p, const ScoreTransform& transform, const RowTerms& terms,
-              const Sequence& s, int64_t hk, int64_t j0, BackwardScratch& w, double* dq_accum) {
+              const QueryRows& in, const Sequence& s, int64_t hk, int64_t j0, BackwardScratch& w, double* dq_accum) {
   const int64_t n = std::min(kTileK, s.len_k - j0), j1 = j0 + n;
   const int64_t dqk = p.headdim_qk, dv = p.headdim_v, group = p.heads_q / p.heads_kv;
   size_scratch(w, dqk, dv);
@@ -265,24 +281,31 @@ void key_tile(const AttentionProblem& p, const ScoreTransform& transform, const 
   if (dq_accum) load_rows(p, p.k, s, false, hk, j0, n, dqk, w.k.data(), dqk);
 
   const int64_t query_begin = s.mask.tile_begin_query(int(j0)), query_end = s.mask.tile_end_query(int(j1));
+  int64_t pending = 0;  // query tiles in part_dk / part_dv, not yet in the double sums
+  auto widen = [&] {
+    add_wide(w.wide2.data(), dv, w.part_dv.data(), dv, n, dv);
+    add_wide(w.wide.data(), dqk, w.part_dk.data(), dqk, n, dqk);
+    pending = 0;
+  };
   for (int64_t g = 0; g < group; ++g) {
     const int64_t h = hk * group + g;
     for (int64_t i0 = query_begin; i0 < query_end; i0 += kTileQ) {
       const int64_t rows = std::min(kTileQ, query_end - i0);
-      load_query_tile(p, transform, terms, s, h, i0, rows, w);
+      load_query_tile(p, transform, terms, in, s, h, i0, rows, w);
       probabilities_and_ds(p, transform, s, i0, rows, j0, n, w);
       if (transform.dropout.on) drop_probabilities(transform, rows, n, w);
       // dV += P^T dO (P dropped);  dK += dS^T Q;  dQ += dS K
-      gemm(w.p.data(), 1, kTileK, w.dout.data(), dv, w.part.data(), dv, n, dv, rows);
-      add_wide(w.wide2.data(), dv, w.part.data(), dv, n, dv);
-      gemm(w.ds.data(), 1, kTileK, w.q.data(), dqk, w.part.data(), dqk, n, dqk, rows);
-      add_wide(w.wide.data(), dqk, w.part.data(), dqk, n, dqk);
+      const auto product = pending == 0 ? gemm : gemm_accumulate;
+      product(w.p.data(), 1, kTileK, w.dov.data, w.dov.ld, w.part_dv.data(), dv, n, dv, rows);
+      product(w.ds.data(), 1, kTileK, w.qv.data, w.qv.ld, w.part_dk.data(), dqk, n, dqk, rows);
+      if (++pending == kWidenTiles) widen();
       if (dq_accum) {
         gemm(w.ds.data(), kTileK, 1, w.k.data(), dqk, w.part.data(), dqk, rows, dqk, n);
         add_wide(dq_accum + (g * s.len_q + i0) * dqk, dqk, w.part.data(), dqk, rows, dqk);
       }
     }
   }
+  if (pending > 0) widen();
   const std::vector<float> scale(size_t(n), *p.softmax_scale);
   store_rows(p, p.dk, s, false, hk, j0, n, dqk, w.wide.data(), dqk, scale.data());
   store_rows(p, p.dv, s, false, hk, j0, n, dv, w.wide2.data(), dv, nullptr);
@@ -291,11 +314,11 @@ void key_tile(const AttentionProblem& p, const ScoreTransform& transform, const 
 // Fused schedule: every key tile of one (sequence, kv head), then dQ of the group's heads.
 // The accumulator is allocated per task, not kept per thread: it scales with the sequence.
 void kv_head_fused(const AttentionProblem& p, const ScoreTransform& transform, const RowTerms& terms,
-                   int64_t b, int64_t hk, BackwardScratch& w) {
+                   const QueryRows& in, int64_t b, int64_t hk, BackwardScratch& w) {
   const Sequence s = sequence(p, b);
   const int64_t dqk = p.headdim_qk, group = p.heads_q / p.heads_kv;
   std::vector<double> dq_accum(size_t(group * s.len_q * dqk), 0.0);
-  for (int64_t j0 = 0; j0 < s.len_k; j0 += kTileK) key_tile(p, transform, terms, s, hk, j0, w, dq_accum.data());
+  for (int64_t j0 = 0; j0 < s.len_k; j0 += kTileK) key_tile(p, transform, terms, in, s, hk, j0, w, dq_accum.data());
   const std::vector<float> scale(size_t(s.len_q), *p.softmax_scale);
   for (int64_t g = 0; g < group; ++g)
     store_rows(p, p.dq, s, true, hk * group + g, 0, s.len_q, dqk, dq_accum.data() + g * s.len_q * dqk, dqk,
@@ -303,8 +326,8 @@ void kv_head_fused(const AttentionProblem& p, const ScoreTransform& transform, c
 }
 
 // Split schedule, second pass: dQ of one query tile over the key tiles it sees.
-void dq_tile(const AttentionProblem& p, const ScoreTransform& transform, const RowTerms& terms, int64_t b,
-             int64_t h, int64_t tile, BackwardScratch& w) {
+void dq_tile(const AttentionProblem& p, const ScoreTransform& transform, const RowTerms& terms,
+             const QueryRows& in, int64_t b, int64_t h, int64_t tile, BackwardScratch& w) {
   const Sequence s = sequence(p, b);
   const int64_t i0 = tile * kTileQ;
   if (i0 >= s.len_q) return;
@@ -312,7 +335,7 @@ void dq_tile(const AttentionProblem& p, const ScoreTransform& transform, const R
   const int64_t dqk = p.headdim_qk, dv = p.headdim_v, hk = h / (p.heads_q / p.heads_kv);
   size_scratch(w, dqk, dv);
   w.wide.assign(size_t(kTileQ * dqk), 0.0);  // dQ / scale
-  load_query_tile(p, transform, terms, s, h, i0, rows, w);
+  load_query_tile(p, transform, terms, in, s, h, i0, rows, w);
 
   const int64_t key_begin = first_key_tile(s, i0), key_end = s.mask.tile_end_key(int(i1));
   for (int64_t j0 = key_begin; j0 < key_end; j0 += kTileK) {
@@ -355,10 +378,15 @@ void backward(const AttentionProblem& p) {
     compute_delta(p, threads, q_tiles, terms.delta);
   }
 
+  // Every key tile reads each query tile of its kv head's query heads (the split schedule's dQ
+  // pass once more).
+  const RowPanels q_rows(p, p.q, true, p.heads_q, p.headdim_qk, k_tiles, threads);
+  const RowPanels dout_rows(p, p.dout, true, p.heads_q, p.headdim_v, k_tiles, threads);
+  const QueryRows in{q_rows, dout_rows};
   if (p.batch * p.heads_kv >= kFusedTasksPerThread * threads) {
     parallel_for(p.batch * p.heads_kv, threads, [&](int64_t task) {
       thread_local BackwardScratch scratch;
-      kv_head_fused(p, transform, terms, task / p.heads_kv, task % p.heads_kv, scratch);
+      kv_head_fused(p, transform, terms, in, task / p.heads_kv, task % p.heads_kv, scratch);
     });
     return;
   }
@@ -366,12 +394,12 @@ void backward(const AttentionProblem& p) {
     thread_local BackwardScratch scratch;
     const int64_t tile = task % k_tiles, bh = task / k_tiles, b = bh / p.heads_kv;
     const Sequence s = sequence(p, b);
-    if (tile * kTileK < s.len_k) key_tile(p, transform, terms, s, bh % p.heads_kv, tile * kTileK, scratch, nullptr);
+    if (tile * kTileK < s.len_k) key_tile(p, transform, terms, in, s, bh % p.heads_kv, tile * kTileK, scratch, nullptr);
   });
   parallel_for(p.batch * p.heads_q * q_tiles, threads, [&](int64_t task) {
     thread_local BackwardScratch scratch;
     const int64_t tile = task % q_tiles, bh = task / q_tiles;
-    dq_tile(p, transform, terms, bh / p.heads_q, bh % p.heads_q, tile, scratch);
+    dq_tile(p, transform, terms, in, bh / p.heads_q, bh % p.heads_q, tile, scratch);
   });
 }
 

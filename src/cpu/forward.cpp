@@ -7,6 +7,7 @@
 
 #include "cpu/cpu_backend.hpp"
 #include "cpu/parallel.hpp"
+#include "cpu/row_panels.hpp"
 #include "cpu/tile_ops.hpp"
 
 namespace tileattn::cpu {
@@ -41,24 +42,31 @@ void online_step(float* s, int64_t rows, int64_t n, int64_t dv, float scale, Onl
   const f32xN scale_lanes = broadcast_lanes(scale);
   // One column of kLanes queries at a time, down the keys: its max, then its weights and their
   // sum, with the column's max and sum in one register each. Walking the keys outermost instead
-  // kept all eight columns' sums live beside exp2's constants, and GCC spilled them. The scaled
-  // scores are stored and re-read: recomputed in the second pass, the product was fused into the
-  // subtraction of the max (GCC contracts vector a * b - c), which changed the weights' rounding.
+  // kept all eight columns' sums live beside exp2's constants, and GCC spilled them. The max is
+  // taken over the raw products: rounding is monotonic and scale > 0, so scale * max is the max of
+  // the scaled scores, and the scores are scaled once, in the second pass. There the product is
+  // kept rounded on its own (GCC contracts vector a * b - c into an FMA, which would change the
+  // weights' rounding against the backward's, scaled_weights_row).
+  const auto scores = [&](f32xN v) {
+    f32xN x = v * scale_lanes;
+    asm("" : "+x"(x));  // no contraction across this point
+    return x;
+  };
   for (int64_t c = 0; c < vecs; ++c) {
     float* col = s + c * kLanes;
-    f32xN mx = load_lanes(st.m + c * kLanes);
+    f32xN raw = f32xN{} - INFINITY;
     for (int64_t j = 0; j < n; ++j) {
-      const f32xN x = load_lanes(col + j * kTileQ) * scale_lanes;
-      store_lanes(col + j * kTileQ, x);
-      mx = x > mx ? x : mx;
+      const f32xN x = load_lanes(col + j * kTileQ);
+      raw = x > raw ? x : raw;
     }
-    store_lanes(m_new + c * kLanes, mx);
+    const f32xN old_max = load_lanes(st.m + c * kLanes), mx = scores(raw);
+    store_lanes(m_new + c * kLanes, mx > old_max ? mx : old_max);
     float ref[kLanes];
     for (int l = 0; l < kLanes; ++l) ref[l] = safe_row_max(m_new[c * kLanes + l]);
     const f32xN ref_lanes = load_lanes(ref);
     f32xN sum = f32xN{};
     for (int64_t j = 0; j < n; ++j) {
-      const f32xN e = weight_lanes(load_lanes(col + j * kTileQ), ref_lanes);
+      const f32xN e = weight_lanes(scores(load_lanes(col + j * kTileQ)), ref_lanes);
       store_lanes(col + j * kTileQ, e);
       sum += e;
     }
@@ -108,8 +116,8 @@ struct ForwardScratch {
 // Query tiles [tile0, tile0 + count) of (sequence b, head h). Each query tile sees the key tiles
 // of its mask on the grid of multiples of kTileK, in increasing order, whatever the group: the
 // keys a window hides in the first or last tile are masked (-inf, weight 0).
-void forward_tiles(const AttentionProblem& p, const ScoreTransform& transform, int64_t b, int64_t h, int64_t tile0,
-                   int64_t count, ForwardScratch& w) {
+void forward_tiles(const AttentionProblem& p, const ScoreTransform& transform, const RowPanels& k_rows,
+                   const RowPanels& v_rows, int64_t b, int64_t h, int64_t tile0, int64_t count, ForwardScratch& w) {
   const Sequence s = sequence(p, b);
   const int64_t dqk = p.headdim_qk, dv = p.headdim_v, hk = h / (p.heads_q / p.heads_kv);
   count = std::min(count, ceil_div(s.len_q, kTileQ) - tile0);
@@ -144,8 +152,8 @@ void forward_tiles(const AttentionProblem& p, const ScoreTransform& transform, i
 
   for (int64_t j0 = group_begin; j0 < group_end; j0 += kTileK) {
     const int64_t n = std::min(kTileK, group_end - j0);
-    const RowsView k = view_rows(p, p.k, s, false, hk, j0, n, dqk, w.k.data());
-    const RowsView v = view_rows(p, p.v, s, false, hk, j0, n, dv, w.v.data());
+    const RowsView k = k_rows.rows(p, s, hk, j0, n, w.k.data());
+    const RowsView v = v_rows.rows(p, s, hk, j0, n, w.v.data());
     for (int64_t t = 0; t < count; ++t) {
       if (j0 + n <= begin[t] || j0 >= end[t]) continue;  // no key of this tile is visible
       QueryTile& q = w.tiles[t];
@@ -213,10 +221,14 @@ void forward(const AttentionProblem& p) {
   const double flops = 2.0 * double(p.batch * p.heads_q) * double(max_q) * double(max_k) * double(p.headdim_qk + p.headdim_v);
   const int threads = threads_for(p.num_threads, flops);
   const int64_t group = group_tiles(p.batch * p.heads_q, tiles, threads), groups = ceil_div(tiles, group);
+  // Each key tile is read by every group of query tiles of every query head of its kv head.
+  const int64_t readers = groups * (p.heads_q / p.heads_kv);
+  const RowPanels k_rows(p, p.k, false, p.heads_kv, p.headdim_qk, readers, threads);
+  const RowPanels v_rows(p, p.v, false, p.heads_kv, p.headdim_v, readers, threads);
   parallel_for(p.batch * p.heads_q * groups, threads, [&](int64_t task) {
     thread_local ForwardScratch scratch;
     const int64_t g = task % groups, bh = task / groups;
-    forward_tiles(p, transform, bh / p.heads_q, bh % p.heads_q, g * group, group, scratch);
+    forward_tiles(p, transform, k_rows, v_rows, bh / p.heads_q, bh % p.heads_q, g * group, group, scratch);
   });
   if (p.is_varlen()) {
     const int64_t r0 = first_uncovered_row(p, true);

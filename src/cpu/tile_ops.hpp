@@ -266,6 +266,19 @@ inline float dot_chunked(const float* x, const float* y, int64_t k) {
 void gemm(const float* a, int64_t a_row, int64_t a_col, const float* b, int64_t ldb, float* c, int64_t ldc,
           int64_t m, int64_t n, int64_t k);
 
+// x rounded to an integer, ties either way (exp2_lanes needs only |x - result| <= 1/2): one
+// instruction with SSE 4.1 or AVX; else floor(x + 1/2) from conversions, which truncate toward zero.
+inline f32xN round_lanes(f32xN x) {
+#if defined(__AVX__)
+  return __builtin_ia32_roundps256(x, 0x08);  // nearest, no exceptions
+#elif defined(__SSE4_1__)
+  return __builtin_ia32_roundps(x, 0x08);
+#else
+  const f32xN t = x + 0.5f, n = __builtin_convertvector(__builtin_convertvector(t, i32xN), f32xN);
+  return n > t ? n - 1.0f : n;
+#endif
+}
+
 // x[j] = 2^(x[j] - sub) for a row, kLanes at a time (libm's scalar exp2f measured ~10% of
 // the whole backward). 2^x = 2^n * 2^f with n = round(x), |f| <= 1/2, and 2^f a degree-6 fit
 // (relative error < 1e-7 in fp32, about 1.6 ulp). x < -126 gives exactly 0, so masked (-inf)
@@ -274,10 +287,9 @@ inline f32xN exp2_lanes(f32xN x) {
   const i32xN dead = x < -126.0f;  // all-ones lanes, also for -inf
   x = x < -126.0f ? f32xN{} - 126.0f : x;
   x = x > 127.0f ? f32xN{} + 127.0f : x;
-  const f32xN t = x + 0.5f;
-  i32xN n = __builtin_convertvector(t, i32xN);  // truncates toward zero: fix up to floor
-  n -= __builtin_convertvector(n, f32xN) > t ? i32xN{} + 1 : i32xN{};
-  const f32xN f = x - __builtin_convertvector(n, f32xN);
+  const f32xN whole = round_lanes(x);
+  const i32xN n = __builtin_convertvector(whole, i32xN);  // exact: whole is an integer
+  const f32xN f = x - whole;                              // exact (Sterbenz), |f| <= 1/2
   f32xN p = f * 1.508394634583965e-4f + 1.3395515270531178e-3f;
   p = p * f + 9.61942970752716e-3f;
   p = p * f + 5.5503424257040024e-2f;
