@@ -73,7 +73,10 @@ void online_step(float* s, int64_t rows, int64_t n, int64_t dv, float scale, Onl
     store_lanes(tile_sum + c * kLanes, sum);
   }
   for (int64_t i = 0; i < rows; ++i) {
-    const float alpha = st.m[i] == -INFINITY ? 0.0f : exp2f((st.m[i] - m_new[i]) * kLog2e);
+    // Past the first tiles the max rarely moves: alpha is then exactly 1 (exp2f(0)), without libm.
+    const float alpha = st.m[i] == -INFINITY      ? 0.0f
+                        : st.m[i] == m_new[i] ? 1.0f
+                                              : exp2f((st.m[i] - m_new[i]) * kLog2e);
     st.l[i] = st.l[i] * alpha + tile_sum[i];
     st.m[i] = m_new[i];
     if (alpha != 1.0f) {
