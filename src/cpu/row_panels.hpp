@@ -21,8 +21,7 @@ class RowPanels {
   RowPanels(const AttentionProblem& p, const TensorView& t, bool query_side, int64_t heads, int64_t dim,
             int64_t readers, int threads)
       : t_(t), query_side_(query_side), dim_(dim) {
-    const bool in_place = p.dtype == DType::f32 && t.seq_stride == dim && (query_side || !p.is_paged());
-    if (in_place || readers <= 1) return;
+    if (rows_in_place(p, t, query_side, dim) || readers <= 1) return;
     first_.assign(size_t(p.batch + 1), 0);
     for (int64_t b = 0; b < p.batch; ++b) first_[size_t(b + 1)] = first_[size_t(b)] + heads * length(sequence(p, b));
     if (double(first_.back()) * double(dim) > kMaxFloats) {

@@ -109,10 +109,13 @@ struct RowsView {
   const float* data;
   int64_t ld;
 };
+// Paged keys are not one strided block: they are copied like other dtypes.
+inline bool rows_in_place(const AttentionProblem& p, const TensorView& t, bool query_side, int64_t dim) {
+  return p.dtype == DType::f32 && t.seq_stride == dim && (query_side || !p.is_paged());
+}
 inline RowsView view_rows(const AttentionProblem& p, const TensorView& t, const Sequence& s, bool query_side,
                           int64_t h, int64_t i0, int64_t rows, int64_t dim, float* scratch) {
-  // Paged keys are not one strided block: they are copied like other dtypes.
-  if (p.dtype == DType::f32 && t.seq_stride == dim && (query_side || !s.key.pages))
+  if (rows_in_place(p, t, query_side, dim))
     return {static_cast<const float*>(t.data) + row_offset(p, t, s, query_side, i0, h), t.seq_stride};
   load_rows(p, t, s, query_side, h, i0, rows, dim, scratch, dim);
   return {scratch, dim};
