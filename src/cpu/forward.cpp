@@ -99,9 +99,9 @@ struct SoftmaxMatmulScratch {
 };
 
 // Query tiles one task carries through a single walk over the key tiles, so that each K and V
-// tile is read (and, when strided or not fp32, copied) once per group rather than once per query
-// tile. With flash-attn's layout the copies of K and V rows, each in its own 4 KiB page (no
-// hardware prefetch across them), measured ~13% of a forward at one tile per task.
+// tile is read once per group rather than once per query tile (and, where RowPanels does not hold
+// them, copied once per group: with flash-attn's layout those copies, each row on a 4 KiB page of
+// its own, measured ~13% of a forward at one tile per task).
 constexpr int64_t kGroupTiles = 4;
 
 // One query tile of a task: its transposed Q, running softmax state and key range.

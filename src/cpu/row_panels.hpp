@@ -4,7 +4,6 @@
 // row: otherwise every task copies the rows it reads. In flash-attn's (B, N, H, D) layout each row
 // of a head is on a 4 KiB page of its own; the forward's per-task copies of K and V were 5.4% of
 // its samples, the backward's of Q and dO (once per key tile) 5.2%.
-#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <vector>
