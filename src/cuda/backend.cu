@@ -17,6 +17,7 @@
 #include "common/backend_plan.hpp"
 #include "cuda/common/check.cuh"
 #include "cuda/common/row_alignment.hpp"
+#include "cuda/common/split_heuristic.hpp"
 #include "cuda/common/uncovered_rows.cuh"
 #include "cuda/common/workspace.cuh"
 #include "cuda/cuda_backend.hpp"
@@ -165,7 +166,6 @@ size_t split_bytes(const FwdParams& f, int splits, size_t* lse_bytes) {
   return *lse_bytes + Workspace::round_up(rows * size_t(f.headdim_v) * sizeof(float));
 }
 
-constexpr int kMaxRequestedSplits = 256;
 // Query lengths up to this count as decoding (and speculative decoding): their query tiles are
 // mostly empty per head, so packing a GQA group into one tile costs no compute and saves reads.
 constexpr int64_t kPackMaxSeqlenQ = 64;

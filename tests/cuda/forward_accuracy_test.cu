@@ -152,6 +152,10 @@ std::vector<ForwardCase> base_cases() {
     ProblemShape d = shape(3, 5000, 80, 2, 2);
     d.softcap = 5.0f;
     c.push_back({"split_d80_softcap", d, true});
+    // Value rows of 34 columns: the combine's column loop without 4-column vectors.
+    ProblemShape o = shape(2, 6000, 40, 4, 2);
+    o.headdim_v = 34;
+    c.push_back({"split_dv34_gqa", o, true});
   }
   // GQA packing (decoding, seqlen_q <= 64): the query heads of a group share a tile; positions
   // and heads come from packed rows in the mask, the loads and the stores.

@@ -24,6 +24,7 @@
 #   --overhead            also `python -m tileattn.bench.overhead` (host overhead beside SDPA; needs --pytest),
 #                         once as built and once with TILEATTN_TORCH_OPS=0
 #   --decode              also `python -m tileattn.bench.decode` (KV-cache decode GB/s beside SDPA; needs --pytest)
+#                         and tools/device/read_bandwidth.cu (the card's streaming-read ceiling)
 #   --profile             also Nsight Compute (full set) on one forward kernel
 #   --profile-smm         also Nsight Compute (full set, SASS stall samples) on the fp32 softmax_matmul
 #                         kernels (exact and fast) at 16 x 2048 x 8192 x 512
@@ -291,6 +292,10 @@ if [[ $DECODE_BENCH -eq 1 && "$PYTEST" != none ]]; then
     run "$LOG/decode.log" python3 -m tileattn.bench.decode --csv "$(realpath -m "$LOG")/decode.csv"
   note "decode: rc=$? $(( $(now) - t0 ))s"
   cat "$LOG/decode.log" | tee -a "$SUMMARY"
+  # The card's streaming-read ceiling in the same call: what a decode figure can approach.
+  run "$LOG/read_bandwidth_build.log" nvcc -O3 -std=c++20 -arch=sm_$ARCH tools/device/read_bandwidth.cu \
+    -o "$BUILD/read_bandwidth" && run "$LOG/read_bandwidth.csv" "$BUILD/read_bandwidth"
+  note "read ceiling: $(grep -E '^(best|copy)' "$LOG/read_bandwidth.csv" 2>/dev/null | tr '\n' ' ')"
 fi
 
 # ---- profile ------------------------------------------------------------------------------

@@ -147,6 +147,14 @@ __device__ __forceinline__ void load_warp_rows(T* tile, int first_row, const T* 
   }
 }
 
+// A page id read a tile before the copies it addresses. Volatile so the compiler issues the read
+// here rather than sinking it next to its use, where the copies would wait on it.
+__device__ __forceinline__ int load_page_id(const int32_t* id) {
+  int page;
+  asm volatile("ld.global.nc.b32 %0, [%1];\n" : "=r"(page) : "l"(id));
+  return page;
+}
+
 // load_tile for the rows [key0, key0 + rows) of a paged cache whose pages are shorter than the
 // tile: row r lies at row r % page_size of page pages[r / page_size] (clamped to num_pages).
 // fetch() reads the page ids of the rows this thread copies, all at once so the reads overlap;
@@ -164,13 +172,7 @@ struct PagedRows {
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) {
       const int row = row0 + i * kRowsPerPass;
-      // Volatile so the compiler issues the read here, a tile ahead, rather than sinking it next
-      // to its use (the copies it addresses would then wait on it).
-      if (row < rows_valid) {
-        asm volatile("ld.global.nc.b32 %0, [%1];\n" : "=r"(page[i]) : "l"(pages + l.page_of(key0 + row)));
-      } else {
-        page[i] = 0;
-      }
+      page[i] = row < rows_valid ? load_page_id(pages + l.page_of(key0 + row)) : 0;
     }
   }
 

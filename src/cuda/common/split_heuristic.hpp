@@ -7,6 +7,10 @@
 
 namespace tileattn::cuda {
 
+// The most splits a call may ask for (AttentionProblem::num_splits): bounds the partials'
+// workspace and the combine's per-row weights.
+constexpr int kMaxRequestedSplits = 256;
+
 inline int fwd_num_splits(int64_t tiles, int key_blocks, int num_sms, int blocks_per_sm) {
   const int64_t capacity = int64_t(num_sms) * std::max(blocks_per_sm, 1);
   if (key_blocks < 2 || tiles >= capacity * 4 / 5) return 1;

@@ -14,6 +14,7 @@
 
 #include "common/mask.hpp"
 #include "common/online_softmax.hpp"
+#include "cuda/arch/dependent_launch.cuh"
 #include "cuda/arch/ptx_sm80.cuh"
 #include "cuda/arch/smem_tile_sm80.cuh"
 #include "cuda/common/fwd_params.hpp"
@@ -49,6 +50,8 @@ struct DecodeTraits {
 template <class T, int kHeadDim>
 __global__ void __launch_bounds__(DecodeTraits<T, kHeadDim>::kThreads)
     fwd_decode_kernel_sm80(const __grid_constant__ FwdParams p) {
+  // The split-KV combine may start its blocks now; they wait for this grid's end before reading.
+  allow_dependent_launch();
   using Tr = DecodeTraits<T, kHeadDim>;
   using QTile = typename Tr::QTile;
   using KVTile = typename Tr::KVTile;
@@ -107,7 +110,7 @@ __global__ void __launch_bounds__(DecodeTraits<T, kHeadDim>::kThreads)
       const int key0 = (tiles.begin + i) * kBlockN;
       if (by_warp) {
         const int key = key0 + warp * 16;
-        warp_page = key < blk.seqlen_k ? blk.key.pages[p.keys.page_of(key)] : 0;
+        warp_page = key < blk.seqlen_k ? load_page_id(blk.key.pages + p.keys.page_of(key)) : 0;
       } else {
         ids.fetch(p.keys, blk.key.pages, key0, blk.seqlen_k - key0);
       }
