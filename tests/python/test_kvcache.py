@@ -353,6 +353,35 @@ def test_num_splits_changes_only_rounding(dtype, device):
         check(lse, same_lse.float(), ref_lse, FLOOR[dtype], f"lse, num_splits={num_splits}")
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("page_size", [3, 16, 48, 64, 512])
+def test_paged_decode_equals_contiguous_over_long_caches(page_size, device):
+    # A long cache walked by few blocks (one split, then three): the page ids of every key tile of a
+    # block, far past the first ones, address the same rows as the contiguous cache, so the two
+    # calls read the same keys in the same order and agree bit for bit. Pages in shuffled order.
+    batch, heads, heads_kv, d, capacity = 2, 8, 2, 64, 9216
+    lens = torch.tensor([capacity, capacity - 1000 - page_size], dtype=torch.int32)
+    q = torch.randn(batch, 1, heads, d, dtype=torch.bfloat16)
+    k, v = (torch.randn(batch, capacity, heads_kv, d, dtype=torch.bfloat16) for _ in range(2))
+    per_seq = -(-capacity // page_size)
+    num_pages = batch * per_seq + 5
+    table = torch.randperm(num_pages)[:batch * per_seq].view(batch, per_seq).to(torch.int32)
+    k_pages, v_pages = (torch.zeros(num_pages, page_size, heads_kv, d, dtype=torch.bfloat16) for _ in range(2))
+    for b in range(batch):
+        for cache, pages in ((k, k_pages), (v, v_pages)):
+            padded = torch.zeros(per_seq * page_size, heads_kv, d, dtype=torch.bfloat16)
+            padded[:capacity] = cache[b]
+            pages[table[b].long()] = padded.view(per_seq, page_size, heads_kv, d)
+    for num_splits in (1, 3):
+        contiguous = tileattn.flash_attn_with_kvcache(**on(device, dict(q=q, k_cache=k, v_cache=v,
+                                                                        cache_seqlens=lens)),
+                                                     num_splits=num_splits)
+        paged = tileattn.flash_attn_with_kvcache(**on(device, dict(q=q, k_cache=k_pages, v_cache=v_pages,
+                                                                   cache_seqlens=lens, block_table=table)),
+                                                 num_splits=num_splits)
+        assert torch.equal(paged, contiguous), f"num_splits={num_splits}"
+
+
 def test_returns_out_alone_by_default():
     q, k_cache, v_cache, lens = _decode_inputs(torch.float32, capacity=20)
     out = tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens)
