@@ -157,6 +157,21 @@ std::vector<ForwardCase> base_cases() {
     o.headdim_v = 34;
     c.push_back({"split_dv34_gqa", o, true});
   }
+  // More equal query tiles than SMs (no mask, one length): on Hopper one block per SM walks the
+  // tiles, two Q buffers deep; blocks of one, two and four tiles, ragged last query tiles, GQA,
+  // softcap, seqlen_q != seqlen_k.
+  {
+    ProblemShape a = shape(600, 600, 64, 32, 8);
+    a.batch = 3;
+    c.push_back({"persistent_gqa_d64", a, false, true});
+    ProblemShape b = shape(400, 333, 128, 16, 16);
+    b.batch = 4;
+    b.softcap = 20.0f;
+    c.push_back({"persistent_softcap_d128", b, false, true});
+    ProblemShape d = shape(1100, 1000, 96, 12, 4);
+    d.batch = 2;
+    c.push_back({"persistent_d96", d, false, true});
+  }
   // GQA packing (decoding, seqlen_q <= 64): the query heads of a group share a tile; positions
   // and heads come from packed rows in the mask, the loads and the stores.
   {

@@ -21,11 +21,12 @@ namespace tileattn::cuda::sm90 {
 // rows: the consumer's first row of panel 0 (1024-byte aligned); panels follow every
 // kPanelBytes. The box at (column 64 c, row, head, batch) of `map` is written for each panel
 // whose first column is below `cols`; rows and columns outside the tensor are clipped. Named
-// barrier kStoreConsumer0 + consumer gathers the consumer's 128 threads.
+// barrier kStoreConsumer0 + consumer gathers the consumer's 128 threads. Without wait_read the
+// storing thread returns before the copies have read `rows`.
 template <class T, int kDim, int kPanelBytes>
 __device__ __forceinline__ void store_rows(const CUtensorMap* map, unsigned char* rows,
                                            const float (&acc)[1][kDim / 8][4], const float (&scale)[2], int cols,
-                                           int row, int head, int batch, int consumer) {
+                                           int row, int head, int batch, int consumer, bool wait_read = true) {
 #if defined(TILEATTN_SM90_ENABLED)
   const int warp = (int(threadIdx.x) / 32) % 4, lane = int(threadIdx.x) % 32, t = lane % 4;
 #pragma unroll
@@ -45,7 +46,8 @@ __device__ __forceinline__ void store_rows(const CUtensorMap* map, unsigned char
     for (int c = 0; c < (kDim + 63) / 64; ++c)
       if (64 * c < cols) tma_store_4d(map, rows + c * kPanelBytes, 64 * c, row, head, batch);
     bulk_commit();
-    bulk_wait_read();  // the block's shared memory must outlive the copies' reads
+    // The rows must outlive the copies' reads: here, or where the caller next needs them.
+    if (wait_read) bulk_wait_read();
   }
 #endif
 }

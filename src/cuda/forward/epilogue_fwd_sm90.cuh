@@ -1,6 +1,8 @@
 #pragma once
 // The sm90 forward's epilogue: a consumer's 64 rows of O over their row sums go out through
 // shared memory (the consumer's rows of Q) and TMA (tile_store_sm90.cuh), their L directly.
+// Without wait_read the storing thread (thread 0 of the consumer) must wait for the copies' reads
+// (bulk_wait_read) before those rows are written again.
 // Where TMA cannot store (split-KV partials, an O the copy engine cannot describe, a varlen tile
 // reaching past its sequence, whose rows the next sequence owns), store_fwd_output runs.
 #include <cuda_runtime.h>
@@ -22,7 +24,7 @@ __device__ __forceinline__ float alibi_lse(const FwdParams& p, const FwdBlock& b
 template <class T, int kHeadDim, int kPanelBytes, bool kAlibi>
 __device__ __forceinline__ void store_fwd_output_sm90(const FwdSm90Params& params, const FwdBlock& blk, int row0,
                                                       float (&o)[1][kHeadDim / 8][4], RowStats<1>& stats,
-                                                      unsigned char* rows, int consumer) {
+                                                      unsigned char* rows, int consumer, bool wait_read) {
   const FwdParams& p = params.fwd;
   const bool varlen = p.cu_seqlens_q != nullptr;
   if (!params.o_by_tma || p.num_splits > 1 || (varlen && blk.m0 + 64 * (consumer + 1) > blk.seqlen_q)) {
@@ -47,7 +49,7 @@ __device__ __forceinline__ void store_fwd_output_sm90(const FwdSm90Params& param
   }
   sm90::store_rows<T, kHeadDim, kPanelBytes>(&params.o, rows, o, inv, p.headdim_v,
                                               int(blk.q_row0) + blk.m0 + 64 * consumer, blk.head,
-                                              varlen ? 0 : blk.batch, consumer);
+                                              varlen ? 0 : blk.batch, consumer, wait_read);
 }
 
 }  // namespace tileattn::cuda

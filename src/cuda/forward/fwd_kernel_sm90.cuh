@@ -19,6 +19,9 @@
 // kAlibi: ALiBi's bias joins the scores where the cap and the mask do; an instance of its own, so
 // that the kernel without it keeps its registers (the bias needs the slope and both lengths live).
 // O leaves through the consumers' rows of Q and TMA stores (epilogue_fwd_sm90.cuh).
+// kPersistent: one block per SM walks the query tiles a grid apart (equal tiles only: no mask,
+// one length), with two Q buffers, so that the next tile's Q and first K/V stages load while this
+// tile finishes: at N = 1k a block per tile waited for its Q and first K for 10% of its time.
 #include <cuda_runtime.h>
 
 #include "common/mask.hpp"
@@ -44,7 +47,7 @@ constexpr int fwd_sm90_block_n(int head_dim, bool long_keys) {
 // Where the key range is long enough for the 192-key instance.
 constexpr int kFwdSm90LongKeys = 8192;
 
-template <class T, int kHeadDim, int kBlockN_ = fwd_sm90_block_n(kHeadDim, false)>
+template <class T, int kHeadDim, int kBlockN_ = fwd_sm90_block_n(kHeadDim, false), bool kPersistent = false>
 struct FwdSm90Traits {
   // 24 x 128 + 240 x 256 registers fit the 64K register file.
   using Roles = sm90::WarpRoles<2, 24, 240>;
@@ -56,43 +59,71 @@ struct FwdSm90Traits {
   using KVTile = sm90::PanelTile<kBlockN, kHeadDim>;
   static constexpr int kQBytes = QTile::kBytes;
   static constexpr int kKVBytes = KVTile::kBytes;
+  static constexpr int kQStages = kPersistent ? 2 : 1;
   // Three K/V stages where they fit (head dims up to 192), else two.
-  static constexpr int kStages = kQBytes + 3 * 2 * kKVBytes + 128 + 1024 <= 227 * 1024 ? 3 : 2;
-  // Q's barrier, then the K and V rings (the consumers release each stage, one arrival a warp).
+  static constexpr int kStages = kQStages * kQBytes + 3 * 2 * kKVBytes + 160 + 1024 <= 227 * 1024 ? 3 : 2;
+  // Q's ring (its "full" barriers only, without kPersistent), then the K and V rings (the
+  // consumers release each stage, one arrival a warp).
+  using QRing = sm90::StageRing<kQStages>;
   using KVRing = sm90::StageRing<kStages>;
   enum Region { kQ, kK, kV, kBarriers };
-  using Smem = sm90::SmemRegions<kQBytes, kStages * kKVBytes, kStages * kKVBytes, 8 + 2 * KVRing::kBarrierBytes>;
+  static constexpr int kQBarriers = kPersistent ? 2 * kQStages : 1;
+  using Smem = sm90::SmemRegions<kQStages * kQBytes, kStages * kKVBytes, kStages * kKVBytes,
+                                 8 * kQBarriers + 2 * KVRing::kBarrierBytes>;
   static constexpr int kSmemBytes = Smem::kBytes;
   static_assert(kHeadDim % 16 == 0 && kHeadDim <= 256, "sm90 forward: head dims 16..256 in steps of 16");
 };
 
-template <class T, int kHeadDim, int kBlockN_, bool kAlibi>
-__global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim, kBlockN_>::kThreads, 1)
+// Query tile t of a persistent launch: tiles are numbered query tile first, then head, then batch,
+// so that the blocks running at once share heads' K and V in L2.
+__device__ __forceinline__ FwdBlock fwd_block_of_tile(const FwdParams& p, int block_m, int tile) {
+  const int m_blocks = (p.seqlen_q + block_m - 1) / block_m;
+  return fwd_block(p, block_m, tile % m_blocks, 0, (tile / m_blocks) % p.heads_q, tile / (m_blocks * p.heads_q));
+}
+__host__ __device__ inline int64_t fwd_persistent_tiles(const FwdParams& p, int block_m) {
+  return int64_t((p.seqlen_q + block_m - 1) / block_m) * p.heads_q * p.batch;
+}
+
+template <class T, int kHeadDim, int kBlockN_, bool kAlibi, bool kPersistent>
+__global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim, kBlockN_, kPersistent>::kThreads, 1)
     fwd_kernel_sm90(const __grid_constant__ FwdSm90Params params) {
 #if defined(TILEATTN_SM90_ENABLED)
-  using Traits = FwdSm90Traits<T, kHeadDim, kBlockN_>;
+  using Traits = FwdSm90Traits<T, kHeadDim, kBlockN_, kPersistent>;
   using Roles = typename Traits::Roles;
   using QTile = typename Traits::QTile;
   using KVTile = typename Traits::KVTile;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kKVBytes = Traits::kKVBytes;
+  constexpr int kQBytes = Traits::kQBytes;
   const FwdParams& p = params.fwd;
 
   extern __shared__ unsigned char smem_raw[];
   const typename Traits::Smem smem(smem_raw);
-  unsigned char* sQ = smem.template at<Traits::kQ>();
+  unsigned char* sQ0 = smem.template at<Traits::kQ>();
   unsigned char* sK = smem.template at<Traits::kK>();
   unsigned char* sV = smem.template at<Traits::kV>();
   uint64_t* q_full = smem.template at<Traits::kBarriers, uint64_t>();
-  const typename Traits::KVRing k_ring{q_full + 1};
+  const typename Traits::QRing q_ring{q_full};  // kPersistent: Q's buffers, filled and released per tile
+  const typename Traits::KVRing k_ring{q_full + Traits::kQBarriers};
   const typename Traits::KVRing v_ring{k_ring.end()};
 
-  const FwdBlock blk = fwd_block_of_this_cta(p, kBlockM);
-  if (blk.m0 >= blk.seqlen_q) return;
-  const Mask mask{blk.seqlen_q, blk.seqlen_k, p.window_left, p.window_right};
-  const KeyTiles tiles = key_tiles(p, blk, mask, kBlockM, kBlockN);
+  // The tiles this block works on: its own (one per block), or every gridDim.x-th (kPersistent).
+  int tile = 0, tile_count = 1;
+  if constexpr (kPersistent) {
+    tile = int(blockIdx.x);
+    tile_count = int(fwd_persistent_tiles(p, kBlockM));
+  } else {
+    const FwdBlock first = fwd_block_of_this_cta(p, kBlockM);
+    if (first.m0 >= first.seqlen_q) return;
+  }
+  auto block_of = [&](int t) {
+    if constexpr (kPersistent) return fwd_block_of_tile(p, kBlockM, t);
+    else return fwd_block_of_this_cta(p, kBlockM);
+  };
+  const int tile_step = kPersistent ? int(gridDim.x) : 1;
 
   if (threadIdx.x == 0) {
-    sm90::barrier_init(q_full, 1);
+    if constexpr (kPersistent) q_ring.init(1, Traits::kConsumers);
+    else sm90::barrier_init(q_full, 1);
     k_ring.init(1, 4 * Traits::kConsumers);
     v_ring.init(1, 4 * Traits::kConsumers);
     sm90::barrier_init_fence();
@@ -102,19 +133,27 @@ __global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim, kBlockN_>::kThreads
   const Roles roles;
   if (roles.warpgroup == 0) {
     Roles::enter_producer();
-    if (threadIdx.x != 0 || tiles.begin >= tiles.end) return;
-    const bool varlen = p.cu_seqlens_q != nullptr;
-    const int kv_head = blk.head / (p.heads_q / p.heads_kv);
-    const int batch = varlen ? 0 : blk.batch;
-    sm90::barrier_arrive_expect_bytes(q_full, Traits::kQBytes);
-    QTile::template load<kBlockM>(sQ, &params.q, q_full, int(blk.q_row0) + blk.m0, blk.head, batch);
-    int i = 0;
-    for (int n = tiles.end - 1; n >= tiles.begin; --n, ++i) {
-      const int row = int(blk.k_row0) + n * kBlockN;
-      uint64_t* k_full = k_ring.acquire_bytes(i, kKVBytes);
-      KVTile::template load<kBlockN>(sK + k_ring.slot(i) * kKVBytes, &params.k, k_full, row, kv_head, batch);
-      uint64_t* v_full = v_ring.acquire_bytes(i, kKVBytes);
-      KVTile::template load<kBlockN>(sV + v_ring.slot(i) * kKVBytes, &params.v, v_full, row, kv_head, batch);
+    if (threadIdx.x != 0) return;
+    int i = 0;  // K/V items loaded, over all of this block's tiles
+    for (int t = tile, u = 0; t < tile_count; t += tile_step, ++u) {
+      const FwdBlock blk = block_of(t);
+      const Mask mask{blk.seqlen_q, blk.seqlen_k, p.window_left, p.window_right};
+      const KeyTiles tiles = key_tiles(p, blk, mask, kBlockM, kBlockN);
+      if (tiles.begin >= tiles.end) return;  // no key for any tile (kPersistent: all tiles alike)
+      const bool varlen = p.cu_seqlens_q != nullptr;
+      const int kv_head = blk.head / (p.heads_q / p.heads_kv);
+      const int batch = varlen ? 0 : blk.batch;
+      uint64_t* q_bar = kPersistent ? q_ring.acquire_bytes(u, kQBytes) : q_full;
+      if constexpr (!kPersistent) sm90::barrier_arrive_expect_bytes(q_full, kQBytes);
+      QTile::template load<kBlockM>(sQ0 + q_ring.slot(u) * kQBytes, &params.q, q_bar, int(blk.q_row0) + blk.m0,
+                                    blk.head, batch);
+      for (int n = tiles.end - 1; n >= tiles.begin; --n, ++i) {
+        const int row = int(blk.k_row0) + n * kBlockN;
+        uint64_t* k_full = k_ring.acquire_bytes(i, kKVBytes);
+        KVTile::template load<kBlockN>(sK + k_ring.slot(i) * kKVBytes, &params.k, k_full, row, kv_head, batch);
+        uint64_t* v_full = v_ring.acquire_bytes(i, kKVBytes);
+        KVTile::template load<kBlockN>(sV + v_ring.slot(i) * kKVBytes, &params.v, v_full, row, kv_head, batch);
+      }
     }
     return;
   }
@@ -122,114 +161,136 @@ __global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim, kBlockN_>::kThreads
   Roles::enter_consumer();
   const int consumer = roles.consumer();
   const int warp = Roles::warp(), lane = Roles::lane();
-  const int row0 = blk.m0 + 64 * consumer + 16 * warp + lane / 4;  // sequence row of (g, e < 2)
+  const bool store_thread = threadIdx.x % 128 == 0;  // issues the consumer's TMA stores
+  // The two consumers issue their products in turn (pingpong_sm90.cuh), on and on across tiles.
+  const sm90::PingPong turns{consumer};
+  if constexpr (kPersistent) turns.start();
+  int i0 = 0;  // K/V items consumed before this tile
+  for (int t = tile, u = 0; t < tile_count; t += tile_step, ++u) {
+    const FwdBlock blk = block_of(t);
+    const Mask mask{blk.seqlen_q, blk.seqlen_k, p.window_left, p.window_right};
+    const KeyTiles tiles = key_tiles(p, blk, mask, kBlockM, kBlockN);
+    unsigned char* sQ = sQ0 + q_ring.slot(u) * kQBytes;
+    const int row0 = blk.m0 + 64 * consumer + 16 * warp + lane / 4;  // sequence row of (g, e < 2)
 
-  float acc_o[1][kHeadDim / 8][4];
+    float acc_o[1][kHeadDim / 8][4];
 #pragma unroll
-  for (int ot = 0; ot < kHeadDim / 8; ++ot)
+    for (int ot = 0; ot < kHeadDim / 8; ++ot)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) acc_o[0][ot][e] = 0.0f;
-  RowStats<1> stats;
-  stats.init();
-  // The bias in raw score units, as the scores are kept (slope / scale: ScoreMod::alibi_bias).
-  [[maybe_unused]] float slope_raw = 0.0f;
-  if constexpr (kAlibi) slope_raw = p.mod.slope(blk.batch, blk.head) / p.mod.scale;
+      for (int e = 0; e < 4; ++e) acc_o[0][ot][e] = 0.0f;
+    RowStats<1> stats;
+    stats.init();
+    // The bias in raw score units, as the scores are kept (slope / scale: ScoreMod::alibi_bias).
+    [[maybe_unused]] float slope_raw = 0.0f;
+    if constexpr (kAlibi) slope_raw = p.mod.slope(blk.batch, blk.head) / p.mod.scale;
 
-  if (tiles.begin < tiles.end) {
-    const uint32_t q_base = smem_address(sQ) + consumer * 64 * 128;
-    float acc_s[1][kBlockN / 8][4];
-    uint32_t pa[kBlockN / 16][4];  // P of the previous tile, rounded to T, in the A-fragment layout
+    if (tiles.begin < tiles.end) {
+      const uint32_t q_base = smem_address(sQ) + consumer * 64 * 128;
+      float acc_s[1][kBlockN / 8][4];
+      uint32_t pa[kBlockN / 16][4];  // P of the previous tile, rounded to T, in the A-fragment layout
 
-    // S = Q K^T of the i-th tile visited, issued (not waited for).
-    auto issue_s = [&](int i) {
-      const uint32_t k_base = smem_address(sK + k_ring.slot(i) * kKVBytes);
-      k_ring.wait(i);
-      sm90::wgmma_fence();
+      // S = Q K^T of the i-th tile visited, issued (not waited for).
+      auto issue_s = [&](int i) {
+        const uint32_t k_base = smem_address(sK + k_ring.slot(i0 + i) * kKVBytes);
+        k_ring.wait(i0 + i);
+        sm90::wgmma_fence();
 #pragma unroll
-      for (int ks = 0; ks < kHeadDim / 16; ++ks)
-        sm90::Wgmma<T, kBlockN>::ss(acc_s[0], QTile::k_major(q_base, ks), KVTile::k_major(k_base, ks), ks > 0);
-      sm90::wgmma_commit();
-    };
-    // Once that S has completed: K's stage goes back, the scores are modified and folded into
-    // the row statistics (P in acc_s; alpha: how much the output so far must shrink).
-    auto score = [&](int i, float (&alpha)[1][2]) {
-      sm90::fence_registers(acc_s[0]);
-      k_ring.release_warp(i, lane);
-      if (p.softcap_pre > 0.0f) softcap_scores(acc_s, p.softcap_pre, p.softcap_post);
-      const int key0 = (tiles.end - 1 - i) * kBlockN;
-      if constexpr (kAlibi) alibi_scores(acc_s, slope_raw, row0, key0, blk.seqlen_q, blk.seqlen_k);
-      if (!(key0 >= tiles.full_begin && key0 + kBlockN <= tiles.full_end)) mask_scores(acc_s, mask, row0, key0);
-      stats.fold(acc_s, p.scale_log2, alpha);
-    };
-    // An S column-tile pair is one k-step of 16 keys.
-    auto pack_p = [&] {
+        for (int ks = 0; ks < kHeadDim / 16; ++ks)
+          sm90::Wgmma<T, kBlockN>::ss(acc_s[0], QTile::k_major(q_base, ks), KVTile::k_major(k_base, ks), ks > 0);
+        sm90::wgmma_commit();
+      };
+      // Once that S has completed: K's stage goes back, the scores are modified and folded into
+      // the row statistics (P in acc_s; alpha: how much the output so far must shrink).
+      auto score = [&](int i, float (&alpha)[1][2]) {
+        sm90::fence_registers(acc_s[0]);
+        k_ring.release_warp(i0 + i, lane);
+        if (p.softcap_pre > 0.0f) softcap_scores(acc_s, p.softcap_pre, p.softcap_post);
+        const int key0 = (tiles.end - 1 - i) * kBlockN;
+        if constexpr (kAlibi) alibi_scores(acc_s, slope_raw, row0, key0, blk.seqlen_q, blk.seqlen_k);
+        if (!(key0 >= tiles.full_begin && key0 + kBlockN <= tiles.full_end)) mask_scores(acc_s, mask, row0, key0);
+        stats.fold(acc_s, p.scale_log2, alpha);
+      };
+      // An S column-tile pair is one k-step of 16 keys.
+      auto pack_p = [&] {
 #pragma unroll
-      for (int ks = 0; ks < kBlockN / 16; ++ks) {
-        pa[ks][0] = pack2<T>(acc_s[0][2 * ks][0], acc_s[0][2 * ks][1]);
-        pa[ks][1] = pack2<T>(acc_s[0][2 * ks][2], acc_s[0][2 * ks][3]);
-        pa[ks][2] = pack2<T>(acc_s[0][2 * ks + 1][0], acc_s[0][2 * ks + 1][1]);
-        pa[ks][3] = pack2<T>(acc_s[0][2 * ks + 1][2], acc_s[0][2 * ks + 1][3]);
-      }
-    };
-    // O += P V of the i-th tile visited, issued.
-    auto issue_pv = [&](int i) {
-      const uint32_t v_base = smem_address(sV + v_ring.slot(i) * kKVBytes);
-      v_ring.wait(i);
-      sm90::fence_registers(acc_o[0]);
-      sm90::wgmma_fence();
+        for (int ks = 0; ks < kBlockN / 16; ++ks) {
+          pa[ks][0] = pack2<T>(acc_s[0][2 * ks][0], acc_s[0][2 * ks][1]);
+          pa[ks][1] = pack2<T>(acc_s[0][2 * ks][2], acc_s[0][2 * ks][3]);
+          pa[ks][2] = pack2<T>(acc_s[0][2 * ks + 1][0], acc_s[0][2 * ks + 1][1]);
+          pa[ks][3] = pack2<T>(acc_s[0][2 * ks + 1][2], acc_s[0][2 * ks + 1][3]);
+        }
+      };
+      // O += P V of the i-th tile visited, issued.
+      auto issue_pv = [&](int i) {
+        const uint32_t v_base = smem_address(sV + v_ring.slot(i0 + i) * kKVBytes);
+        v_ring.wait(i0 + i);
+        sm90::fence_registers(acc_o[0]);
+        sm90::wgmma_fence();
 #pragma unroll
-      for (int ks = 0; ks < kBlockN / 16; ++ks)
-        sm90::Wgmma<T, kHeadDim>::template rs<1>(acc_o[0], pa[ks], KVTile::n_major(v_base, ks), 1);
-      sm90::wgmma_commit();
-    };
-    auto release_v = [&](int i) {
-      sm90::fence_registers(acc_o[0]);
-      v_ring.release_warp(i, lane);
-    };
+        for (int ks = 0; ks < kBlockN / 16; ++ks)
+          sm90::Wgmma<T, kHeadDim>::template rs<1>(acc_o[0], pa[ks], KVTile::n_major(v_base, ks), 1);
+        sm90::wgmma_commit();
+      };
+      auto release_v = [&](int i) {
+        sm90::fence_registers(acc_o[0]);
+        v_ring.release_warp(i0 + i, lane);
+      };
 
-    // Tile i's S is issued together with tile i - 1's P V, and its softmax runs while that
-    // product is still on the tensor cores (FlashAttention-3's intra-warpgroup overlap). O is
-    // rescaled for tile i only after tile i - 1's product has landed in it.
-    // The two consumers issue their products in turn (pingpong_sm90.cuh).
-    const sm90::PingPong turns{consumer};
-    turns.start();
-    const int count = tiles.end - tiles.begin;
-    float alpha[1][2];
-    sm90::barrier_wait(q_full, 0);
-    turns.take();
-    issue_s(0);
-    turns.hand_over();
-    sm90::wgmma_wait<0>();
-    score(0, alpha);  // O is still zero: nothing to rescale
-    pack_p();
-    for (int i = 1; i < count; ++i) {
+      // Tile i's S is issued together with tile i - 1's P V, and its softmax runs while that
+      // product is still on the tensor cores (FlashAttention-3's intra-warpgroup overlap). O is
+      // rescaled for tile i only after tile i - 1's product has landed in it.
+      const int count = tiles.end - tiles.begin;
+      float alpha[1][2];
+      if constexpr (!kPersistent) turns.start();
+      if constexpr (kPersistent) q_ring.wait(u);
+      else sm90::barrier_wait(q_full, 0);
       turns.take();
-      issue_s(i);
-      issue_pv(i - 1);
+      issue_s(0);
       turns.hand_over();
-      sm90::wgmma_wait<1>();  // S of tile i
-      score(i, alpha);
-      sm90::wgmma_wait<0>();  // P V of tile i - 1
-      release_v(i - 1);
-      stats.rescale(acc_o, alpha);
+      // The previous tile's O has been read out of its Q buffer by now: the producer may refill it.
+      if constexpr (kPersistent) {
+        if (u > 0 && store_thread) {
+          sm90::bulk_wait_read();
+          sm90::barrier_arrive(q_ring.empty() + q_ring.slot(u - 1));
+        }
+      }
+      sm90::wgmma_wait<0>();
+      score(0, alpha);  // O is still zero: nothing to rescale
       pack_p();
+      for (int i = 1; i < count; ++i) {
+        turns.take();
+        issue_s(i);
+        issue_pv(i - 1);
+        turns.hand_over();
+        sm90::wgmma_wait<1>();  // S of tile i
+        score(i, alpha);
+        sm90::wgmma_wait<0>();  // P V of tile i - 1
+        release_v(i - 1);
+        stats.rescale(acc_o, alpha);
+        pack_p();
+      }
+      turns.take();
+      issue_pv(count - 1);
+      turns.hand_over();
+      if constexpr (!kPersistent) turns.finish();
+      sm90::wgmma_wait<0>();
+      release_v(count - 1);
+      i0 += count;
     }
-    turns.take();
-    issue_pv(count - 1);
-    turns.hand_over();
-    turns.finish();
-    sm90::wgmma_wait<0>();
-    release_v(count - 1);
-  }
 
-  // Rows that saw no key keep sum 0: O = 0 and L = -inf. The 192-key instance (long key ranges,
-  // where the output's cost is small) stores directly: the staged epilogue's extra live values
-  // made ptxas spill inside its mainloop.
-  if constexpr (kBlockN > 128) {
-    store_fwd_output<T>(p, blk, row0, acc_o, stats);
-  } else {
-    store_fwd_output_sm90<T, kHeadDim, QTile::kPanelBytes, kAlibi>(params, blk, row0, acc_o, stats,
-                                                                  sQ + consumer * 64 * 128, consumer);
+    // Rows that saw no key keep sum 0: O = 0 and L = -inf. The 192-key instance (long key ranges,
+    // where the output's cost is small) stores directly: the staged epilogue's extra live values
+    // made ptxas spill inside its mainloop.
+    if constexpr (kBlockN > 128) {
+      store_fwd_output<T>(p, blk, row0, acc_o, stats);
+    } else {
+      store_fwd_output_sm90<T, kHeadDim, QTile::kPanelBytes, kAlibi>(params, blk, row0, acc_o, stats,
+                                                                    sQ + consumer * 64 * 128, consumer, !kPersistent);
+    }
+  }
+  if constexpr (kPersistent) {
+    turns.finish();
+    if (store_thread) sm90::bulk_wait_read();  // the block's shared memory must outlive the copies' reads
   }
 #endif
 }
