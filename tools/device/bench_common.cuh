@@ -1,5 +1,5 @@
-// Shared by the device benchmarks (bench_attention.cu, bench_fp32.cu): CUDA error checks, a
-// deterministic bf16 fill and the event-timed median. Each harness keeps its own run counts so
+// Shared by the device benchmarks (bench_attention.cu, bench_fp32.cu, read_bandwidth.cu): CUDA
+// error checks, a deterministic bf16 fill and event-timed runs. Each harness keeps its own run counts so
 // its figures stay comparable with earlier measurements and with its PyTorch peer (peers.py).
 #pragma once
 
@@ -38,8 +38,9 @@ struct Timing {
   int max_runs;
 };
 
+// The timed calls' times in ms, sorted.
 template <class F>
-double median_ms(const Timing& t, F&& run) {
+std::vector<float> timed_runs(const Timing& t, F&& run) {
   cudaEvent_t start, stop;
   check(cudaEventCreate(&start), "cudaEventCreate");
   check(cudaEventCreate(&stop), "cudaEventCreate");
@@ -59,6 +60,12 @@ double median_ms(const Timing& t, F&& run) {
   }
   cudaEventDestroy(start), cudaEventDestroy(stop);
   std::sort(times.begin(), times.end());
+  return times;
+}
+
+template <class F>
+double median_ms(const Timing& t, F&& run) {
+  const std::vector<float> times = timed_runs(t, run);
   return times[times.size() / 2];
 }
 

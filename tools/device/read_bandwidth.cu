@@ -5,16 +5,15 @@
 #include <cuda_runtime.h>
 
 #include <cstdio>
-#include <cstdlib>
+
+#include "bench_common.cuh"
 
 namespace {
 
-void check(cudaError_t status, const char* what) {
-  if (status != cudaSuccess) {
-    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(status));
-    std::exit(1);
-  }
-}
+using bench::check;
+
+// Best of 10 after 2 warm-up runs: a ceiling is the fastest a run got.
+constexpr bench::Timing kTiming{2, 10, 0.0f, 10};
 
 // Every element is read (the grid-stride loop has no tail to skip); the XOR keeps the loads live.
 __global__ void read_all(const int4* __restrict__ data, size_t n, int* sink) {
@@ -27,26 +26,6 @@ __global__ void read_all(const int4* __restrict__ data, size_t n, int* sink) {
     acc ^= v.x ^ v.y ^ v.z ^ v.w;
   }
   if (acc == 0x5eed) *sink = acc;  // never true for the memset pattern; the compiler cannot know
-}
-
-template <class Launch>
-float best_ms(Launch launch) {
-  cudaEvent_t start, stop;
-  check(cudaEventCreate(&start), "cudaEventCreate");
-  check(cudaEventCreate(&stop), "cudaEventCreate");
-  float best = 1e30f;
-  for (int rep = 0; rep < 10; ++rep) {
-    check(cudaEventRecord(start), "cudaEventRecord");
-    launch();
-    check(cudaEventRecord(stop), "cudaEventRecord");
-    check(cudaEventSynchronize(stop), "cudaEventSynchronize");
-    float ms = 0;
-    check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
-    if (ms < best) best = ms;
-  }
-  check(cudaEventDestroy(start), "cudaEventDestroy");
-  check(cudaEventDestroy(stop), "cudaEventDestroy");
-  return best;
 }
 
 }  // namespace
@@ -66,13 +45,15 @@ int main() {
   for (int per_sm : {1, 2, 4, 8, 16})
     for (int threads : {256, 512, 1024}) {
       const int blocks = sms * per_sm;
-      const float ms = best_ms([&] { read_all<<<blocks, threads>>>(data, n, sink); });
+      const float ms = bench::timed_runs(kTiming, [&] { read_all<<<blocks, threads>>>(data, n, sink); }).front();
       check(cudaGetLastError(), "read_all launch");
       const double gbps = double(bytes) / (ms * 1e-3) / 1e9;
       if (gbps > best) best = gbps;
       std::printf("read,%d,%d,%.0f\n", blocks, threads, gbps);
     }
-  const float ms = best_ms([&] { check(cudaMemcpyAsync(copy, data, bytes, cudaMemcpyDeviceToDevice), "cudaMemcpyAsync"); });
+  const float ms = bench::timed_runs(kTiming, [&] {
+    check(cudaMemcpyAsync(copy, data, bytes, cudaMemcpyDeviceToDevice), "cudaMemcpyAsync");
+  }).front();
   std::printf("copy (read + write),,,%.0f\n", 2.0 * double(bytes) / (ms * 1e-3) / 1e9);
   std::printf("best,,,%.0f\n", best);
   return 0;
