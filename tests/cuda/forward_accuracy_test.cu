@@ -158,8 +158,8 @@ std::vector<ForwardCase> base_cases() {
     c.push_back({"split_dv34_gqa", o, true});
   }
   // More equal query tiles than SMs (no mask, one length): on Hopper one block per SM walks the
-  // tiles, two Q buffers deep; blocks of one, two and four tiles, ragged last query tiles, GQA,
-  // softcap, seqlen_q != seqlen_k.
+  // tiles, two Q buffers deep; blocks of one to four tiles, ragged last query tiles, GQA, softcap,
+  // seqlen_q != seqlen_k.
   {
     ProblemShape a = shape(600, 600, 64, 32, 8);
     a.batch = 3;

@@ -107,14 +107,12 @@ def _run_fuzzer(device: str, default_seconds: float, min_cases: int, one_case):
         except Exception as e:  # noqa: BLE001 - every failure is reported with its replay line
             if head_dim_not_built(e):
                 not_built += 1
-                ran += 1
-                index += 1
-                continue
-            case = getattr(e, "fuzz_case", None)
-            failures.append(f"TILEATTN_FUZZ_SEED={master} TILEATTN_FUZZ_CASE={index}" + (f": {case}" if case else "") +
-                            f"\n    {type(e).__name__}: {e}")
-            if len(failures) >= 10:
-                break
+            else:
+                case = getattr(e, "fuzz_case", None)
+                failures.append(f"TILEATTN_FUZZ_SEED={master} TILEATTN_FUZZ_CASE={index}" +
+                                (f": {case}" if case else "") + f"\n    {type(e).__name__}: {e}")
+                if len(failures) >= 10:
+                    break
         ran += 1
         index += 1
     print(f"{ran} cases in {time.monotonic() - start:.1f} s on {device}, TILEATTN_FUZZ_SEED={master}"

@@ -21,9 +21,9 @@ __device__ __forceinline__ void wait_for_primary_grid() {
 #endif
 }
 
-// In the primary kernel: its dependent may start now (its blocks still wait for this grid's end
-// before reading). Only where the primary's grid fits the GPU at once, or the waiting blocks would
-// hold resources the primary's later blocks need.
+// In the primary kernel: its dependent may start once every block of this grid has called this or
+// exited (a grid of several waves lets it start during its last); the dependent's blocks still
+// wait for this grid's end before reading.
 __device__ __forceinline__ void allow_dependent_launch() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
