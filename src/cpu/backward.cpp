@@ -214,8 +214,8 @@ void compute_delta(const AttentionProblem& p, int threads, int64_t tiles, std::v
 // headdim_v coherently into every dS of the row: with headdim_qk <= 4, or 16-bit O, that broke
 // the 2x rule. It costs one more pass of S and dP (~40% of a backward with headdim_qk =
 // headdim_v), so it runs where that rounding mattered (use_consistent_delta).
-void compute_delta_consistent(const AttentionProblem& p, const ScoreTransform& transform, int64_t tiles,
-                              int threads, RowTerms& terms) {
+void compute_delta_consistent(const AttentionProblem& p, const ScoreTransform& transform, const QueryRows& in,
+                              int64_t tiles, int threads, RowTerms& terms) {
   parallel_for(p.batch * p.heads_q * tiles, threads, [&](int64_t task) {
     thread_local BackwardScratch w;
     const int64_t tile = task % tiles, bh = task / tiles, b = bh / p.heads_q, h = bh % p.heads_q;
@@ -225,8 +225,8 @@ void compute_delta_consistent(const AttentionProblem& p, const ScoreTransform& t
     const int64_t rows = std::min(kTileQ, s.len_q - i0), i1 = i0 + rows;
     const int64_t dqk = p.headdim_qk, dv = p.headdim_v, hk = h / (p.heads_q / p.heads_kv);
     size_scratch(w, dqk, dv);
-    w.qv = view_rows(p, p.q, s, true, h, i0, rows, dqk, w.q.data());
-    w.dov = view_rows(p, p.dout, s, true, h, i0, rows, dv, w.dout.data());
+    w.qv = in.q.rows(p, s, h, i0, rows, w.q.data());
+    w.dov = in.dout.rows(p, s, h, i0, rows, w.dout.data());
     w.slope = transform.mod.slope(b, h);
     w.head = h;
     for (int64_t i = 0; i < rows; ++i) w.lse[size_t(i)] = row_lse(p, transform, s, i0 + i, h, w.slope);
@@ -369,20 +369,19 @@ void backward(const AttentionProblem& p) {
   const double flops = 2.0 * double(p.batch * p.heads_q) * double(max_q) * double(max_k) *
                        double(3 * p.headdim_qk + 2 * p.headdim_v);
   const int threads = threads_for(p.num_threads, flops);
+  // Every key tile reads each query tile of its kv head's query heads (the split schedule's dQ
+  // pass, and D's consistent pass, once more).
+  const RowPanels q_rows(p, p.q, true, p.heads_q, p.headdim_qk, k_tiles, threads);
+  const RowPanels dout_rows(p, p.dout, true, p.heads_q, p.headdim_v, k_tiles, threads);
+  const QueryRows in{q_rows, dout_rows};
   RowTerms terms;
   terms.delta.resize(size_t(p.heads_q * rows_q));
   if (use_consistent_delta(p, transform)) {
     terms.norm.resize(terms.delta.size());
-    compute_delta_consistent(p, transform, q_tiles, threads, terms);
+    compute_delta_consistent(p, transform, in, q_tiles, threads, terms);
   } else {
     compute_delta(p, threads, q_tiles, terms.delta);
   }
-
-  // Every key tile reads each query tile of its kv head's query heads (the split schedule's dQ
-  // pass once more).
-  const RowPanels q_rows(p, p.q, true, p.heads_q, p.headdim_qk, k_tiles, threads);
-  const RowPanels dout_rows(p, p.dout, true, p.heads_q, p.headdim_v, k_tiles, threads);
-  const QueryRows in{q_rows, dout_rows};
   if (p.batch * p.heads_kv >= kFusedTasksPerThread * threads) {
     parallel_for(p.batch * p.heads_kv, threads, [&](int64_t task) {
       thread_local BackwardScratch scratch;
