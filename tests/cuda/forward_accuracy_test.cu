@@ -172,6 +172,24 @@ std::vector<ForwardCase> base_cases() {
     d.batch = 2;
     c.push_back({"persistent_d96", d, false, true});
   }
+  // The same under the causal mask: a unit is a head's m-th heaviest query tile with its m-th
+  // lightest; an odd tile count leaves the middle one alone; more keys than queries shift the
+  // diagonal (bottom-right).
+  {
+    ProblemShape e = shape(1000, 1000, 64, 16, 4);
+    e.batch = 3;
+    e.causal = true;
+    c.push_back({"persistent_causal_gqa_d64", e, false, true});
+    ProblemShape o = shape(600, 900, 128, 16, 16);
+    o.batch = 4;
+    o.causal = true;
+    c.push_back({"persistent_causal_odd_tiles_sk_gt_sq", o, false, true});
+    ProblemShape s = shape(257, 257, 96, 24, 8);
+    s.batch = 4;
+    s.causal = true;
+    s.softcap = 10.0f;
+    c.push_back({"persistent_causal_softcap_d96", s, false, true});
+  }
   // GQA packing (decoding, seqlen_q <= 64): the query heads of a group share a tile; positions
   // and heads come from packed rows in the mask, the loads and the stores.
   {

@@ -19,9 +19,10 @@
 // kAlibi: ALiBi's bias joins the scores where the cap and the mask do; an instance of its own, so
 // that the kernel without it keeps its registers (the bias needs the slope and both lengths live).
 // O leaves through the consumers' rows of Q and TMA stores (epilogue_fwd_sm90.cuh).
-// kPersistent: one block per SM walks the query tiles a grid apart (equal tiles only: no mask,
-// one length), with two Q buffers, so that the next tile's Q and first K/V stages load while this
-// tile finishes: at N = 1k a block per tile waited for its Q and first K for 10% of its time.
+// kPersistent: one block per SM walks units of equal work a grid apart (scheduler_fwd_sm90.cuh;
+// one length, no mask but the causal one), with two Q buffers, so that the next tile's Q and
+// first K/V stages load while this tile finishes: at N = 1k a block per tile waited for its Q and
+// first K for 10% of its time.
 #include <cuda_runtime.h>
 
 #include "common/mask.hpp"
@@ -29,6 +30,7 @@
 #include "cuda/forward/softmax_fwd_sm80.cuh"
 #include "cuda/forward/epilogue_fwd_sm90.cuh"
 #include "cuda/forward/fwd_params_sm90.hpp"
+#include "cuda/forward/scheduler_fwd_sm90.cuh"
 #include "cuda/arch/panel_tile_sm90.cuh"
 #include "cuda/arch/pingpong_sm90.cuh"
 #include "cuda/arch/pipeline_sm90.cuh"
@@ -74,16 +76,6 @@ struct FwdSm90Traits {
   static_assert(kHeadDim % 16 == 0 && kHeadDim <= 256, "sm90 forward: head dims 16..256 in steps of 16");
 };
 
-// Query tile t of a persistent launch: tiles are numbered query tile first, then head, then batch,
-// so that the blocks running at once share heads' K and V in L2.
-__device__ __forceinline__ FwdBlock fwd_block_of_tile(const FwdParams& p, int block_m, int tile) {
-  const int m_blocks = (p.seqlen_q + block_m - 1) / block_m;
-  return fwd_block(p, block_m, tile % m_blocks, 0, (tile / m_blocks) % p.heads_q, tile / (m_blocks * p.heads_q));
-}
-__host__ __device__ inline int64_t fwd_persistent_tiles(const FwdParams& p, int block_m) {
-  return int64_t((p.seqlen_q + block_m - 1) / block_m) * p.heads_q * p.batch;
-}
-
 template <class T, int kHeadDim, int kBlockN_, bool kAlibi, bool kPersistent>
 __global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim, kBlockN_, kPersistent>::kThreads, 1)
     fwd_kernel_sm90(const __grid_constant__ FwdSm90Params params) {
@@ -106,20 +98,12 @@ __global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim, kBlockN_, kPersiste
   const typename Traits::KVRing k_ring{q_full + Traits::kQBarriers};
   const typename Traits::KVRing v_ring{k_ring.end()};
 
-  // The tiles this block works on: its own (one per block), or every gridDim.x-th (kPersistent).
-  int tile = 0, tile_count = 1;
-  if constexpr (kPersistent) {
-    tile = int(blockIdx.x);
-    tile_count = int(fwd_persistent_tiles(p, kBlockM));
-  } else {
+  // The tiles this block works on (scheduler_fwd_sm90.cuh); u: how many it has begun before.
+  const FwdSm90Schedule<kPersistent> schedule(p, kBlockM);
+  if constexpr (!kPersistent) {
     const FwdBlock first = fwd_block_of_this_cta(p, kBlockM);
     if (first.m0 >= first.seqlen_q) return;
   }
-  auto block_of = [&](int t) {
-    if constexpr (kPersistent) return fwd_block_of_tile(p, kBlockM, t);
-    else return fwd_block_of_this_cta(p, kBlockM);
-  };
-  const int tile_step = kPersistent ? int(gridDim.x) : 1;
 
   if (threadIdx.x == 0) {
     if constexpr (kPersistent) q_ring.init(1, Traits::kConsumers);
@@ -135,11 +119,12 @@ __global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim, kBlockN_, kPersiste
     Roles::enter_producer();
     if (threadIdx.x != 0) return;
     int i = 0;  // K/V items loaded, over all of this block's tiles
-    for (int t = tile, u = 0; t < tile_count; t += tile_step, ++u) {
-      const FwdBlock blk = block_of(t);
+    for (FwdWalk w = schedule.begin(); schedule.more(w); schedule.next(w)) {
+      const int u = w.tile;
+      const FwdBlock blk = schedule.tile(p, w);
       const Mask mask{blk.seqlen_q, blk.seqlen_k, p.window_left, p.window_right};
       const KeyTiles tiles = key_tiles(p, blk, mask, kBlockM, kBlockN);
-      if (tiles.begin >= tiles.end) return;  // no key for any tile (kPersistent: all tiles alike)
+      if (tiles.begin >= tiles.end) return;  // no key (kPersistent: the launch rule leaves none so)
       const bool varlen = p.cu_seqlens_q != nullptr;
       const int kv_head = blk.head / (p.heads_q / p.heads_kv);
       const int batch = varlen ? 0 : blk.batch;
@@ -166,8 +151,9 @@ __global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim, kBlockN_, kPersiste
   const sm90::PingPong turns{consumer};
   if constexpr (kPersistent) turns.start();
   int i0 = 0;  // K/V items consumed before this tile
-  for (int t = tile, u = 0; t < tile_count; t += tile_step, ++u) {
-    const FwdBlock blk = block_of(t);
+  for (FwdWalk w = schedule.begin(); schedule.more(w); schedule.next(w)) {
+    const int u = w.tile;
+    const FwdBlock blk = schedule.tile(p, w);
     const Mask mask{blk.seqlen_q, blk.seqlen_k, p.window_left, p.window_right};
     const KeyTiles tiles = key_tiles(p, blk, mask, kBlockM, kBlockN);
     unsigned char* sQ = sQ0 + q_ring.slot(u) * kQBytes;

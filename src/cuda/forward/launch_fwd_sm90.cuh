@@ -28,23 +28,28 @@ void launch(const FwdSm90Params& params, int64_t tiles, cudaStream_t stream) {
   allow_dynamic_smem(kernel, Traits::kSmemBytes);
   dim3 grid = fwd_grid(params.fwd, tiles);
   if constexpr (kPersistent)
-    grid = dim3(unsigned(std::min<int64_t>(fwd_persistent_tiles(params.fwd, Traits::kBlockM), device_props().sms)));
+    grid = dim3(unsigned(std::min<int64_t>(FwdUnits(params.fwd, Traits::kBlockM).count, device_props().sms)));
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
   TA_CUDA_CHECK_LAUNCH("fwd_kernel_sm90");
 }
 
-// Blocks that walk several query tiles pay off where a tile is short (few keys), every tile is the
-// same work (no mask, one length, no split, O stored by TMA) and there are more tiles than SMs;
-// head dims up to 128 (at 192 and 256 a second Q buffer leaves one K/V stage). H100, bf16: N = 1k
-// 6% faster at D = 64 and 128; N = 2k and 4k 1-2% slower (docs/perf-log.md).
+// Blocks that walk several query tiles pay off where a tile is short (few keys), every unit of
+// work is the same (one length, no mask but the causal one, which pairs tiles, no split, O stored
+// by TMA) and there are more units than SMs; head dims up to 128 (at 192 and 256 a second Q buffer
+// leaves one K/V stage). H100, bf16: non-causal N = 1k 6% faster, 2k and 4k 1-2% slower; causal
+// (half the keys a tile on average) 16-18% faster at 1k, 6-7% at 2k, 0-3% at 4k (docs/perf-log.md).
 constexpr int kFwdSm90PersistentMaxKeys = 1024;
+constexpr int kFwdSm90PersistentCausalMaxKeys = 4096;
 inline bool fwd_sm90_persistent(const FwdSm90Params& params, int block_m, int head_dim) {
   const FwdParams& p = params.fwd;
+  // Causal rows see at least one key each only where the keys are at least as many.
+  const bool causal = p.window_right == 0 && p.seqlen_q <= p.seqlen_k;
+  const FwdUnits units(p, block_m);
   return head_dim <= 128 && params.o_by_tma && p.num_splits == 1 && !p.mod.has_alibi() && p.window_left < 0 &&
-         p.window_right < 0 && p.cu_seqlens_q == nullptr && p.keys.cu_seqlens == nullptr && !p.keys.paged() &&
-         p.keys.seqused == nullptr && p.keys.leftpad == nullptr && p.keys.batch_idx == nullptr && p.seqlen_k > 0 &&
-         p.seqlen_k <= kFwdSm90PersistentMaxKeys && fwd_persistent_tiles(p, block_m) > device_props().sms &&
-         fwd_persistent_tiles(p, block_m) <= INT32_MAX;
+         (p.window_right < 0 || causal) && p.cu_seqlens_q == nullptr && p.keys.cu_seqlens == nullptr &&
+         !p.keys.paged() && p.keys.seqused == nullptr && p.keys.leftpad == nullptr && p.keys.batch_idx == nullptr &&
+         p.seqlen_k > 0 && p.seqlen_k <= (causal ? kFwdSm90PersistentCausalMaxKeys : kFwdSm90PersistentMaxKeys) &&
+         units.count > device_props().sms && units.count <= INT32_MAX;
 }
 
 }  // namespace fwd_sm90_detail

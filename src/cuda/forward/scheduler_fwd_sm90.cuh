@@ -1,0 +1,72 @@
+#pragma once
+// Which query tiles a block of the sm90 forward works on, and in what order.
+//
+// One block per tile: the grid's own (fwd_block_of_this_cta, heavy causal tiles launched first).
+// kPersistent (one block per SM): units of work handed out a grid apart. A unit is one query
+// tile, or, under a causal mask, a head's m-th heaviest tile followed by its m-th lightest: query
+// tiles M-1-m and m see M+1 key tiles together (one more per tile where the keys outnumber the
+// queries), so every unit is the same work and a static walk stays balanced without an atomic
+// counter. Units are numbered within a head first, then head, then batch, so that the blocks
+// running at once share their heads' K and V in L2.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/forward/fwd_block.cuh"
+
+namespace tileattn::cuda {
+
+// Units of a persistent launch. The causal pairing is the host's choice, made once (the kernel
+// reads it from here too).
+struct FwdUnits {
+  int m_blocks;        // query tiles per head
+  int per_head;        // units per head: m_blocks, or (m_blocks + 1) / 2 paired
+  bool paired;
+  int64_t count;       // over every head and batch
+
+  __host__ __device__ FwdUnits(const FwdParams& p, int block_m) {
+    m_blocks = (p.seqlen_q + block_m - 1) / block_m;
+    paired = p.window_right == 0;
+    per_head = paired ? (m_blocks + 1) / 2 : m_blocks;
+    count = int64_t(per_head) * p.heads_q * p.batch;
+  }
+  // Tiles in unit u: two where paired, except the middle tile of an odd count, alone.
+  __device__ __forceinline__ int tiles(int u) const {
+    return paired && 2 * (u % per_head) + 1 != m_blocks ? 2 : 1;
+  }
+  // Query tile `half` of unit u: the heavy one first.
+  __device__ __forceinline__ FwdBlock tile(const FwdParams& p, int block_m, int u, int half) const {
+    const int i = u % per_head, head = (u / per_head) % p.heads_q, batch = u / (per_head * p.heads_q);
+    const int m_block = !paired ? i : half == 0 ? m_blocks - 1 - i : i;
+    return fwd_block(p, block_m, m_block, 0, head, batch);
+  }
+};
+
+// Where a block's walk is: unit, tile within it, and tiles begun before.
+struct FwdWalk {
+  int unit, half, tile;
+};
+
+// A block's walk: units first, first + step, ... below end; without kPersistent one unit, its
+// grid tile.
+template <bool kPersistent>
+struct FwdSm90Schedule {
+  FwdUnits units;
+  int block_m;
+
+  __device__ __forceinline__ FwdSm90Schedule(const FwdParams& p, int block_m_) : units(p, block_m_), block_m(block_m_) {}
+  __device__ __forceinline__ FwdWalk begin() const { return {kPersistent ? int(blockIdx.x) : 0, 0, 0}; }
+  __device__ __forceinline__ bool more(const FwdWalk& w) const {
+    return w.unit < (kPersistent ? int(units.count) : 1);
+  }
+  __device__ __forceinline__ void next(FwdWalk& w) const {
+    ++w.tile;
+    if (++w.half == (kPersistent ? units.tiles(w.unit) : 1)) w.half = 0, w.unit += kPersistent ? int(gridDim.x) : 1;
+  }
+  __device__ __forceinline__ FwdBlock tile(const FwdParams& p, const FwdWalk& w) const {
+    if constexpr (kPersistent) return units.tile(p, block_m, w.unit, w.half);
+    else return fwd_block_of_this_cta(p, block_m);
+  }
+};
+
+}  // namespace tileattn::cuda
