@@ -190,6 +190,20 @@ std::vector<ForwardCase> base_cases() {
     s.softcap = 10.0f;
     c.push_back({"persistent_causal_softcap_d96", s, false, true});
   }
+  // Long unmasked problems up to head dim 64: three consumer warpgroups, 192-row query tiles on
+  // Hopper; ragged last tiles, GQA, softcap, headdim_v != headdim_qk, varlen sequences that end
+  // inside a tile.
+  {
+    c.push_back({"three_consumers_gqa", shape(2100, 1500, 64, 4, 2), false, true});
+    ProblemShape s = shape(2048, 3000, 32, 2, 1);
+    s.softcap = 8.0f;
+    s.headdim_v = 48;
+    c.push_back({"three_consumers_softcap_d32_dv48", s, false, true});
+    ProblemShape v = shape(0, 0, 64, 2, 2);
+    v.seqlens_q = {2500, 100, 0, 2200};
+    v.seqlens_k = {2000, 3000, 5, 1100};
+    c.push_back({"three_consumers_varlen", v, false, true});
+  }
   // GQA packing (decoding, seqlen_q <= 64): the query heads of a group share a tile; positions
   // and heads come from packed rows in the mask, the loads and the stores.
   {

@@ -159,11 +159,9 @@ struct WarpRoles {
 // are distinct; kernels that never run together may reuse an id under another name.
 enum NamedBarrier : int {
   // The 16-bit forward: the consumers' turns (pingpong_sm90.cuh), 1 + consumer, and each
-  // consumer's staged output store (tile_store_sm90.cuh), 3 + consumer.
+  // consumer's staged output store (tile_store_sm90.cuh), 4 + consumer (up to three consumers).
   kTurnConsumer0 = 1,
-  kTurnConsumer1 = 2,
-  kStoreConsumer0 = 3,
-  kStoreConsumer1 = 4,
+  kStoreConsumer0 = 4,
   // The fp32 forward: the producer warpgroup has read a raw V stage (the next V load may
   // overwrite it), and each consumer's Q rows are rounded to TF32, 2 + consumer.
   kFp32VStageRead = 1,

@@ -49,10 +49,14 @@ constexpr int fwd_sm90_block_n(int head_dim, bool long_keys) {
 // Where the key range is long enough for the 192-key instance.
 constexpr int kFwdSm90LongKeys = 8192;
 
-template <class T, int kHeadDim, int kBlockN_ = fwd_sm90_block_n(kHeadDim, false), bool kPersistent = false>
+// kConsumers warpgroups of 64 query rows each: two, or three at head dims up to 64 on long
+// unmasked problems (launch_fwd_sm90.cuh), where a step's products are short beside its softmax:
+// two warpgroups' softmax then runs beside the third's products. 24 x 128 + 240 x 256 or
+// 24 x 128 + 160 x 384 registers fit the 64K register file.
+template <class T, int kHeadDim, int kBlockN_ = fwd_sm90_block_n(kHeadDim, false), bool kPersistent = false,
+          int kConsumers_ = 2>
 struct FwdSm90Traits {
-  // 24 x 128 + 240 x 256 registers fit the 64K register file.
-  using Roles = sm90::WarpRoles<2, 24, 240>;
+  using Roles = sm90::WarpRoles<kConsumers_, 24, kConsumers_ == 3 ? 160 : 240>;
   static constexpr int kConsumers = Roles::kConsumers;
   static constexpr int kThreads = Roles::kThreads;
   static constexpr int kBlockM = 64 * kConsumers;
@@ -76,11 +80,11 @@ struct FwdSm90Traits {
   static_assert(kHeadDim % 16 == 0 && kHeadDim <= 256, "sm90 forward: head dims 16..256 in steps of 16");
 };
 
-template <class T, int kHeadDim, int kBlockN_, bool kAlibi, bool kPersistent>
-__global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim, kBlockN_, kPersistent>::kThreads, 1)
+template <class T, int kHeadDim, int kBlockN_, bool kAlibi, bool kPersistent, int kConsumers>
+__global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim, kBlockN_, kPersistent, kConsumers>::kThreads, 1)
     fwd_kernel_sm90(const __grid_constant__ FwdSm90Params params) {
 #if defined(TILEATTN_SM90_ENABLED)
-  using Traits = FwdSm90Traits<T, kHeadDim, kBlockN_, kPersistent>;
+  using Traits = FwdSm90Traits<T, kHeadDim, kBlockN_, kPersistent, kConsumers>;
   using Roles = typename Traits::Roles;
   using QTile = typename Traits::QTile;
   using KVTile = typename Traits::KVTile;
@@ -147,8 +151,8 @@ __global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim, kBlockN_, kPersiste
   const int consumer = roles.consumer();
   const int warp = Roles::warp(), lane = Roles::lane();
   const bool store_thread = threadIdx.x % 128 == 0;  // issues the consumer's TMA stores
-  // The two consumers issue their products in turn (pingpong_sm90.cuh), on and on across tiles.
-  const sm90::PingPong turns{consumer};
+  // The consumers issue their products in turn (pingpong_sm90.cuh), on and on across tiles.
+  const sm90::PingPong<Traits::kConsumers> turns{consumer};
   if constexpr (kPersistent) turns.start();
   int i0 = 0;  // K/V items consumed before this tile
   for (FwdWalk w = schedule.begin(); schedule.more(w); schedule.next(w)) {

@@ -21,10 +21,10 @@ namespace tileattn::cuda {
 
 namespace fwd_sm90_detail {
 
-template <class T, int kHeadDim, int kBlockN, bool kAlibi, bool kPersistent = false>
+template <class T, int kHeadDim, int kBlockN, bool kAlibi, bool kPersistent = false, int kConsumers = 2>
 void launch(const FwdSm90Params& params, int64_t tiles, cudaStream_t stream) {
-  using Traits = FwdSm90Traits<T, kHeadDim, kBlockN, kPersistent>;
-  const auto kernel = fwd_kernel_sm90<T, kHeadDim, kBlockN, kAlibi, kPersistent>;
+  using Traits = FwdSm90Traits<T, kHeadDim, kBlockN, kPersistent, kConsumers>;
+  const auto kernel = fwd_kernel_sm90<T, kHeadDim, kBlockN, kAlibi, kPersistent, kConsumers>;
   allow_dynamic_smem(kernel, Traits::kSmemBytes);
   dim3 grid = fwd_grid(params.fwd, tiles);
   if constexpr (kPersistent)
@@ -52,20 +52,32 @@ inline bool fwd_sm90_persistent(const FwdSm90Params& params, int block_m, int he
          units.count > device_props().sms && units.count <= INT32_MAX;
 }
 
+// Three consumer warpgroups (192-row query tiles) pay off at head dims up to 64 where no mask
+// makes tiles unequal and the rows fill the tiles nearly: H100, bf16, D = 64: N = 2k and 4k +3%,
+// 16k +7% (D = 32: +9% and +6%); N = 1k 5-12% slower (six 192-row tiles for 1024 rows, the last
+// a third full), causal 4k 5% slower (docs/perf-log.md).
+constexpr int kFwdSm90ThreeConsumerMinRows = 2048;
+inline int fwd_sm90_consumers(const AttentionProblem& pr, int head_dim) {
+  const bool unmasked = !pr.causal && pr.window_left < 0 && pr.window_right < 0;
+  const bool long_rows = pr.seqlen_q >= kFwdSm90ThreeConsumerMinRows && pr.seqlen_k > kFwdSm90PersistentMaxKeys;
+  return head_dim <= 64 && unmasked && pr.alibi_slopes == nullptr && long_rows ? 3 : 2;
+}
+
 }  // namespace fwd_sm90_detail
 
 template <class T, int kHeadDim>
 bool FwdSm90<T, kHeadDim>::make_maps(const AttentionProblem& pr, FwdSm90Params& params) {
   using sm90::attention_map_shape;
-  constexpr int kBlockM = FwdSm90Traits<T, kHeadDim>::kBlockM;
   // ALiBi has one instance per bucket, the short-key one: a second would cost build time for a
   // few percent at long key ranges (D = 128 only).
   params.block_n = fwd_sm90_block_n(kHeadDim, pr.seqlen_k >= kFwdSm90LongKeys && pr.alibi_slopes == nullptr);
+  params.consumers = fwd_sm90_detail::fwd_sm90_consumers(pr, kHeadDim);
+  const int block_m = 64 * params.consumers;
   // O in boxes of one consumer's 64 rows; without a map the kernel stores O directly.
   params.o_by_tma = sm90::make_store_map(&params.o, pr.dtype, pr.o.data,
                                         attention_map_shape(pr, pr.o, pr.headdim_v, pr.seqlen_q, pr.total_q, pr.heads_q, 64));
   return sm90::make_tile_map(&params.q, pr.dtype, pr.q.data,
-                             attention_map_shape(pr, pr.q, pr.headdim_qk, pr.seqlen_q, pr.total_q, pr.heads_q, kBlockM)) &&
+                             attention_map_shape(pr, pr.q, pr.headdim_qk, pr.seqlen_q, pr.total_q, pr.heads_q, block_m)) &&
          sm90::make_tile_map(&params.k, pr.dtype, pr.k.data,
                              attention_map_shape(pr, pr.k, pr.headdim_qk, pr.seqlen_k, pr.total_k, pr.heads_kv, params.block_n)) &&
          sm90::make_tile_map(&params.v, pr.dtype, pr.v.data,
@@ -76,7 +88,7 @@ template <class T, int kHeadDim>
 int FwdSm90<T, kHeadDim>::num_splits(const FwdSm90Params& params) {
   const FwdParams& p = params.fwd;
   const int sms = device_props().sms;
-  const int64_t tiles = int64_t(p.batch) * p.heads_q * fwd_query_tiles(p, FwdSm90Traits<T, kHeadDim>::kBlockM);
+  const int64_t tiles = int64_t(p.batch) * p.heads_q * fwd_query_tiles(p, 64 * params.consumers);
   const int key_blocks = (p.seqlen_k + params.block_n - 1) / params.block_n;
   return fwd_num_splits(tiles, key_blocks, sms, 1);  // one block per SM (launch bounds)
 }
@@ -84,12 +96,14 @@ int FwdSm90<T, kHeadDim>::num_splits(const FwdSm90Params& params) {
 template <class T, int kHeadDim>
 void FwdSm90<T, kHeadDim>::run(const FwdSm90Params& params, cudaStream_t stream) {
   const FwdParams& p = params.fwd;
-  const int64_t tiles = fwd_query_tiles(p, FwdSm90Traits<T, kHeadDim>::kBlockM);
+  const int64_t tiles = fwd_query_tiles(p, 64 * params.consumers);
   if (tiles == 0 || p.heads_q == 0 || p.batch == 0) return;
   constexpr int kShort = fwd_sm90_block_n(kHeadDim, false), kLong = fwd_sm90_block_n(kHeadDim, true);
   using fwd_sm90_detail::launch;
   if (p.mod.has_alibi()) launch<T, kHeadDim, kShort, true>(params, tiles, stream);
   else if (kLong != kShort && params.block_n == kLong) launch<T, kHeadDim, kLong, false>(params, tiles, stream);
+  else if (params.consumers == 3)  // (only made up to head dim 64)
+    launch<T, kHeadDim, kShort, false, false, kHeadDim <= 64 ? 3 : 2>(params, tiles, stream);
   else if (fwd_sm90_detail::fwd_sm90_persistent(params, FwdSm90Traits<T, kHeadDim>::kBlockM, kHeadDim))
     launch<T, kHeadDim, kShort, false, kHeadDim <= 128>(params, tiles, stream);
   else launch<T, kHeadDim, kShort, false>(params, tiles, stream);
