@@ -286,10 +286,23 @@ inline f32xN round_lanes(f32xN x) {
 // the whole backward). 2^x = 2^n * 2^f with n = round(x), |f| <= 1/2, and 2^f a degree-6 fit
 // (relative error < 1e-7 in fp32, about 1.6 ulp). x < -126 gives exactly 0, so masked (-inf)
 // scores weigh nothing; x is never above ~0 here (scores minus their max or their LSE).
+// x clamped to [lo, hi], a NaN lane kept: maxps and minps return their second operand where
+// either is NaN, so with x second they are the two comparisons and selects GCC makes of the
+// ternary form (vcmpps + vblendvps each), in one instruction each.
+inline f32xN clamp_lanes(f32xN x, float lo, float hi) {
+#if defined(__AVX__)
+  return __builtin_ia32_minps256(f32xN{} + hi, __builtin_ia32_maxps256(f32xN{} + lo, x));
+#elif defined(__SSE__)
+  return __builtin_ia32_minps(f32xN{} + hi, __builtin_ia32_maxps(f32xN{} + lo, x));
+#else
+  x = x < lo ? f32xN{} + lo : x;
+  return x > hi ? f32xN{} + hi : x;
+#endif
+}
+
 inline f32xN exp2_lanes(f32xN x) {
   const i32xN dead = x < -126.0f;  // all-ones lanes, also for -inf
-  x = x < -126.0f ? f32xN{} - 126.0f : x;
-  x = x > 127.0f ? f32xN{} + 127.0f : x;
+  x = clamp_lanes(x, -126.0f, 127.0f);
   const f32xN whole = round_lanes(x);
   const i32xN n = __builtin_convertvector(whole, i32xN);  // exact: whole is an integer
   const f32xN f = x - whole;                              // exact (Sterbenz), |f| <= 1/2
