@@ -18,6 +18,7 @@
 #include <cmath>
 #include <vector>
 
+#include "cpu/aligned.hpp"
 #include "cpu/cpu_backend.hpp"
 #include "cpu/parallel.hpp"
 #include "cpu/row_panels.hpp"
@@ -50,17 +51,17 @@ struct QueryRows {
 };
 
 struct BackwardScratch {
-  std::vector<float> q, dout, lse, delta;  // query tile: Q, dO rows where copied, L (less its ALiBi offset), D
-  RowsView qv{}, dov{};                    // the tile's Q and dO rows, wherever they are
-  float slope = 0.0f;                      // ALiBi slope of the tile's head
-  int64_t head = 0;                        // the tile's query head (dropout's stream)
-  std::vector<float> norm;                 // factor on each row's P (RowTerms)
-  std::vector<float> kt, vt, k;             // key tile: K^T, V^T, K rows
-  std::vector<float> p, ds, th;             // kTileQ x kTileK: P, dP then dS, tanh of capped scores
-  std::vector<float> part;                  // one tile product
-  std::vector<float> part_dk, part_dv;      // dK / scale and dV of up to kWidenTiles query tiles
-  std::vector<uint8_t> keep;                // dropout's keep mask of the tile (row-major like p)
-  std::vector<double> wide, wide2;          // dQ, or dK and dV, summed over tiles
+  AlignedVector<float> q, dout, lse, delta;  // query tile: Q, dO rows where copied, L (less its ALiBi offset), D
+  RowsView qv{}, dov{};                      // the tile's Q and dO rows, wherever they are
+  float slope = 0.0f;                        // ALiBi slope of the tile's head
+  int64_t head = 0;                          // the tile's query head (dropout's stream)
+  AlignedVector<float> norm;                 // factor on each row's P (RowTerms)
+  AlignedVector<float> kt, vt, k;            // key tile: K^T, V^T, K rows
+  AlignedVector<float> p, ds, th;            // kTileQ x kTileK: P, dP then dS, tanh of capped scores
+  AlignedVector<float> part;                 // one tile product
+  AlignedVector<float> part_dk, part_dv;     // dK / scale and dV of up to kWidenTiles query tiles
+  std::vector<uint8_t> keep;                 // dropout's keep mask of the tile (row-major like p)
+  AlignedVector<double> wide, wide2;         // dQ, or dK and dV, summed over tiles
 };
 
 // wide[m x n] += part[m x n]: the tile's fp32 products into the double sum over tiles.

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <vector>
 
+#include "cpu/aligned.hpp"
 #include "cpu/cpu_backend.hpp"
 #include "cpu/parallel.hpp"
 #include "cpu/row_panels.hpp"
@@ -23,7 +24,7 @@ static_assert(kTileQ % kLanes == 0, "the query columns of a score tile are whole
 // (rows x dv).
 struct OnlineRows {
   float m[kTileQ], l[kTileQ];
-  std::vector<float> acc;
+  AlignedVector<float> acc;
   void reset(int64_t rows, int64_t dv) {
     std::fill(m, m + kTileQ, -INFINITY);
     std::fill(l, l + kTileQ, 0.0f);
@@ -94,7 +95,7 @@ float finish_lse_rounded_once(float m, float row_sum, float offset) {
 }
 
 struct SoftmaxMatmulScratch {
-  std::vector<float> v, s;
+  AlignedVector<float> v, s;
   OnlineRows rows;
 };
 
@@ -106,12 +107,12 @@ constexpr int64_t kGroupTiles = 4;
 
 // One query tile of a task: its transposed Q, running softmax state and key range.
 struct QueryTile {
-  std::vector<float> qt;
+  AlignedVector<float> qt;
   OnlineRows rows;
 };
 
 struct ForwardScratch {
-  std::vector<float> k, v, s;
+  AlignedVector<float> k, v, s;
   std::vector<uint8_t> keep;  // dropout's keep mask of one tile, key-major like s
   QueryTile tiles[kGroupTiles];
 };
