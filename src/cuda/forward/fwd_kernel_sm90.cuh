@@ -1,11 +1,11 @@
 #pragma once
-// The sm90 forward kernel: one block per (128 query rows, head, batch[, key split]), three
-// warpgroups.
+// The sm90 forward kernel: one block per (64 x kConsumers query rows, head, batch[, key split]),
+// a producer warpgroup and two or three consumers.
 //
 //   warpgroup 0      producer: one thread streams Q once and K(j), V(j) through kStages
 //                    shared-memory stages with TMA; each stage has a "full" barrier (the copy
 //                    engine completes it) and an "empty" one (the consumers release it).
-//   warpgroups 1, 2  consumers, 64 query rows each:
+//   warpgroups 1-3   consumers, 64 query rows each:
 //                      S = Q K(j)^T     wgmma, both operands in shared memory
 //                      P = exp2(S * scale_log2 - rowmax), online-softmax rescale of O
 //                      O += P V(j)      wgmma, P from registers (the S accumulator layout is the

@@ -55,7 +55,8 @@ inline bool fwd_sm90_persistent(const FwdSm90Params& params, int block_m, int he
 // Three consumer warpgroups (192-row query tiles) pay off at head dims up to 64 where no mask
 // makes tiles unequal and the rows fill the tiles nearly: H100, bf16, D = 64: N = 2k and 4k +3%,
 // 16k +7% (D = 32: +9% and +6%); N = 1k 5-12% slower (six 192-row tiles for 1024 rows, the last
-// a third full), causal 4k 5% slower (docs/perf-log.md).
+// a third full), causal 4k 5% slower (docs/perf-log.md). Key ranges the persistent instance
+// takes stay with it.
 constexpr int kFwdSm90ThreeConsumerMinRows = 2048;
 inline int fwd_sm90_consumers(const AttentionProblem& pr, int head_dim) {
   const bool unmasked = !pr.causal && pr.window_left < 0 && pr.window_right < 0;

@@ -10,8 +10,8 @@ namespace tileattn::cuda {
 
 template <class T, int kHeadDim>
 struct FwdSm90 {
-  // Picks the kernel instance (params.block_n, params.consumers) and builds its tensor maps; false when TMA cannot
-  // describe an input (the sm80 kernel then runs).
+  // Picks the kernel instance (params.block_n, params.consumers) and builds its tensor maps;
+  // false when TMA cannot describe an input (the sm80 kernel then runs).
   static bool make_maps(const AttentionProblem& problem, FwdSm90Params& params);
   // Splits of the key range for this problem on the current device (1: no split-KV); after
   // make_maps.

@@ -16,8 +16,8 @@
 
 namespace tileattn::cuda {
 
-// Units of a persistent launch. The causal pairing is the host's choice, made once (the kernel
-// reads it from here too).
+// Units of a persistent launch, computed alike by the host (the grid) and the kernel from the
+// same parameters; the launch rule admits no mask but the causal one, which pairs the tiles.
 struct FwdUnits {
   int m_blocks;        // query tiles per head
   int per_head;        // units per head: m_blocks, or (m_blocks + 1) / 2 paired
