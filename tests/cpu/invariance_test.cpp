@@ -83,5 +83,27 @@ TEST(Invariance, BitwiseAcrossLayouts) {
   }
 }
 
+// The panels' memory stays with the calling thread between calls (row_panels.hpp): calls that
+// need more, less, then more again get panels holding their own rows, whatever the previous call
+// left there, and one thread count or another.
+TEST(Invariance, PanelMemoryReusedAcrossCalls) {
+  std::vector<Outputs> flash, dense;
+  const int64_t lengths[] = {300, 70, 513};
+  for (int64_t n : lengths) {
+    ProblemShape s = gqa_shape(DType::f32);
+    s.seqlen_q = s.seqlen_k = n;
+    HostProblem a(s);  // flash-attn's layout: strided fp32 rows, copied into panels
+    s.layout = Layout::bhsd;
+    HostProblem b(s);  // read in place
+    b.q.scatter(a.q.gather());
+    b.k.scatter(a.k.gather());
+    b.v.scatter(a.v.gather());
+    b.dout.scatter(a.dout.gather());
+    flash.push_back(run(a, n == 70 ? 1 : 2));
+    dense.push_back(run(b, 2));
+  }
+  for (size_t i = 0; i < flash.size(); ++i) EXPECT_TRUE(flash[i] == dense[i]) << "length " << lengths[i];
+}
+
 }  // namespace
 }  // namespace tileattn::test
