@@ -60,7 +60,7 @@ class RowPanels {
         if (!b.in_use_ && (!free || b.capacity_ > free->capacity_)) free = &b;
       if (!free) return nullptr;  // (no call holds more than two)
       if (free->capacity_ < floats) {
-        free->data_.reset();
+        free->data_.reset(), free->capacity_ = 0;  // (empty, not stale, if the allocation throws)
         free->data_.reset(new float[floats]);
         free->capacity_ = floats;
       }
