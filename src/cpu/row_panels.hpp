@@ -49,8 +49,8 @@ class RowPanels {
  private:
   // Panel memory kept by the calling thread between calls, up to kKeepFloats a buffer (a call
   // holds two: K and V, or Q and dO): allocated per call, it went back to the system on free and
-  // was faulted in again page by page (1048 minor faults a call at B=1, H=8, N=1024, D=64, some
-  // 5% of the forward).
+  // was faulted in again page by page (about a thousand minor faults a call at B=1, H=8,
+  // N=1024, D=64, some 5% of the forward).
   class PanelBuffer {
    public:
     static PanelBuffer* take(size_t floats) {
