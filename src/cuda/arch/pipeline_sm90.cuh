@@ -167,14 +167,15 @@ enum NamedBarrier : int {
   kFp32VStageRead = 1,
   kFp32QRoundedConsumer0 = 2,
   kFp32QRoundedConsumer1 = 3,
-  // The Hopper backward (backward/*_sm90.cuh). Fused dQ: both consumers' dS^T is written; a dQ
-  // tile is written (the consumers arrive, the dQ warp waits); the dQ tile's shared memory is read
-  // (the dQ warp arrives). Wide head dims: the step's P^T and dS^T are written; kBwdDqFull as
-  // before; both consumers' products of the step are done (the dQ tile may go over the stage).
-  kBwdDsReady = 1,
-  kBwdDqFull = 2,
-  kBwdDqEmpty = 3,
+  // The Hopper backward (backward/*_sm90.cuh). Fused dQ: consumer c's part of a dQ tile is
+  // written (it arrives, the dQ warp waits), 1 + c; that part's shared memory is read (the dQ warp
+  // arrives), 3 + c. Wide head dims: the step's P^T and dS^T are written; the whole dQ tile is
+  // written (the consumers arrive, the dQ warp waits); both consumers' products of the step are
+  // done (the tile may go over the stage).
+  kBwdDqPartFull0 = 1,
+  kBwdDqPartEmpty0 = 3,
   kBwdPdsReady = 1,
+  kBwdDqFull = 2,
   kBwdStepDone = 3,
 };
 

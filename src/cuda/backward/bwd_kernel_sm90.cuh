@@ -9,24 +9,31 @@
 //                                         read N-major
 // dK and dV sum over the group in registers and are written once, in a fixed order.
 //
-// With kFusedDq (the default mode), dQ is the fifth product of the same step,
-//   dQ_tile = dS K       dS^T through shared memory, read M-major; K read N-major; the consumers
-//                        split the tile (by queries at D <= 64, by 64-column panels above)
-// and leaves in fp32 through shared memory: a warp of the producer warpgroup adds the whole tile
-// to the workspace accumulator with one bulk reduction, off the consumers' path, and
-// convert_dq_tiles_sm90 scales and converts it. The tile is stored in the order the consumers
-// hold it (DqTileOrder, bwd_dq_tiles_sm90.cuh), so their shared-memory writes are whole 512-byte runs per warp and the
-// reduction is one contiguous run (row by row, the 256-byte reductions at D = 64 cost 28% of the
-// backward's time; docs/perf-log.md). Reductions land in any order, so dQ's low bits vary run to
-// run; the deterministic mode runs without kFusedDq and gives dQ its own pass
+// With kFusedDq (the default mode), dQ is the fifth product, one step late:
+//   dQ_tile(it-1) = dS(it-1) K   issued in step it beside dV(it) and dK(it); dS^T through shared
+//                                 memory (a ring of three tiles, two at D <= 64), read M-major;
+//                                 K read N-major; the consumers split the tile (by queries at
+//                                 D <= 64, by 64-column panels above)
+// Each consumer needs the other's half of dS^T, so issued in the same step it held both at a
+// barrier every step: they reached the exp unit together and left the tensor cores idle meanwhile.
+// One step late, the other's half has long been written (the ring's full barrier does not wait),
+// and the consumers drift apart, one's gradients beside the other's products (perf-log: +1-6%; a
+// start half a step apart, forced by a barrier, measured the same).
+// Each consumer's part of the dQ tile leaves in fp32 through shared memory: a warp of the producer
+// warpgroup adds it to the workspace accumulator with one bulk reduction, off the consumers' path,
+// and convert_dq_tiles_sm90 scales and converts it. The tile is stored in the order the consumers
+// hold it (DqTileOrder, bwd_dq_tiles_sm90.cuh), so their shared-memory writes are whole 512-byte
+// runs per warp and each part is one contiguous run (row by row, the 256-byte reductions at D = 64
+// cost 28% of the backward's time; docs/perf-log.md). Reductions land in any order, so dQ's low
+// bits vary run to run; the deterministic mode runs without kFusedDq and gives dQ its own pass
 // (bwd_dq_kernel_sm90.cuh).
 //
 // kAlibi: P carries ALiBi's bias (bwd::grads_to_fragments, bwd_grads.cuh); an instance of its own, so
 // that the kernels without it keep their registers.
 //
-// Named barriers (kFusedDq only; pipeline_sm90.cuh): kBwdDsReady both consumers' dS^T written;
-// kBwdDqFull a dQ tile written (consumers arrive, the dQ warp waits); kBwdDqEmpty the dQ tile's
-// shared memory read (the dQ warp arrives).
+// Named barriers (kFusedDq only; pipeline_sm90.cuh): kBwdDqPartFull0 + c consumer c's part of a dQ
+// tile written (it arrives, the dQ warp waits); kBwdDqPartEmpty0 + c that part's shared memory
+// read (the dQ warp arrives).
 #include <cuda_runtime.h>
 
 #include <type_traits>
@@ -56,23 +63,29 @@ struct BwdSm90Traits {
   static constexpr int kStages = 2;
   using KVTile = sm90::PanelTile<kBlockN, kHeadDim>;
   using QTile = sm90::PanelTile<kBlockM, kHeadDim>;
-  // dS^T (keys x queries). Two buffers: a consumer writes the next step's while the other may
-  // still read this one.
+  // dS^T (keys x queries). Step it writes one buffer while dQ(it - 1) reads another and the
+  // consumer half a step behind may still read dQ(it - 2)'s: three buffers, where they fit (at
+  // D <= 64 a buffer is twice the size and the third would pass the limit by 88 bytes; with two, the
+  // ring holds the consumers less than a step apart).
   using DsTile = sm90::PanelTile<kBlockN, kBlockM>;
+  static constexpr int kDsBuffers = kHeadDim <= 64 ? 2 : 3;
+  using DsRing = sm90::StageRing<kDsBuffers>;
   using DqOrder = DqTileOrder<kHeadDim>;
   static constexpr bool kDqSplitRows = DqOrder::kSplitRows;
   static constexpr int kDqTileBytes = kBlockM * kHeadDim * 4;
+  static constexpr int kDqPartBytes = DqOrder::kPartFloats * 4;
   using Stages = BwdStages<QTile, kBlockM, kStages>;
   using Barriers = BwdBarriers<kStages>;
   // K, V, then per stage: Q, dO, L * log2(e), D (rounded up to 1024 bytes: dS^T's swizzle is on
-  // address bits); then dS^T, the dQ tile (both only with kFusedDq) and the barriers.
+  // address bits); then dS^T, the dQ tile (both only with kFusedDq) and the barriers (dS^T's ring
+  // after the stages').
   enum Region { kK, kV, kStagesRegion, kDs, kDq, kBarriers };
   using Smem = sm90::SmemRegions<KVTile::kBytes, KVTile::kBytes, (kStages * Stages::kBytes + 1023) / 1024 * 1024,
-                                 kFusedDq ? 2 * DsTile::kBytes : 0, kFusedDq ? kDqTileBytes : 0, Barriers::kBytes>;
+                                 kFusedDq ? kDsBuffers * DsTile::kBytes : 0, kFusedDq ? kDqTileBytes : 0,
+                                 Barriers::kBytes + (kFusedDq ? DsRing::kBarrierBytes : 0)>;
   static constexpr int kSmemBytes = Smem::kBytes;
-  // bar.sync counts: both consumers; both consumers and the dQ warp.
-  static constexpr int kConsumerThreads = 128 * kConsumers;
-  static constexpr int kDqBarrierThreads = kConsumerThreads + 32;
+  // bar.sync count: one consumer and the dQ warp.
+  static constexpr int kDqPartBarrierThreads = 128 + 32;
   static_assert(kHeadDim % 16 == 0 && kHeadDim <= 128, "sm90 backward: head dims 16..128 in steps of 16");
   static_assert(DqOrder::kBlockM == kBlockM, "one tile shape");
   static_assert(bwd::kWorkspaceRowTile % kBlockM == 0, "query tiles never reach past the workspace padding");
@@ -96,15 +109,20 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
   unsigned char* sK = smem.template at<Traits::kK>();
   unsigned char* sV = smem.template at<Traits::kV>();
   const typename Traits::Stages stages{smem.template at<Traits::kStagesRegion>()};
-  auto ds_buffer = [&](int it) { return smem.template at<Traits::kDs>() + (it % 2) * DsTile::kBytes; };
+  auto ds_buffer = [&](int it) { return smem.template at<Traits::kDs>() + (it % Traits::kDsBuffers) * DsTile::kBytes; };
   float* sdq = smem.template at<Traits::kDq, float>();
   const typename Traits::Barriers bars(smem.template at<Traits::kBarriers, uint64_t>());
   const auto& ring = bars.ring;
+  // dS^T's ring: each consumer warp fills its rows of a buffer, and each frees it once its dQ
+  // product has read the buffer.
+  const typename Traits::DsRing ds_ring{ring.end()};
 
   const BwdKeyBlock<BN, BM> kb(p);
   if (kb.k0 >= kb.seq.sk) return;
   const int n_iter = kb.n_iter;
 
+  if constexpr (kFusedDq)
+    if (threadIdx.x == 0) ds_ring.init(4 * Traits::kConsumers, 4 * Traits::kConsumers);
   bars.init(4 * Traits::kConsumers);  // one release per consumer warp
 
   const Roles roles;
@@ -112,11 +130,13 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
     Roles::enter_producer();
     if constexpr (kFusedDq) {
       if (threadIdx.x / 32 == 1) {
-        // The dQ warp: the one tile's shared memory is free again once the reduction has read it.
-        reduce_dq_tiles<kHeadDim, Traits::kDqTileBytes, Traits::kDqBarrierThreads>(
-            p, kb, n_iter, [sdq](int) { return sdq; }, [](int) {},
-            [n_iter](int it) {
-              if (it + 1 < n_iter) sm90::named_barrier_arrive(sm90::kBwdDqEmpty, Traits::kDqBarrierThreads);
+        // The dQ warp: a consumer's part of the one tile is free again once its reduction has read it.
+        reduce_dq_tiles<kHeadDim, Traits::kDqTileBytes, Traits::kConsumers, Traits::kDqPartBytes,
+                        sm90::kBwdDqPartFull0, Traits::kDqPartBarrierThreads>(
+            p, kb, n_iter, [sdq](int) { return sdq; }, [](int, int) {},
+            [n_iter](int it, int part) {
+              if (it + 1 < n_iter)
+                sm90::named_barrier_arrive(sm90::kBwdDqPartEmpty0 + part, Traits::kDqPartBarrierThreads);
             });
         return;
       }
@@ -147,8 +167,34 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
     const int k_panel = Traits::kDqSplitRows ? 0 : consumer;
     const uint32_t k_dq = smem_address(sK) + k_panel * KVTile::kPanelBytes;
     [[maybe_unused]] float* dq_part = sdq + consumer * Traits::DqOrder::kPartFloats + 4 * (int(threadIdx.x) % 128);
-    bars.wait_once();
-    for (int it = 0; it < n_iter; ++it) {
+    [[maybe_unused]] float dq[1][kDqCols / 8][4];
+    // dQ(t) = dS(t) K, issued once both consumers' halves of dS^T(t) are written.
+    [[maybe_unused]] auto issue_dq = [&](int t) {
+      ds_ring.wait(t);
+      const uint32_t ds_addr = smem_address(ds_buffer(t)) + ds_panel * DsTile::kPanelBytes;
+      sm90::wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < BN / 16; ++ks)
+        sm90::Wgmma<T, kDqCols>::template ss<1, 1>(dq[0], DsTile::n_major(ds_addr, ks), KVTile::n_major(k_dq, ks),
+                                                    ks > 0);
+      sm90::wgmma_commit();
+    };
+    // Once dQ(t) has landed: its dS^T buffer is free of this warp, and this consumer's part of the
+    // tile goes to the dQ warp.
+    [[maybe_unused]] auto hand_over_dq = [&](int t) {
+      sm90::fence_registers(dq[0]);
+      ds_ring.release_warp(t, lane);
+      if (t > 0) sm90::named_barrier_sync(sm90::kBwdDqPartEmpty0 + consumer, Traits::kDqPartBarrierThreads);
+#pragma unroll
+      for (int j = 0; j < kDqCols / 8; ++j)
+        *reinterpret_cast<float4*>(dq_part + j * 512) = make_float4(dq[0][j][0], dq[0][j][1], dq[0][j][2], dq[0][j][3]);
+      sm90::fence_shared_to_async();
+      sm90::named_barrier_arrive(sm90::kBwdDqPartFull0 + consumer, Traits::kDqPartBarrierThreads);
+    };
+    // Step it; with_dq: it > 0, and the step issues dQ(it - 1) (constant, so that every step's
+    // wgmma groups are known to ptxas: with a run-time test it serialised the products).
+    auto step = [&](int it, auto with_dq) {
+      constexpr bool kWithDq = kFusedDq && decltype(with_dq)::value;
       const int s = it % kStages;  // in the loop's own words: see StageRing::wait_slot
       const int q0 = kb.q0(it);
       const uint32_t q_addr = smem_address(stages.q(s)), do_addr = smem_address(stages.dout(s));
@@ -173,10 +219,10 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
         sm90::Wgmma<T, kHeadDim>::template rs<1>(dv[0], pa[ks], QTile::n_major(do_addr, ks), 1);
       sm90::wgmma_commit();
 
-      [[maybe_unused]] float dq[1][kDqCols / 8][4];
       if constexpr (kFusedDq) {
-        // dS^T into shared memory in the tile format: A fragment (ks, i) holds rows g + 8 (i % 2)
+        // dS^T into its ring buffer in the tile format: A fragment (ks, i) holds rows g + 8 (i % 2)
         // and columns 16 ks + 8 (i / 2) + 2 t, + 1.
+        ds_ring.acquire(it);
         unsigned char* ds = ds_buffer(it);
 #pragma unroll
         for (int ks = 0; ks < BM / 16; ++ks)
@@ -187,34 +233,33 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
                                          4 * (lane % 4)) = da[ks][i];
           }
         sm90::fence_shared_to_async();
-        sm90::named_barrier_sync(sm90::kBwdDsReady, Traits::kConsumerThreads);
-        const uint32_t ds_addr = smem_address(ds) + ds_panel * DsTile::kPanelBytes;
-        sm90::wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < BN / 16; ++ks)
-          sm90::Wgmma<T, kDqCols>::template ss<1, 1>(dq[0], DsTile::n_major(ds_addr, ks), KVTile::n_major(k_dq, ks),
-                                                      ks > 0);
-        sm90::wgmma_commit();
+        ds_ring.publish_warp(it, lane);
       }
+      if constexpr (kWithDq) issue_dq(it - 1);
 #pragma unroll
       for (int ks = 0; ks < BM / 16; ++ks)
         sm90::Wgmma<T, kHeadDim>::template rs<1>(dk[0], da[ks], QTile::n_major(q_addr, ks), 1);
       sm90::wgmma_commit();
 
-      if constexpr (kFusedDq) {
-        sm90::wgmma_wait<1>();  // dV and dQ done; dK may still run
-        sm90::fence_registers(dq[0]);
-        if (it > 0) sm90::named_barrier_sync(sm90::kBwdDqEmpty, Traits::kDqBarrierThreads);
-#pragma unroll
-        for (int j = 0; j < kDqCols / 8; ++j)
-          *reinterpret_cast<float4*>(dq_part + j * 512) = make_float4(dq[0][j][0], dq[0][j][1], dq[0][j][2], dq[0][j][3]);
-        sm90::fence_shared_to_async();
-        sm90::named_barrier_arrive(sm90::kBwdDqFull, Traits::kDqBarrierThreads);
+      if constexpr (kWithDq) {
+        sm90::wgmma_wait<1>();  // dV and dQ(it - 1) done; dK may still run
+        hand_over_dq(it - 1);
       }
       sm90::wgmma_wait<0>();
       sm90::fence_registers(dv[0]);
       sm90::fence_registers(dk[0]);
       ring.release_warp(it, lane);
+    };
+
+    bars.wait_once();
+    if constexpr (!kFusedDq) {
+      for (int it = 0; it < n_iter; ++it) step(it, std::false_type{});
+    } else {
+      step(0, std::false_type{});
+      for (int it = 1; it < n_iter; ++it) step(it, std::true_type{});
+      issue_dq(n_iter - 1);
+      sm90::wgmma_wait<0>();
+      hand_over_dq(n_iter - 1);
     }
   };
   if (n_iter > 0) {

@@ -97,9 +97,9 @@ __global__ void __launch_bounds__(BwdWideSm90Traits<T, kHeadDim>::kThreads, 1)
     if (threadIdx.x / 32 == 1) {
       // The dQ warp: the tile lies over its stage's Q and dO, so the stage is free once the
       // reduction has read it.
-      reduce_dq_tiles<kHeadDim, 2 * QTile::kBytes, Traits::kDqBarrierThreads>(
+      reduce_dq_tiles<kHeadDim, 2 * QTile::kBytes, 1, 2 * QTile::kBytes, sm90::kBwdDqFull, Traits::kDqBarrierThreads>(
           p, kb, n_iter, [stages](int it) { return reinterpret_cast<const float*>(stages.q(it % kStages)); },
-          [ring](int it) { ring.release(it); }, [](int) {});
+          [ring](int it, int) { ring.release(it); }, [](int, int) {});
       return;
     }
     if (threadIdx.x == 0 && n_iter > 0) load_key_block<KVTile>(params, kb, sK, sV, stages, bars);

@@ -116,28 +116,35 @@ __device__ __forceinline__ void load_key_block(const BwdSm90Params& params, cons
 }
 
 // The dQ warp (a warp of the producer warpgroup; whole warps take part in named barriers): each
-// step's fp32 dQ tile of kTileBytes, once the consumers have written it (kBwdDqFull, with
-// kBarrierThreads taking part), added to its place in the workspace accumulator with one bulk
-// reduction (rows past the sequence land in workspace padding). tile(it) is where step it's tile
-// lies; read(it) runs on the warp's first thread (block thread 32) once the reduction has read
-// the tile, done(it) on the whole warp after that. Callers' lambdas capture by value: captured
-// by reference, they changed the consumers' code before the loop (fused kernel) and throughout
-// (wide kernel; SASS).
-template <int kHeadDim, int kTileBytes, int kBarrierThreads, int kBlockN, int kBlockM, class Tile, class Read,
-          class Done>
+// step's fp32 dQ tile of kTileBytes, in kParts parts of kPartBytes (the last may be shorter) that
+// the consumers write on their own (named barrier kFullBarrier0 + part, kBarrierThreads taking
+// part), each added to its place in the workspace accumulator with one bulk reduction as soon as
+// it is written (a tile's order keeps each part one run there too; rows past the sequence land in
+// workspace padding). tile(it) is where step it's tile lies; read(it, part) runs on the warp's
+// first thread (block thread 32) once the reduction has read the part, done(it, part) on the whole
+// warp after that. Callers' lambdas capture by value: captured by reference, they changed the
+// consumers' code before the loop (fused kernel) and throughout (wide kernel; SASS).
+template <int kHeadDim, int kTileBytes, int kParts, int kPartBytes, int kFullBarrier0, int kBarrierThreads,
+          int kBlockN, int kBlockM, class Tile, class Read, class Done>
 __device__ __forceinline__ void reduce_dq_tiles(const bwd::BwdParams& p, const BwdKeyBlock<kBlockN, kBlockM>& kb,
                                                 int n_iter, Tile tile, Read read, Done done) {
+  static_assert((kParts - 1) * kPartBytes < kTileBytes && kParts * kPartBytes >= kTileBytes, "parts cover the tile");
   for (int it = 0; it < n_iter; ++it) {
-    sm90::named_barrier_sync(sm90::kBwdDqFull, kBarrierThreads);
-    if (threadIdx.x == 32) {
-      sm90::bulk_reduce_add(p.dq_accum + (bwd::ws_row(p, kb.b, kb.head(it)) + kb.q0(it)) * kHeadDim, tile(it),
-                            kTileBytes);
-      sm90::bulk_commit();
-      sm90::bulk_wait_read();
-      read(it);
+#pragma unroll
+    for (int part = 0; part < kParts; ++part) {
+      constexpr int kLast = kTileBytes - (kParts - 1) * kPartBytes;
+      sm90::named_barrier_sync(kFullBarrier0 + part, kBarrierThreads);
+      if (threadIdx.x == 32) {
+        const int64_t at = (bwd::ws_row(p, kb.b, kb.head(it)) + kb.q0(it)) * kHeadDim + part * (kPartBytes / 4);
+        sm90::bulk_reduce_add(p.dq_accum + at, tile(it) + part * (kPartBytes / 4),
+                              part + 1 < kParts ? kPartBytes : kLast);
+        sm90::bulk_commit();
+        sm90::bulk_wait_read();
+        read(it, part);
+      }
+      __syncwarp();
+      done(it, part);
     }
-    __syncwarp();
-    done(it);
   }
 }
 
