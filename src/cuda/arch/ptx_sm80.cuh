@@ -74,6 +74,13 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   }
 }
 
+// pack2's inverse: one register of two T as two fp32 values (exact).
+template <class T>
+__device__ __forceinline__ float2 unpack2(uint32_t u) {
+  if constexpr (std::is_same_v<T, __half>) return __half22float2(*reinterpret_cast<const __half2*>(&u));
+  else return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u));
+}
+
 // Element conversions through fp32 (round to nearest even); T is float, __half or __nv_bfloat16.
 template <class T>
 __device__ __forceinline__ T from_float(float x) {

@@ -72,7 +72,7 @@ void launch_backward(const BwdParams& params, cudaStream_t stream) {
   const unsigned row_blocks = unsigned((rows + kRowKernelThreads / 32 - 1) / (kRowKernelThreads / 32));
   static_assert(kWorkspaceRowTile % DkdvTile<T, D>::kBlockM == 0 && kWorkspaceRowTile % DqTile<T, D>::kBlockM == 0,
                 "query tiles never reach past the workspace padding");
-  preprocess_kernel<T><<<row_blocks, kRowKernelThreads, 0, stream>>>(p);
+  launch_preprocess<T>(p, stream);
   TA_CUDA_CHECK_LAUNCH("backward preprocess");
   if constexpr (std::is_same_v<T, float>) {
     if (p.fp32_fast) launch_passes<T, D, Fp32Math::tf32>(p, row_blocks, stream);

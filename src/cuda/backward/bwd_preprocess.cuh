@@ -4,7 +4,10 @@
 //    from bwd_row_stats_fp32.cuh) and L * log2(e) (fp32: L) per query row, into the workspace,
 //    and the row's fp32 dQ accumulator (when dQ is summed by atomics) zeroed;
 //  - convert: the fp32 dQ accumulator, scaled, into dQ in the problem's dtype and strides.
-// One warp per query row; rows past a sequence's end are workspace padding.
+// One warp per query row, or for 16-bit O and dO that take 16-byte loads (vec_io) a few lanes per
+// row (launch_preprocess); rows past a sequence's end are workspace padding. Both kernels move
+// only memory: they are bound by how many bytes each warp has in flight, and a warp per row of 64
+// elements read 2-byte loads at a third of the card's bandwidth (docs/perf-log.md).
 #include <math.h>
 
 #include <type_traits>
@@ -29,6 +32,28 @@ __device__ __forceinline__ bool row_of_warp(const BwdParams& p, int& b, int& h, 
   return true;
 }
 
+// Row i of (b, h) at workspace row w, whose D is acc (any value where i >= s.sq): its L, D and,
+// for fp32, its row sum. One lane per row.
+template <class T>
+__device__ __forceinline__ void store_row_stats(const BwdParams& p, const SeqInfo& s, int b, int h, int i, int64_t w,
+                                                float acc) {
+  if (p.row_sum != nullptr) p.row_sum[w] = 1.0f;
+  if (i >= s.sq) {
+    p.lse2[w] = INFINITY;
+    p.dsum[w] = 0.0f;
+    return;
+  }
+  float l = p.lse[lse_index(p, s, b, h, i)];
+  // ALiBi's causal form: L carries slope * (i + sk - sq) beyond the LSE of the scores that
+  // P is recomputed from (ScoreMod::lse_offset); it comes off here, once per row.
+  if (p.mod.alibi_lse_offset && l != -INFINITY) l -= p.mod.lse_offset(p.mod.slope(b, h), i, s.sq, s.sk);
+  // fp32 forms P = exp(s - lse2) / row_sum in the natural domain: lse2 is L itself there (the
+  // row-statistics kernel replaces it by the row max unless given_stats).
+  p.lse2[w] = l == -INFINITY ? INFINITY : std::is_same_v<T, float> ? l : l * kLog2e;
+  p.dsum[w] = acc;
+}
+
+// Any dtype and layout: one warp per workspace row.
 template <class T>
 __global__ void __launch_bounds__(kRowKernelThreads) preprocess_kernel(const BwdParams p) {
   int b, h, i;
@@ -36,51 +61,98 @@ __global__ void __launch_bounds__(kRowKernelThreads) preprocess_kernel(const Bwd
   const int lane = threadIdx.x & 31;
   const SeqInfo s = seq_info(p, b);
   const int64_t w = ws_row(p, b, h) + i;
-  if (p.row_sum != nullptr && lane == 0) p.row_sum[w] = 1.0f;
   // The dQ accumulator's rows (padding included) start at zero here, not in a memset of their own:
   // one stream operation less per call, a few microseconds of a short call's host time.
   if (p.dq_accum != nullptr) {
     float4* a = reinterpret_cast<float4*>(p.dq_accum + w * p.dq_accum_dim);
     for (int c = lane; c < p.dq_accum_dim / 4; c += 32) a[c] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   }
-  if (i >= s.sq) {
-    if (lane == 0) {
-      p.lse2[w] = INFINITY;
-      p.dsum[w] = 0.0f;
-    }
-    return;
-  }
-  const T* o =
-      static_cast<const T*>(p.o.ptr) + seq_base(p, p.o, b, true) + int64_t(i) * p.o.seq + int64_t(h) * p.o.head;
-  const T* d = static_cast<const T*>(p.dout.ptr) + seq_base(p, p.dout, b, true) + int64_t(i) * p.dout.seq +
-               int64_t(h) * p.dout.head;
-  // fp32 forms D = rowsum(P dP) / rowsum(P) in the row-statistics kernel instead, from the
-  // gradient passes' own P and dP (bwd_row_stats_fp32.cuh says why); 0 here until it does. With
-  // given_stats (partial_keys: the call's P and dP are only part of the row; the fast mode) D is
-  // the given O's, here: summed in double and rounded once, as the exact products it cancels
-  // against are.
   float acc = 0.0f;
+  if (i < s.sq) {
+    const T* o =
+        static_cast<const T*>(p.o.ptr) + seq_base(p, p.o, b, true) + int64_t(i) * p.o.seq + int64_t(h) * p.o.head;
+    const T* d = static_cast<const T*>(p.dout.ptr) + seq_base(p, p.dout, b, true) + int64_t(i) * p.dout.seq +
+                 int64_t(h) * p.dout.head;
+    // fp32 forms D = rowsum(P dP) / rowsum(P) in the row-statistics kernel instead, from the
+    // gradient passes' own P and dP (bwd_row_stats_fp32.cuh says why); 0 here until it does. With
+    // given_stats (partial_keys: the call's P and dP are only part of the row; the fast mode) D is
+    // the given O's, here: summed in double and rounded once, as the exact products it cancels
+    // against are.
+    if constexpr (!std::is_same_v<T, float>) {
+      for (int c = lane; c < p.headdim_v; c += 32) acc = fmaf(to_float(o[c]), to_float(d[c]), acc);
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    } else if (p.given_stats) {
+      double wide = 0.0;
+      for (int c = lane; c < p.headdim_v; c += 32) wide = fma(double(o[c]), double(d[c]), wide);
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) wide += __shfl_xor_sync(0xffffffffu, wide, off);
+      acc = float(wide);
+    }
+  }
+  if (lane == 0) store_row_stats<T>(p, s, b, h, i, w, acc);
+}
+
+// 16-bit O and dO with 16-byte rows (vec_io): kRowLanes lanes a row, eight elements a lane per load,
+// 256 / kRowLanes consecutive workspace rows a block, whose accumulator rows are one run to zero.
+template <class T, int kRowLanes>
+__global__ void __launch_bounds__(kRowKernelThreads) preprocess_vec_kernel(const BwdParams p) {
+  static_assert(!std::is_same_v<T, float> && 32 % kRowLanes == 0, "16-bit rows, whole groups a warp");
+  constexpr int kRows = kRowKernelThreads / kRowLanes;
+  const int64_t total = int64_t(p.batch) * p.heads_q * p.seqlen_q_rounded;
+  const int64_t first = int64_t(blockIdx.x) * kRows;
+  if (p.dq_accum != nullptr) {
+    const int64_t n = (min(int64_t(kRows), total - first) * p.dq_accum_dim) / 4;
+    float4* a = reinterpret_cast<float4*>(p.dq_accum + first * p.dq_accum_dim);
+    for (int64_t x = threadIdx.x; x < n; x += kRowKernelThreads) a[x] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  }
+  const int64_t w = first + threadIdx.x / kRowLanes;
+  const int sub = int(threadIdx.x) % kRowLanes;
+  const bool live = w < total;
+  const int i = int(w % p.seqlen_q_rounded);
+  const int64_t bh = w / p.seqlen_q_rounded;
+  const int h = int(bh % p.heads_q), b = live ? int(bh / p.heads_q) : 0;
+  const SeqInfo s = seq_info(p, b);
+  float acc = 0.0f;
+  if (live && i < s.sq) {
+    const T* o =
+        static_cast<const T*>(p.o.ptr) + seq_base(p, p.o, b, true) + int64_t(i) * p.o.seq + int64_t(h) * p.o.head;
+    const T* d = static_cast<const T*>(p.dout.ptr) + seq_base(p, p.dout, b, true) + int64_t(i) * p.dout.seq +
+                 int64_t(h) * p.dout.head;
+    for (int c = 8 * sub; c < p.headdim_v; c += 8 * kRowLanes) {
+      const uint4 ov = *reinterpret_cast<const uint4*>(o + c), dv = *reinterpret_cast<const uint4*>(d + c);
+      const uint32_t ow[4] = {ov.x, ov.y, ov.z, ov.w}, dw[4] = {dv.x, dv.y, dv.z, dv.w};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float2 x = unpack2<T>(ow[k]), y = unpack2<T>(dw[k]);
+        acc = fmaf(x.x, y.x, acc);
+        acc = fmaf(x.y, y.y, acc);
+      }
+    }
+  }
+#pragma unroll
+  for (int off = kRowLanes / 2; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  if (live && sub == 0) store_row_stats<T>(p, s, b, h, i, w, acc);
+}
+
+// The preprocess for every backward: the lanes-per-row kernel where it applies, else a warp a row.
+template <class T>
+void launch_preprocess(const BwdParams& p, cudaStream_t stream) {
+  const int64_t rows = int64_t(p.batch) * p.heads_q * p.seqlen_q_rounded;
+  auto launch = [&](auto kernel, int rows_per_block) {
+    kernel<<<unsigned((rows + rows_per_block - 1) / rows_per_block), kRowKernelThreads, 0, stream>>>(p);
+  };
   if constexpr (!std::is_same_v<T, float>) {
-    for (int c = lane; c < p.headdim_v; c += 32) acc = fmaf(to_float(o[c]), to_float(d[c]), acc);
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-  } else if (p.given_stats) {
-    double wide = 0.0;
-    for (int c = lane; c < p.headdim_v; c += 32) wide = fma(double(o[c]), double(d[c]), wide);
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) wide += __shfl_xor_sync(0xffffffffu, wide, off);
-    acc = float(wide);
+    if (p.vec_io) {
+      // Lanes enough for the row in one load each (head dims are multiples of 8 here), 4 at least.
+      if (p.headdim_v <= 32) launch(preprocess_vec_kernel<T, 4>, kRowKernelThreads / 4);
+      else if (p.headdim_v <= 64) launch(preprocess_vec_kernel<T, 8>, kRowKernelThreads / 8);
+      else if (p.headdim_v <= 128) launch(preprocess_vec_kernel<T, 16>, kRowKernelThreads / 16);
+      else launch(preprocess_vec_kernel<T, 32>, kRowKernelThreads / 32);
+      return;
+    }
   }
-  if (lane == 0) {
-    float l = p.lse[lse_index(p, s, b, h, i)];
-    // ALiBi's causal form: L carries slope * (i + sk - sq) beyond the LSE of the scores that
-    // P is recomputed from (ScoreMod::lse_offset); it comes off here, once per row.
-    if (p.mod.alibi_lse_offset && l != -INFINITY) l -= p.mod.lse_offset(p.mod.slope(b, h), i, s.sq, s.sk);
-    // fp32 forms P = exp(s - lse2) / row_sum in the natural domain: lse2 is L itself there (the
-    // row-statistics kernel replaces it by the row max unless given_stats).
-    p.lse2[w] = l == -INFINITY ? INFINITY : std::is_same_v<T, float> ? l : l * kLog2e;
-    p.dsum[w] = acc;
-  }
+  launch(preprocess_kernel<T>, kRowKernelThreads / 32);
 }
 
 template <class T>

@@ -97,15 +97,13 @@ void BwdSm90<T, kHeadDim>::run(const BwdSm90Params& params, cudaStream_t stream)
     throw Error(ErrorKind::unsupported, "CUDA backward: batch " + std::to_string(p.batch) + " and heads_q " +
                                             std::to_string(p.heads_q) + " must be <= 65535");
 
-  const int64_t rows = int64_t(p.batch) * p.heads_q * p.seqlen_q_rounded;
-  const unsigned row_blocks = unsigned((rows + bwd::kRowKernelThreads / 32 - 1) / (bwd::kRowKernelThreads / 32));
-  bwd::preprocess_kernel<T><<<row_blocks, bwd::kRowKernelThreads, 0, stream>>>(p);
+  bwd::launch_preprocess<T>(p, stream);
   TA_CUDA_CHECK_LAUNCH("backward preprocess");
 
   if (p.mod.has_alibi()) detail::launch_main_sm90<T, kHeadDim, true>(params, stream);
   else detail::launch_main_sm90<T, kHeadDim, false>(params, stream);
   if (p.dq_accum == nullptr) return;  // dQ had its own pass
-  convert_dq_tiles_sm90<T, kHeadDim><<<row_blocks, bwd::kRowKernelThreads, 0, stream>>>(p);
+  launch_convert_dq_tiles_sm90<T, kHeadDim>(p, stream);
   TA_CUDA_CHECK_LAUNCH("backward dQ convert");
 }
 

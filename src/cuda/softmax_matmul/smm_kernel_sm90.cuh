@@ -92,12 +92,6 @@ struct Sm90Tile {
   static_assert(!kExact || kF32, "softmax_matmul sm90: exact mode is an fp32 mode");
 };
 
-template <class T>
-__device__ __forceinline__ float2 unpack_pair(uint32_t u) {
-  if constexpr (std::is_same_v<T, __half>) return __half22float2(*reinterpret_cast<const __half2*>(&u));
-  else return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u));
-}
-
 // v[0] op v[1] op ... as a balanced tree: log2(n) dependent steps instead of n - 1.
 template <int kN, class Op>
 __device__ __forceinline__ float tree_reduce(const float (&v)[kN], Op op) {
@@ -283,7 +277,7 @@ __global__ void __launch_bounds__(Sm90Tile<T, N, kExact>::kThreads, 1)
           ldmatrix_x4(a, smem_address(xs + lr * 128 + ((chunk ^ (lr % 8)) * 16)));
 #pragma unroll
           for (int m = 0; m < 4; ++m) {
-            const float2 f = unpack_pair<T>(a[m]);
+            const float2 f = unpack2<T>(a[m]);
             x[m % 2][4 * ks + 2 * (m / 2)] = f.x, x[m % 2][4 * ks + 2 * (m / 2) + 1] = f.y;
           }
         }

@@ -83,12 +83,6 @@ __device__ __forceinline__ void load_tile(T* smem, const T* gmem, int64_t ld, in
 }
 
 template <class T>
-__device__ __forceinline__ float2 unpack2(uint32_t u) {
-  if constexpr (std::is_same_v<T, __half>) return __half22float2(*reinterpret_cast<const __half2*>(&u));
-  else return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u));
-}
-
-template <class T>
 __device__ __forceinline__ void store_pair(T* dst, float a, float b, bool second) {
   dst[0] = from_float<T>(a);
   if (second) dst[1] = from_float<T>(b);
