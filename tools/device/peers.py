@@ -39,19 +39,25 @@ FP32_TIMING = Timing(2, 5, 300.0, 50)
 
 
 def time_ms(fn, timing):
+    """Median ms of calls queued back to back, each between its own events (as bench_common.cuh):
+    the GPU stays busy, so a call's host work (SDPA's dispatch, cuDNN's plan) overlaps the calls
+    before it, as in a training loop. How many: the budget over one call's time."""
     for _ in range(timing.warmup):
         fn()
     torch.cuda.synchronize()
-    times, total = [], 0.0
-    while len(times) < timing.min_runs or (total < timing.budget_ms and len(times) < timing.max_runs):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    stop.record()
+    stop.synchronize()
+    runs = min(timing.max_runs, max(timing.min_runs, int(timing.budget_ms / max(start.elapsed_time(stop), 1e-3)) + 1))
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(runs)]
+    for start, stop in events:
         start.record()
         fn()
         stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-        total += times[-1]
-    times.sort()
+    torch.cuda.synchronize()
+    times = sorted(start.elapsed_time(stop) for start, stop in events)
     return times[len(times) // 2]
 
 
