@@ -13,7 +13,8 @@ forward once and times only autograd.grad of dQ, dK, dV.
 fp32: torch.softmax(x, -1) @ v in fp32 with TF32 off and on, fp16, bf16 (batch 16,
 2048 x 8192 x 512), and SDPA fp32 (TF32 off; PyTorch picks the backend) on bench_fp32's
 attention shapes. extra_mib is the peak memory a call allocates beyond its inputs and output.
-Times are the median of CUDA-event-timed calls after warm-up, with each harness's run counts.
+Times are the median of CUDA-event-timed calls after warm-up, queued back to back (time_ms), with
+each harness's run counts.
 """
 import argparse
 from dataclasses import dataclass
