@@ -5,7 +5,7 @@
 # (default: outputs/ab).
 #
 #   git diff HEAD > ab_base.diff              (in the repository root; it travels with the tree)
-#   tools/device/ab.sh [options] [B,H,Nq,Nk,D,causal ...]
+#   tools/device/ab.sh [options] [B,H,Nq,Nk,D,causal[,Hkv] ...]
 #
 # The base is a copy of the tree with ab_base.diff reverse-applied (where there is no such file
 # and git works, HEAD itself). Shapes default to check.sh's grid (B·N = 16k tokens, H = 2048 / D,
@@ -85,11 +85,13 @@ wait $BASE_PID || exit 1
 
 # variant NAME BINARY [ENV=VALUE]: one timed pass of every shape, CSV rows prefixed with the variant and round.
 CSV="$OUT/ab.csv"
-echo "variant,round,impl,dtype,batch,heads,seqlen_q,seqlen_k,headdim,causal,ms,tflops,gbps" > "$CSV"
+rm -f "$CSV"
 variant() {
-  local name=$1 bin=$2 round=$3
+  local name=$1 bin=$2 round=$3 out
   shift 3
-  env "$@" "$bin" --pass "$PASS" "${SHAPES[@]}" | tail -n +2 | sed "s/^/$name,$round,/" >> "$CSV"
+  out=$(env "$@" "$bin" --pass "$PASS" "${SHAPES[@]}")
+  [[ -f "$CSV" ]] || echo "variant,round,$(head -1 <<< "$out")" > "$CSV"  # the harness's own columns
+  tail -n +2 <<< "$out" | sed "s/^/$name,$round,/" >> "$CSV"
 }
 for ((r = 1; r <= ROUNDS; ++r)); do
   variant base "$BASE/build-ab/bench_attention" "$r"
@@ -101,15 +103,15 @@ python3 - "$CSV" <<'EOF' | tee "$OUT/summary.txt"
 import csv, statistics, sys
 from collections import defaultdict
 rows = list(csv.DictReader(open(sys.argv[1])))
-shape_key = ("batch", "heads", "seqlen_q", "seqlen_k", "headdim", "causal")
+shape_key = ("batch", "heads", "seqlen_q", "seqlen_k", "headdim", "causal", "heads_kv")
 variants, shapes, tf = [], [], defaultdict(list)
 for r in rows:
-    s = tuple(r[k] for k in shape_key)
+    s = tuple(r.get(k) for k in shape_key)
     if r["variant"] not in variants: variants.append(r["variant"])
     if s not in shapes: shapes.append(s)
     tf[(r["variant"], s)].append(float(r["tflops"]))
 print("TFLOP/s per round; ratio: median over rounds of variant / base")
-print("shape (B,H,Nq,Nk,D,causal)".ljust(28) + "".join(v[:22].rjust(24) for v in variants) +
+print("shape (B,H,Nq,Nk,D,causal,Hkv)".ljust(28) + "".join(v[:22].rjust(24) for v in variants) +
       "".join(("/base " + v[:12]).rjust(20) for v in variants[1:]))
 for s in shapes:
     cells = ["/".join(f"{x:.1f}" for x in tf[(v, s)]).rjust(24) for v in variants]

@@ -1,10 +1,11 @@
 // bf16 attention timing on the device through the public API, flash-attn layout. Shapes come as
-// arguments "B,H,Nq,Nk,D,causal"; tools/device/check.sh builds this with nvcc against the library
-// and times the same shapes through PyTorch SDPA (peers.py).
+// arguments "B,H,Nq,Nk,D,causal[,Hkv]" (H query heads; Hkv key/value heads, default H: GQA);
+// tools/device/check.sh builds this with nvcc against the library and times the same shapes
+// through PyTorch SDPA (peers.py).
 //
-//   bench_attention --pass forward SHAPE...    impl,dtype,batch,heads,seqlen_q,seqlen_k,headdim,causal,ms,tflops,gbps
+//   bench_attention --pass forward SHAPE...    impl,dtype,batch,heads,seqlen_q,seqlen_k,headdim,causal,ms,tflops,gbps,heads_kv
 //     gbps counts one read of Q, K, V and one write of O (the floor for memory-bound decoding).
-//   bench_attention --pass backward SHAPE...   impl,dtype,batch,heads,seqlen_q,seqlen_k,headdim,causal,ms,tflops
+//   bench_attention --pass backward SHAPE...   impl,dtype,batch,heads,seqlen_q,seqlen_k,headdim,causal,ms,tflops,heads_kv
 //     impl is tileattn (dQ by atomics) or tileattn_det (deterministic: dQ in its own pass). The
 //     forward runs once to give O and L; only the backward is timed, counted as 2.5x the forward
 //     FLOPs (include/tileattn/flops.hpp).
@@ -43,15 +44,18 @@ struct Buffers {
   }
 };
 
-void run_shape(bool backward, long long b, long long h, long long nq, long long nk, long long d, int causal) {
-  const size_t nq_el = size_t(b * nq * h * d), nk_el = size_t(b * nk * h * d);
+void run_shape(bool backward, long long b, long long h, long long nq, long long nk, long long d, int causal,
+               long long hkv) {
+  const size_t nq_el = size_t(b * nq * h * d), nk_el = size_t(b * nk * hkv * d);
   Buffers mem;
   tileattn::AttentionProblem p;
-  p.batch = b, p.seqlen_q = nq, p.seqlen_k = nk, p.heads_q = h, p.heads_kv = h;
+  p.batch = b, p.seqlen_q = nq, p.seqlen_k = nk, p.heads_q = h, p.heads_kv = hkv;
   p.headdim_qk = d, p.headdim_v = d, p.dtype = tileattn::DType::bf16, p.causal = causal != 0;
-  auto view = [&](void* data, long long n) { return tileattn::TensorView{data, n * h * d, h * d, d}; };
-  p.q = view(mem.bf16(nq_el, 1), nq), p.k = view(mem.bf16(nk_el, 2), nk), p.v = view(mem.bf16(nk_el, 3), nk);
-  p.o = view(mem.bf16(nq_el, 4), nq);
+  auto view = [&](void* data, long long n, long long heads) {
+    return tileattn::TensorView{data, n * heads * d, heads * d, d};
+  };
+  p.q = view(mem.bf16(nq_el, 1), nq, h), p.k = view(mem.bf16(nk_el, 2), nk, hkv);
+  p.v = view(mem.bf16(nk_el, 3), nk, hkv), p.o = view(mem.bf16(nq_el, 4), nq, h);
   p.lse = static_cast<float*>(mem.bytes(size_t(b * h * nq) * 4));
   p.backend = tileattn::Backend::cuda;
 
@@ -61,14 +65,14 @@ void run_shape(bool backward, long long b, long long h, long long nq, long long 
     const double ms = bench::median_ms(kForwardTiming, [&] { tileattn::forward(p); });
     const double flops = tileattn::attention_forward_flops(b, h, nq, nk, d, d, causal != 0);
     const double bytes = 2.0 * double(2 * nq_el + 2 * nk_el);
-    std::printf("tileattn,bf16,%lld,%lld,%lld,%lld,%lld,%d,%.4f,%.1f,%.0f\n", b, h, nq, nk, d, causal, ms,
-                flops / ms / 1e9, bytes / ms / 1e6);
+    std::printf("tileattn,bf16,%lld,%lld,%lld,%lld,%lld,%d,%.4f,%.1f,%.0f,%lld\n", b, h, nq, nk, d, causal, ms,
+                flops / ms / 1e9, bytes / ms / 1e6, hkv);
     std::fflush(stdout);
     return;
   }
 
-  p.dout = view(mem.bf16(nq_el, 5), nq), p.dq = view(mem.bf16(nq_el, 6), nq);
-  p.dk = view(mem.bf16(nk_el, 7), nk), p.dv = view(mem.bf16(nk_el, 8), nk);
+  p.dout = view(mem.bf16(nq_el, 5), nq, h), p.dq = view(mem.bf16(nq_el, 6), nq, h);
+  p.dk = view(mem.bf16(nk_el, 7), nk, hkv), p.dv = view(mem.bf16(nk_el, 8), nk, hkv);
   tileattn::forward(p);
   check(cudaDeviceSynchronize(), "forward");
   const double flops = tileattn::attention_backward_flops(b, h, nq, nk, d, d, causal != 0);
@@ -80,8 +84,8 @@ void run_shape(bool backward, long long b, long long h, long long nq, long long 
     if (p.workspace_bytes) check(cudaMalloc(&workspace, p.workspace_bytes), "cudaMalloc");
     p.workspace = workspace;
     const double ms = bench::median_ms(kBackwardTiming, [&] { tileattn::backward(p); });
-    std::printf("%s,bf16,%lld,%lld,%lld,%lld,%lld,%d,%.4f,%.1f\n", det ? "tileattn_det" : "tileattn", b, h, nq, nk, d,
-                causal, ms, flops / ms / 1e9);
+    std::printf("%s,bf16,%lld,%lld,%lld,%lld,%lld,%d,%.4f,%.1f,%lld\n", det ? "tileattn_det" : "tileattn", b, h, nq, nk,
+                d, causal, ms, flops / ms / 1e9, hkv);
     std::fflush(stdout);
     cudaFree(workspace);
   }
@@ -92,19 +96,21 @@ void run_shape(bool backward, long long b, long long h, long long nq, long long 
 int main(int argc, char** argv) {
   if (argc < 3 || std::strcmp(argv[1], "--pass") != 0 ||
       (std::strcmp(argv[2], "forward") != 0 && std::strcmp(argv[2], "backward") != 0)) {
-    std::fprintf(stderr, "usage: %s --pass forward|backward B,H,Nq,Nk,D,causal ...\n", argv[0]);
+    std::fprintf(stderr, "usage: %s --pass forward|backward B,H,Nq,Nk,D,causal[,Hkv] ...\n", argv[0]);
     return 2;
   }
   const bool backward = std::strcmp(argv[2], "backward") == 0;
-  std::printf("impl,dtype,batch,heads,seqlen_q,seqlen_k,headdim,causal,ms,tflops%s\n", backward ? "" : ",gbps");
+  std::printf("impl,dtype,batch,heads,seqlen_q,seqlen_k,headdim,causal,ms,tflops%s,heads_kv\n", backward ? "" : ",gbps");
   for (int a = 3; a < argc; ++a) {
-    long long b, h, nq, nk, d;
+    long long b, h, nq, nk, d, hkv = 0;
     int causal;
-    if (std::sscanf(argv[a], "%lld,%lld,%lld,%lld,%lld,%d", &b, &h, &nq, &nk, &d, &causal) != 6) {
-      std::fprintf(stderr, "bad shape '%s' (want B,H,Nq,Nk,D,causal)\n", argv[a]);
+    const int fields = std::sscanf(argv[a], "%lld,%lld,%lld,%lld,%lld,%d,%lld", &b, &h, &nq, &nk, &d, &causal, &hkv);
+    if (fields == 6) hkv = h;
+    if ((fields != 6 && fields != 7) || hkv <= 0 || h % hkv != 0) {
+      std::fprintf(stderr, "bad shape '%s' (want B,H,Nq,Nk,D,causal[,Hkv], Hkv dividing H)\n", argv[a]);
       return 2;
     }
-    run_shape(backward, b, h, nq, nk, d, causal);
+    run_shape(backward, b, h, nq, nk, d, causal, hkv);
   }
   return 0;
 }

@@ -1,7 +1,7 @@
 """PyTorch peers of the device benchmarks, printing the CSV their tileattn counterparts print.
 
-  python3 tools/device/peers.py forward  B,H,Nq,Nk,D,causal ...   SDPA forward   (bench_attention --pass forward)
-  python3 tools/device/peers.py backward B,H,Nq,Nk,D,causal ...   SDPA backward  (bench_attention --pass backward)
+  python3 tools/device/peers.py forward  B,H,Nq,Nk,D,causal[,Hkv] ...   SDPA forward   (bench_attention --pass forward)
+  python3 tools/device/peers.py backward B,H,Nq,Nk,D,causal[,Hkv] ...   SDPA backward  (bench_attention --pass backward)
   python3 tools/device/peers.py fp32                              softmax(x) @ v, SDPA fp32 (bench_fp32)
 
 forward/backward: bf16, SDPA's flash and cuDNN backends, each timed on both layouts of the same
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-ATTENTION_COLUMNS = "impl,dtype,batch,heads,seqlen_q,seqlen_k,headdim,causal,ms,tflops"
+ATTENTION_COLUMNS = "impl,dtype,batch,heads,seqlen_q,seqlen_k,headdim,causal,ms,tflops"  # then gbps (forward), heads_kv
 
 
 @dataclass(frozen=True)
@@ -72,10 +72,16 @@ def attention_flops(b, h, nq, nk, d, causal, factor=1.0):
 
 
 def shape(arg):
+    """B,H,Nq,Nk,D,causal[,Hkv]: H query heads, Hkv key/value heads (default H; SDPA's enable_gqa)."""
     fields = arg.split(",")
-    if len(fields) != 6:
-        raise argparse.ArgumentTypeError(f"bad shape '{arg}' (want B,H,Nq,Nk,D,causal)")
-    return tuple(int(x) for x in fields)
+    if len(fields) not in (6, 7):
+        raise argparse.ArgumentTypeError(f"bad shape '{arg}' (want B,H,Nq,Nk,D,causal[,Hkv])")
+    values = [int(x) for x in fields]
+    if len(values) == 6:
+        values.append(values[1])
+    if values[6] <= 0 or values[1] % values[6] != 0:
+        raise argparse.ArgumentTypeError(f"bad shape '{arg}' (Hkv must divide H)")
+    return tuple(values)
 
 
 def sdpa_inputs(b, h, n, d, bshd, requires_grad=False):
@@ -90,19 +96,22 @@ def sdpa_inputs(b, h, n, d, bshd, requires_grad=False):
 PEER_BACKENDS = (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION))
 
 
-def best_of_layouts(backend, b, h, nq, nk, d, causal, timing, backward=False):
+def best_of_layouts(backend, b, h, nq, nk, d, causal, timing, backward=False, hkv=None):
     """The faster of the two layouts, in ms; None where the backend refuses the shape."""
     best = None
+    hkv = h if hkv is None else hkv
+    gqa = {"enable_gqa": True} if hkv != h else {}
     for bshd in (False, True):
-        q, k, v = (sdpa_inputs(b, h, n, d, bshd, requires_grad=backward) for n in (nq, nk, nk))
+        q = sdpa_inputs(b, h, nq, d, bshd, requires_grad=backward)
+        k, v = (sdpa_inputs(b, hkv, nk, d, bshd, requires_grad=backward) for _ in range(2))
         try:
             with sdpa_kernel(backend):
                 if backward:
                     dout = sdpa_inputs(b, h, nq, d, bshd)
-                    out = F.scaled_dot_product_attention(q, k, v, is_causal=bool(causal))
+                    out = F.scaled_dot_product_attention(q, k, v, is_causal=bool(causal), **gqa)
                     fn = lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
                 else:
-                    fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=bool(causal))
+                    fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=bool(causal), **gqa)
                 ms = time_ms(fn, timing)
         except RuntimeError:
             continue
@@ -113,30 +122,30 @@ def best_of_layouts(backend, b, h, nq, nk, d, causal, timing, backward=False):
 
 
 def forward(shapes):
-    row(ATTENTION_COLUMNS + ",gbps")
-    for b, h, nq, nk, d, causal in shapes:
+    row(ATTENTION_COLUMNS + ",gbps,heads_kv")
+    for b, h, nq, nk, d, causal, hkv in shapes:
         if causal and nq != nk:
             continue
-        nbytes = 2.0 * (2 * b * h * nq * d + 2 * b * h * nk * d)
+        nbytes = 2.0 * (2 * b * h * nq * d + 2 * b * hkv * nk * d)
         for name, backend in PEER_BACKENDS:
-            best = best_of_layouts(backend, b, h, nq, nk, d, causal, FORWARD_TIMING)
+            best = best_of_layouts(backend, b, h, nq, nk, d, causal, FORWARD_TIMING, hkv=hkv)
             if best is None:
                 continue
             row(name, "bf16", b, h, nq, nk, d, causal, f"{best:.4f}",
-                f"{attention_flops(b, h, nq, nk, d, causal) / best / 1e9:.1f}", f"{nbytes / best / 1e6:.0f}")
+                f"{attention_flops(b, h, nq, nk, d, causal) / best / 1e9:.1f}", f"{nbytes / best / 1e6:.0f}", hkv)
 
 
 def backward(shapes):
-    row(ATTENTION_COLUMNS)
-    for b, h, nq, nk, d, causal in shapes:
+    row(ATTENTION_COLUMNS + ",heads_kv")
+    for b, h, nq, nk, d, causal, hkv in shapes:
         if causal and nq != nk:
             continue
         for name, backend in PEER_BACKENDS:
-            best = best_of_layouts(backend, b, h, nq, nk, d, causal, BACKWARD_TIMING, backward=True)
+            best = best_of_layouts(backend, b, h, nq, nk, d, causal, BACKWARD_TIMING, backward=True, hkv=hkv)
             if best is None:
                 continue
             row(name, "bf16", b, h, nq, nk, d, causal, f"{best:.4f}",
-                f"{attention_flops(b, h, nq, nk, d, causal, factor=2.5) / best / 1e9:.1f}")
+                f"{attention_flops(b, h, nq, nk, d, causal, factor=2.5) / best / 1e9:.1f}", hkv)
 
 
 def extra_mib(fn, out_bytes):
@@ -187,7 +196,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name in ("forward", "backward"):
-        sub.add_parser(name).add_argument("shapes", nargs="*", type=shape, metavar="B,H,Nq,Nk,D,causal")
+        sub.add_parser(name).add_argument("shapes", nargs="*", type=shape, metavar="B,H,Nq,Nk,D,causal[,Hkv]")
     sub.add_parser("fp32")
     args = parser.parse_args()
     if args.command == "fp32":

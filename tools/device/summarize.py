@@ -14,7 +14,7 @@ import io
 import sys
 import xml.etree.ElementTree as ET
 
-SHAPE = ("batch", "heads", "seqlen_q", "seqlen_k", "headdim", "causal")
+SHAPE = ("batch", "heads", "seqlen_q", "seqlen_k", "headdim", "causal", "heads_kv")
 NAN = float("nan")
 
 
@@ -39,8 +39,8 @@ def by_shape(paths):
     rows = {}
     for path in paths:
         for r in read_csv_blocks(path):
-            if all(k in r for k in SHAPE):
-                rows.setdefault(tuple(r[k] for k in SHAPE), {})[r["impl"]] = r
+            if all(k in r for k in SHAPE[:6]):  # heads_kv: absent from older logs
+                rows.setdefault(tuple(r.get(k) for k in SHAPE), {})[r["impl"]] = r
     return rows
 
 
