@@ -106,12 +106,12 @@ rows = list(csv.DictReader(open(sys.argv[1])))
 shape_key = ("batch", "heads", "seqlen_q", "seqlen_k", "headdim", "causal", "heads_kv")
 variants, shapes, tf = [], [], defaultdict(list)
 for r in rows:
-    s = tuple(r.get(k) for k in shape_key)
+    s = tuple(r.get(k) for k in shape_key) + (r["impl"],)  # the default and deterministic backward apart
     if r["variant"] not in variants: variants.append(r["variant"])
     if s not in shapes: shapes.append(s)
     tf[(r["variant"], s)].append(float(r["tflops"]))
 print("TFLOP/s per round; ratio: median over rounds of variant / base")
-print("shape (B,H,Nq,Nk,D,causal,Hkv)".ljust(28) + "".join(v[:22].rjust(24) for v in variants) +
+print("shape (B,H,Nq,Nk,D,causal,Hkv,impl)".ljust(40) + "".join(v[:22].rjust(24) for v in variants) +
       "".join(("/base " + v[:12]).rjust(20) for v in variants[1:]))
 for s in shapes:
     cells = ["/".join(f"{x:.1f}" for x in tf[(v, s)]).rjust(24) for v in variants]
@@ -119,6 +119,6 @@ for s in shapes:
     for v in variants[1:]:
         pairs = [a / b for a, b in zip(tf[(v, s)], tf[("base", s)]) if b > 0]
         ratios.append((f"{statistics.median(pairs):.3f}" if pairs else "-").rjust(20))
-    print(",".join(s).ljust(28) + "".join(cells) + "".join(ratios))
+    print(",".join(s).ljust(40) + "".join(cells) + "".join(ratios))
 EOF
 rm -rf "$BASE"
