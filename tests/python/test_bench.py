@@ -95,3 +95,27 @@ def test_overhead_benchmark_on_cpu():
     for p in paired:
         median, low, high = float(p[2]), float(p[3].strip("(")), float(p[5].strip(")"))
         assert 0 <= low <= median <= high  # two decimals: a loaded machine can print 0.00
+
+
+def test_h100_ratios_are_sdpa_time_over_tileattn_time():
+    pd = pytest.importorskip("pandas", reason="the benchmark tables need the bench extra (pandas)")
+    from tileattn.bench import attention
+
+    def row(impl, fwd, bwd, status="ok", n=1024):
+        return dict(implementation=impl, headdim=64, seq_len=n, causal=False, forward_ms=fwd, backward_ms=bwd,
+                    status=status)
+
+    frame = pd.DataFrame([row("tileattn", 2.0, 4.0), row("sdpa_flash", 3.0, 5.0), row("sdpa_cudnn", 1.0, 8.0),
+                          row("sdpa_efficient", 9.0, 9.0, status="OOM"), row("tileattn", 1.0, 1.0, n=4096)])
+    r = attention.ratios_h100(frame).set_index("seq_len")
+    assert r.loc[1024, "forward_vs_cudnn"] == pytest.approx(0.5)
+    assert r.loc[1024, "backward_vs_cudnn"] == pytest.approx(2.0)
+    assert r.loc[1024, "step_vs_cudnn"] == pytest.approx(1.5)
+    # The fastest backend per column (cuDNN forward, flash backward; flash's step 8 < cuDNN's 9);
+    # the OOM row is no peer.
+    assert r.loc[1024, "forward_vs_best_sdpa"] == pytest.approx(0.5)
+    assert r.loc[1024, "backward_vs_best_sdpa"] == pytest.approx(1.25)
+    assert r.loc[1024, "step_vs_best_sdpa"] == pytest.approx(8.0 / 6.0)
+    # A shape no peer ran: no ratio.
+    assert r.loc[4096, ["forward_vs_cudnn", "step_vs_best_sdpa"]].isna().all()
+

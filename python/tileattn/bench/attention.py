@@ -214,6 +214,25 @@ def run_h100(warmup: int, passes: int, impl_filter: list[str] | None):
     return frame
 
 
+def ratios_h100(frame):
+    """Per shape, SDPA's time over tileattn's (above 1: tileattn is faster) for the forward, the
+    backward and a training step (their sum), against cuDNN and against the fastest SDPA backend of
+    each column (for the step: the backend with the fastest step). Rows that did not run are left out."""
+    import pandas as pd
+
+    key = ["headdim", "seq_len", "causal"]
+    ok = frame[frame["status"] == "ok"].assign(step_ms=lambda f: f["forward_ms"] + f["backward_ms"])
+    ours = ok[ok["implementation"] == "tileattn"].set_index(key)
+    sdpa = ok[ok["implementation"].str.startswith("sdpa_")]
+    peers = {"cudnn": sdpa[sdpa["implementation"] == "sdpa_cudnn"].set_index(key),
+             "best_sdpa": sdpa.groupby(key)[["forward_ms", "backward_ms", "step_ms"]].min()}
+    out = pd.DataFrame(index=ours.index)
+    for name, ref in peers.items():
+        for col in ("forward", "backward", "step"):
+            out[f"{col}_vs_{name}"] = ref[f"{col}_ms"].reindex(ours.index) / ours[f"{col}_ms"]
+    return out.reset_index()
+
+
 def _plot_h100(frame, path: str) -> None:
     """One panel per (head dim, pass); colour = implementation, dashed = causal."""
     import matplotlib
@@ -273,6 +292,8 @@ def main(argv=None):
         columns = ["implementation", "headdim", "seq_len", "causal", "status", "forward_ms", "forward_tflops",
                    "forward_matmul_fraction", "backward_ms", "backward_tflops", "backward_matmul_fraction"]
         print(frame[columns].to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+        print("SDPA's time over tileattn's (above 1: tileattn is faster):")
+        print(ratios_h100(frame).to_string(index=False, float_format=lambda x: f"{x:.2f}"))
     else:
         if args.tf32:
             torch.set_float32_matmul_precision("high")
