@@ -69,10 +69,8 @@ __global__ void __launch_bounds__(kRowKernelThreads) preprocess_kernel(const Bwd
   }
   float acc = 0.0f;
   if (i < s.sq) {
-    const T* o =
-        static_cast<const T*>(p.o.ptr) + seq_base(p, p.o, b, true) + int64_t(i) * p.o.seq + int64_t(h) * p.o.head;
-    const T* d = static_cast<const T*>(p.dout.ptr) + seq_base(p, p.dout, b, true) + int64_t(i) * p.dout.seq +
-                 int64_t(h) * p.dout.head;
+    const T* o = query_row<const T>(p, p.o, b, h, i);
+    const T* d = query_row<const T>(p, p.dout, b, h, i);
     // fp32 forms D = rowsum(P dP) / rowsum(P) in the row-statistics kernel instead, from the
     // gradient passes' own P and dP (bwd_row_stats_fp32.cuh says why); 0 here until it does. With
     // given_stats (partial_keys: the call's P and dP are only part of the row; the fast mode) D is
@@ -115,10 +113,8 @@ __global__ void __launch_bounds__(kRowKernelThreads) preprocess_vec_kernel(const
   const SeqInfo s = seq_info(p, b);
   float acc = 0.0f;
   if (live && i < s.sq) {
-    const T* o =
-        static_cast<const T*>(p.o.ptr) + seq_base(p, p.o, b, true) + int64_t(i) * p.o.seq + int64_t(h) * p.o.head;
-    const T* d = static_cast<const T*>(p.dout.ptr) + seq_base(p, p.dout, b, true) + int64_t(i) * p.dout.seq +
-                 int64_t(h) * p.dout.head;
+    const T* o = query_row<const T>(p, p.o, b, h, i);
+    const T* d = query_row<const T>(p, p.dout, b, h, i);
     for (int c = 8 * sub; c < p.headdim_v; c += 8 * kRowLanes) {
       const uint4 ov = *reinterpret_cast<const uint4*>(o + c), dv = *reinterpret_cast<const uint4*>(d + c);
       const uint32_t ow[4] = {ov.x, ov.y, ov.z, ov.w}, dw[4] = {dv.x, dv.y, dv.z, dv.w};
@@ -162,7 +158,7 @@ __global__ void __launch_bounds__(kRowKernelThreads) convert_dq_kernel(const Bwd
   const SeqInfo s = seq_info(p, b);
   if (i >= s.sq) return;
   const float* a = p.dq_accum + (ws_row(p, b, h) + i) * p.dq_accum_dim;
-  T* dq = static_cast<T*>(p.dq.ptr) + seq_base(p, p.dq, b, true) + int64_t(i) * p.dq.seq + int64_t(h) * p.dq.head;
+  T* dq = query_row<T>(p, p.dq, b, h, i);
   for (int c = threadIdx.x & 31; c < p.headdim_qk; c += 32) dq[c] = from_float<T>(a[c] * p.scale);
 }
 

@@ -75,6 +75,12 @@ __device__ __forceinline__ int64_t seq_base(const BwdParams& p, const Strided& t
   return int64_t(b) * t.batch;
 }
 
+// Row i of sequence b, head h of a query-side tensor (O, dO, dQ); T const for the inputs.
+template <class T>
+__device__ __forceinline__ T* query_row(const BwdParams& p, const Strided& t, int b, int h, int i) {
+  return static_cast<T*>(t.ptr) + seq_base(p, t, b, true) + int64_t(i) * t.seq + int64_t(h) * t.head;
+}
+
 __device__ __forceinline__ SeqInfo seq_info(const BwdParams& p, int b) {
   SeqInfo s;
   if (p.cu_seqlens_q != nullptr) {
