@@ -13,7 +13,9 @@ struct FwdSm90Params {
   CUtensorMap o;        // as q, in boxes of 64 rows (one consumer's); valid when o_by_tma
   bool o_by_tma;        // the copy engine can describe O
   int block_n;          // keys per step of the kernel instance the maps were made for
-  int consumers;        // its consumer warpgroups: Q tiles (and Q's boxes) of 64 * consumers rows
+  int consumers;        // its consumer warpgroups, 64 query rows each
+
+  int block_m() const { return 64 * consumers; }  // rows of a Q tile (and of Q's boxes)
 };
 
 }  // namespace tileattn::cuda

@@ -40,11 +40,11 @@ void launch(const FwdSm90Params& params, int64_t tiles, cudaStream_t stream) {
 // (half the keys a tile on average) 16-18% faster at 1k, 6-7% at 2k, 0-3% at 4k (docs/perf-log.md).
 constexpr int kFwdSm90PersistentMaxKeys = 1024;
 constexpr int kFwdSm90PersistentCausalMaxKeys = 4096;
-inline bool fwd_sm90_persistent(const FwdSm90Params& params, int block_m, int head_dim) {
+inline bool fwd_sm90_persistent(const FwdSm90Params& params, int head_dim) {
   const FwdParams& p = params.fwd;
   // Causal rows see at least one key each only where the keys are at least as many.
   const bool causal = p.window_right == 0 && p.seqlen_q <= p.seqlen_k;
-  const FwdUnits units(p, block_m);
+  const FwdUnits units(p, params.block_m());
   return head_dim <= 128 && params.o_by_tma && p.num_splits == 1 && !p.mod.has_alibi() && p.window_left < 0 &&
          (p.window_right < 0 || causal) && p.cu_seqlens_q == nullptr && p.keys.cu_seqlens == nullptr &&
          !p.keys.paged() && p.keys.seqused == nullptr && p.keys.leftpad == nullptr && p.keys.batch_idx == nullptr &&
@@ -73,12 +73,11 @@ bool FwdSm90<T, kHeadDim>::make_maps(const AttentionProblem& pr, FwdSm90Params& 
   // few percent at long key ranges (D = 128 only).
   params.block_n = fwd_sm90_block_n(kHeadDim, pr.seqlen_k >= kFwdSm90LongKeys && pr.alibi_slopes == nullptr);
   params.consumers = fwd_sm90_detail::fwd_sm90_consumers(pr, kHeadDim);
-  const int block_m = 64 * params.consumers;
   // O in boxes of one consumer's 64 rows; without a map the kernel stores O directly.
   params.o_by_tma = sm90::make_store_map(&params.o, pr.dtype, pr.o.data,
                                         attention_map_shape(pr, pr.o, pr.headdim_v, pr.seqlen_q, pr.total_q, pr.heads_q, 64));
   return sm90::make_tile_map(&params.q, pr.dtype, pr.q.data,
-                             attention_map_shape(pr, pr.q, pr.headdim_qk, pr.seqlen_q, pr.total_q, pr.heads_q, block_m)) &&
+                             attention_map_shape(pr, pr.q, pr.headdim_qk, pr.seqlen_q, pr.total_q, pr.heads_q, params.block_m())) &&
          sm90::make_tile_map(&params.k, pr.dtype, pr.k.data,
                              attention_map_shape(pr, pr.k, pr.headdim_qk, pr.seqlen_k, pr.total_k, pr.heads_kv, params.block_n)) &&
          sm90::make_tile_map(&params.v, pr.dtype, pr.v.data,
@@ -89,7 +88,7 @@ template <class T, int kHeadDim>
 int FwdSm90<T, kHeadDim>::num_splits(const FwdSm90Params& params) {
   const FwdParams& p = params.fwd;
   const int sms = device_props().sms;
-  const int64_t tiles = int64_t(p.batch) * p.heads_q * fwd_query_tiles(p, 64 * params.consumers);
+  const int64_t tiles = int64_t(p.batch) * p.heads_q * fwd_query_tiles(p, params.block_m());
   const int key_blocks = (p.seqlen_k + params.block_n - 1) / params.block_n;
   return fwd_num_splits(tiles, key_blocks, sms, 1);  // one block per SM (launch bounds)
 }
@@ -97,7 +96,7 @@ int FwdSm90<T, kHeadDim>::num_splits(const FwdSm90Params& params) {
 template <class T, int kHeadDim>
 void FwdSm90<T, kHeadDim>::run(const FwdSm90Params& params, cudaStream_t stream) {
   const FwdParams& p = params.fwd;
-  const int64_t tiles = fwd_query_tiles(p, 64 * params.consumers);
+  const int64_t tiles = fwd_query_tiles(p, params.block_m());
   if (tiles == 0 || p.heads_q == 0 || p.batch == 0) return;
   constexpr int kShort = fwd_sm90_block_n(kHeadDim, false), kLong = fwd_sm90_block_n(kHeadDim, true);
   using fwd_sm90_detail::launch;
@@ -105,7 +104,7 @@ void FwdSm90<T, kHeadDim>::run(const FwdSm90Params& params, cudaStream_t stream)
   else if (kLong != kShort && params.block_n == kLong) launch<T, kHeadDim, kLong, false>(params, tiles, stream);
   else if (params.consumers == 3)  // (only made up to head dim 64)
     launch<T, kHeadDim, kShort, false, false, kHeadDim <= 64 ? 3 : 2>(params, tiles, stream);
-  else if (fwd_sm90_detail::fwd_sm90_persistent(params, FwdSm90Traits<T, kHeadDim>::kBlockM, kHeadDim))
+  else if (fwd_sm90_detail::fwd_sm90_persistent(params, kHeadDim))
     launch<T, kHeadDim, kShort, false, kHeadDim <= 128>(params, tiles, stream);
   else launch<T, kHeadDim, kShort, false>(params, tiles, stream);
   launch_fwd_combine<T>(p, stream);
