@@ -40,8 +40,11 @@ constexpr int64_t kWidenTiles = 4;
 // every P of the row is multiplied, so that the weights sum to 1 as a softmax's do: the P
 // recomputed from the stored fp32 L carry L's rounding (up to ~|L| 2^-24) as one factor per row,
 // which a D formed from those same P would otherwise turn into an error of D itself.
+// from_tile: every sequence's keys fit one key tile, and each pass forms D and the factor from
+// that tile's own P and dP instead (tile_row_terms); delta and norm stay empty.
 struct RowTerms {
   std::vector<float> delta, norm;
+  bool from_tile = false;
 };
 
 // Where the backward reads Q and dO rows: in place, or from per-call panels (row_panels.hpp).
@@ -55,6 +58,7 @@ struct BackwardScratch {
   RowsView qv{}, dov{};                      // the tile's Q and dO rows, wherever they are
   float slope = 0.0f;                        // ALiBi slope of the tile's head
   int64_t head = 0;                          // the tile's query head (dropout's stream)
+  bool tile_terms = false;                   // RowTerms::from_tile
   AlignedVector<float> norm;                 // factor on each row's P (RowTerms)
   AlignedVector<float> kt, vt, k;            // key tile: K^T, V^T, K rows
   AlignedVector<float> p, ds, th;            // kTileQ x kTileK: P, dP then dS, tanh of capped scores
@@ -104,10 +108,11 @@ void load_query_tile(const AttentionProblem& p, const ScoreTransform& transform,
   w.head = h;
   w.qv = in.q.rows(p, s, h, i0, rows, w.q.data());
   w.dov = in.dout.rows(p, s, h, i0, rows, w.dout.data());
+  w.tile_terms = terms.from_tile;
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t li = lse_index(p, s, i0 + i, h);
     w.lse[size_t(i)] = row_lse(p, transform, s, i0 + i, h, w.slope);
-    w.delta[size_t(i)] = terms.delta[size_t(li)];
+    w.delta[size_t(i)] = terms.from_tile ? 0.0f : terms.delta[size_t(li)];
     w.norm[size_t(i)] = terms.norm.empty() ? 1.0f : terms.norm[size_t(li)];
   }
 }
@@ -166,10 +171,30 @@ void drop_probabilities(const ScoreTransform& transform, int64_t rows, int64_t n
   }
 }
 
+// RowTerms::from_tile: the tile holds every key its rows see, so D = rowsum(P * dP) / rowsum(P)
+// and the factor 1 / rowsum(P) on P come from the tile itself, as compute_delta_consistent forms
+// them over a row's tiles, at no extra pass. Each product is exact in double and the keys are
+// added in order, so every pass over the tile gets the same D (masked keys add exact zeros).
+void tile_row_terms(int64_t rows, int64_t n, BackwardScratch& w) {
+  for (int64_t i = 0; i < rows; ++i) {
+    float* pi = &w.p[size_t(i * kTileK)];
+    const float* dpi = &w.ds[size_t(i * kTileK)];
+    double sum = 0.0, weight = 0.0;
+    for (int64_t j = 0; j < n; ++j) {
+      sum += double(pi[j]) * double(dpi[j]);
+      weight += double(pi[j]);
+    }
+    w.delta[size_t(i)] = weight > 0.0 ? float(sum / weight) : 0.0f;
+    const float norm = weight > 0.0 ? float(1.0 / weight) : 1.0f;
+    for (int64_t j = 0; j < n; ++j) pi[j] *= norm;
+  }
+}
+
 // probabilities_and_dp, then dS = P * (dP - D) (through the cap derivative) into w.ds.
 void probabilities_and_ds(const AttentionProblem& p, const ScoreTransform& transform, const Sequence& s, int64_t i0,
                           int64_t rows, int64_t j0, int64_t n, BackwardScratch& w) {
   probabilities_and_dp(p, transform, s, i0, rows, j0, n, w);
+  if (w.tile_terms) tile_row_terms(rows, n, w);
   for (int64_t i = 0; i < rows; ++i) {
     const float* pi = &w.p[size_t(i * kTileK)];
     float* dsi = &w.ds[size_t(i * kTileK)];
@@ -261,11 +286,15 @@ void compute_delta_consistent(const AttentionProblem& p, const ScoreTransform& t
 // Also ALiBi's causal form: L is stored plus slope * (i + sk - sq), so its rounding (and that of
 // every P) grows with the row, past the 2x rule in fp32 (measured 1.5x the bound at slope 0.5,
 // 120 rows); the per-row factor removes it.
+// And keys or values that repeat along the sequence (stride 0, expand()): with one V row every dP
+// of a row is the same value and the exact dS is 0, which rowsum(O * dO) misses by O's rounding
+// summed over headdim_v (fp32, 2 keys, headdim 205: dQ 6.5e-6 against a naive 6e-7).
 // Never with partial_keys: a part's keys are not the row's whole softmax, so P must keep the given
 // L and D the given O (problem.hpp).
 bool use_consistent_delta(const AttentionProblem& p, const ScoreTransform& transform) {
   if (p.partial_keys) return false;
-  return p.dtype != DType::f32 || p.headdim_qk <= 8 || transform.mod.alibi_lse_offset;
+  const bool keys_repeat = !p.is_paged() && p.seqlen_k > 1 && (p.k.seq_stride == 0 || p.v.seq_stride == 0);
+  return p.dtype != DType::f32 || p.headdim_qk <= 8 || transform.mod.alibi_lse_offset || keys_repeat;
 }
 
 // dK, dV of one key tile, summed over the GQA group's query heads and the query tiles that see
@@ -376,11 +405,15 @@ void backward(const AttentionProblem& p) {
   const RowPanels dout_rows(p, p.dout, true, p.heads_q, p.headdim_v, k_tiles, threads);
   const QueryRows in{q_rows, dout_rows};
   RowTerms terms;
-  terms.delta.resize(size_t(p.heads_q * rows_q));
-  if (use_consistent_delta(p, transform)) {
+  terms.from_tile = max_k <= kTileK && !p.partial_keys;
+  if (terms.from_tile) {
+    // D comes from each tile's own P and dP (tile_row_terms): nothing to do before the passes.
+  } else if (use_consistent_delta(p, transform)) {
+    terms.delta.resize(size_t(p.heads_q * rows_q));
     terms.norm.resize(terms.delta.size());
     compute_delta_consistent(p, transform, in, q_tiles, threads, terms);
   } else {
+    terms.delta.resize(size_t(p.heads_q * rows_q));
     compute_delta(p, threads, q_tiles, terms.delta);
   }
   if (p.batch * p.heads_kv >= kFusedTasksPerThread * threads) {

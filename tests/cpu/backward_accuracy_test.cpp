@@ -100,6 +100,31 @@ TEST(BackwardAccuracy, Fp32OneVisibleKeyGivesZeroDqDk) {
   }
 }
 
+// Values repeated along the sequence (stride 0, as expand() gives): every dP of a row is the same
+// value, so dS = P (dP - D) and dQ, dK are exactly 0, as in a naive implementation; D from
+// rowsum(O * dO) left O's rounding summed over headdim_v (dQ up to 8e-6 at 2 keys, headdim 205).
+// Two keys take the one-tile path (D from the tile's own P and dP), 100 the consistent pass.
+TEST(BackwardAccuracy, Fp32RepeatedValuesGiveZeroDqDk) {
+  for (int64_t keys : {2, 100}) {
+    SCOPED_TRACE("seqlen_k " + std::to_string(keys));
+    for (int trial = 0; trial < kTrials; ++trial) {
+      ProblemShape shape;
+      shape.batch = 2;
+      shape.seqlen_q = 3;
+      shape.seqlen_k = keys;
+      shape.headdim_qk = shape.headdim_v = 205;
+      shape.num_threads = 2;
+      HostProblem hp(shape);
+      hp.problem.v.seq_stride = 0;
+      hp.problem.backend = Backend::cpu;
+      tileattn::forward(hp.problem);
+      tileattn::backward(hp.problem);
+      for (double x : hp.dq.gather()) ASSERT_EQ(x, 0.0) << "dQ";
+      for (double x : hp.dk.gather()) ASSERT_EQ(x, 0.0) << "dK";
+    }
+  }
+}
+
 TEST(BackwardAccuracy, Fp16SeqlenTwo) {
   check_trials({2, 2, 16, 16, DType::f16, false});
   check_trials({2, 2, 64, 64, DType::f16, true});
