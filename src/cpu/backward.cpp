@@ -1,5 +1,6 @@
-// Tiled CPU backward. P is recomputed from the saved L, and D = rowsum(O * dO) replaces the
-// rowsum(P * dP) of the softmax gradient, so nothing quadratic is stored. Every output element is
+// Tiled CPU backward. P is recomputed from the saved L, and the softmax gradient's D comes from
+// rowsum(O * dO), or from P and dP where that is cheap or needed (tile_row_terms,
+// use_consistent_delta), so nothing quadratic is stored. Every output element is
 // written by one task in a fixed order: race-free and bitwise deterministic.
 //
 // dK and dV of a key tile accumulate locally over the query tiles that see it and over every
