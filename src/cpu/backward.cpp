@@ -19,6 +19,7 @@
 #include <cmath>
 #include <vector>
 
+#include "common/delta_rule.hpp"
 #include "cpu/aligned.hpp"
 #include "cpu/cpu_backend.hpp"
 #include "cpu/parallel.hpp"
@@ -280,22 +281,15 @@ void compute_delta_consistent(const AttentionProblem& p, const ScoreTransform& t
   });
 }
 
-// Where rowsum(O * dO) is not accurate enough for D (compute_delta_consistent): O rounded to 16
-// bits, or head dims so small that scores are few-term sums and rows are peaky, so a handful of
-// elements carry all of dQ and dK (measured: the 2x rule failed at headdim_qk 1-4 against a naive
-// fp32 implementation, passed at 8 and above with headdim_v up to 256).
-// Also ALiBi's causal form: L is stored plus slope * (i + sk - sq), so its rounding (and that of
-// every P) grows with the row, past the 2x rule in fp32 (measured 1.5x the bound at slope 0.5,
-// 120 rows); the per-row factor removes it.
-// And keys or values that repeat along the sequence (stride 0, expand()): with one V row every dP
-// of a row is the same value and the exact dS is 0, which rowsum(O * dO) misses by O's rounding
-// summed over headdim_v (fp32, 2 keys, headdim 205: dQ 6.5e-6 against a naive 6e-7).
-// Never with partial_keys: a part's keys are not the row's whole softmax, so P must keep the given
-// L and D the given O (problem.hpp).
+// Where rowsum(O * dO) is not accurate enough for D (compute_delta_consistent): the shared rule
+// (common/delta_rule.hpp), and on the CPU also O rounded to 16 bits, and ALiBi's causal form: L is
+// stored plus slope * (i + sk - sq), so its rounding (and that of every P) grows with the row, past
+// the 2x rule in fp32 (measured 1.5x the bound at slope 0.5, 120 rows); the per-row factor removes
+// it. Never with partial_keys: a part's keys are not the row's whole softmax, so P must keep the
+// given L and D the given O (problem.hpp).
 bool use_consistent_delta(const AttentionProblem& p, const ScoreTransform& transform) {
   if (p.partial_keys) return false;
-  const bool keys_repeat = !p.is_paged() && p.seqlen_k > 1 && (p.k.seq_stride == 0 || p.v.seq_stride == 0);
-  return p.dtype != DType::f32 || p.headdim_qk <= 8 || transform.mod.alibi_lse_offset || keys_repeat;
+  return p.dtype != DType::f32 || transform.mod.alibi_lse_offset || delta_from_p_and_dp(p);
 }
 
 // dK, dV of one key tile, summed over the GQA group's query heads and the query tiles that see

@@ -19,6 +19,7 @@
 #include "common/online_softmax.hpp"
 #include "common/score_mod.hpp"
 #include "common/backend_plan.hpp"
+#include "common/delta_rule.hpp"
 #include "cuda/common/check.cuh"
 #include "cuda/common/row_alignment.hpp"
 #include "cuda/common/uncovered_rows.cuh"
@@ -182,6 +183,7 @@ class BackwardPlan final : public detail::BackendPlan {
     params.pair_grads = pair_stores_ok(p);
     params.fp32_fast = p.dtype == DType::f32 && p.fp32_mode == Fp32Mode::fast;
     params.given_stats = p.partial_keys || params.fp32_fast;
+    params.consistent_delta = p.dtype != DType::f32 && delta_from_p_and_dp(p);
     params.seqlen_q_rounded = int(layout_.rows / (p.batch * p.heads_q));
     params.dq_accum_dim = layout_.dim;
   }

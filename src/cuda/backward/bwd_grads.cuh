@@ -38,7 +38,7 @@ __device__ __forceinline__ float prob_of_score(float x, float l, float row_sum, 
                                                float bias = 0.0f) {
   if constexpr (std::is_same_v<T, float>) {
     // The score rounded exactly as scaled_score and the row statistics round it (the bias added
-    // in this order there too, bwd_row_stats_fp32.cuh): a multiply-add contracted into
+    // in this order there too, bwd_row_stats.cuh): a multiply-add contracted into
     // exp(x * scale - max) left the rounding residual of x * scale in the exponent, so a row's
     // only visible key got P = exp(residual) != 1 and dQ, dK a few ulp where they are exactly 0.
     cap = kCapped ? __fmul_rn(p.softcap, tanhf(x * p.scale_over_cap)) : 0.0f;

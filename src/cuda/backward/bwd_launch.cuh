@@ -1,5 +1,6 @@
 #pragma once
-// Host side of one backward: preprocess (and, for exact fp32 without partial_keys, the row statistics),
+// Host side of one backward: preprocess (and the row statistics: exact fp32 without partial_keys,
+// 16-bit where consistent_delta),
 // dK/dV (with atomic dQ, or not), then the dQ conversion or dQ's own pass. Instantiated per
 // (dtype, head-dim bucket) by the units src/cuda/CMakeLists.txt generates.
 #include <cuda_runtime.h>
@@ -10,7 +11,7 @@
 
 #include "cuda/common/check.cuh"
 #include "cuda/common/runtime_cache.hpp"
-#include "cuda/backward/bwd_row_stats_fp32.cuh"
+#include "cuda/backward/bwd_row_stats.cuh"
 #include "cuda/backward/bwd_dkdv_kernel.cuh"
 #include "cuda/backward/bwd_dq_kernel.cuh"
 #include "cuda/backward/bwd_launch.hpp"
@@ -21,20 +22,12 @@
 
 namespace tileattn::cuda::bwd {
 
-// Everything after the preprocess: fp32's row statistics, dK/dV, then dQ's conversion or pass.
+// Everything after the preprocess: the row statistics (fp32, or 16-bit's D where asked), dK/dV,
+// then dQ's conversion or pass.
 template <class T, int D, Fp32Math M>
 void launch_passes(const BwdParams& p, unsigned row_blocks, cudaStream_t stream) {
   using KV = DkdvTile<T, D>;
-  if constexpr (std::is_same_v<T, float> && M != Fp32Math::tf32) {
-    if (!p.given_stats) {
-      using Q = DqTile<T, D>;
-      constexpr int smem = RowStatsTile<D>::kSmemBytes;
-      allow_dynamic_smem(row_stats_kernel<D, M>, smem);
-      const dim3 grid((p.seqlen_q + Q::kBlockM - 1) / Q::kBlockM, p.batch, p.heads_q);
-      row_stats_kernel<D, M><<<grid, kThreads, smem, stream>>>(p);
-      TA_CUDA_CHECK_LAUNCH("backward fp32 row statistics");
-    }
-  }
+  launch_row_stats<T, D, M>(p, stream);
 
   const int kv_smem = KV::smem_bytes(p.dkdv_stages);
   allow_dynamic_smem(dkdv_kernel<T, D, M>, kv_smem);
@@ -82,7 +75,16 @@ void launch_backward(const BwdParams& params, cudaStream_t stream) {
   }
 }
 
+template <class T, int D>
+void launch_consistent_delta(const BwdParams& p, cudaStream_t stream) {
+  static_assert(!std::is_same_v<T, float>, "fp32 forms D in its row-statistics pass");
+  launch_row_stats<T, D>(p, stream);
+}
+
 }  // namespace tileattn::cuda::bwd
 
 #define TILEATTN_INSTANTIATE_BWD_SM80(T, D) \
   template void tileattn::cuda::bwd::launch_backward<T, D>(const tileattn::cuda::bwd::BwdParams&, cudaStream_t);
+// 16-bit only.
+#define TILEATTN_INSTANTIATE_CONSISTENT_DELTA(T, D) \
+  template void tileattn::cuda::bwd::launch_consistent_delta<T, D>(const tileattn::cuda::bwd::BwdParams&, cudaStream_t);

@@ -13,4 +13,9 @@ constexpr int kWorkspaceRowTile = 128;
 template <class T, int D>
 void launch_backward(const BwdParams& p, cudaStream_t stream);
 
+// 16-bit: D from P and dP where p.consistent_delta (bwd_row_stats.cuh), for the Hopper backward
+// too, which calls it between its preprocess and its main kernel; the portable units instantiate it.
+template <class T, int D>
+void launch_consistent_delta(const BwdParams& p, cudaStream_t stream);
+
 }  // namespace tileattn::cuda::bwd

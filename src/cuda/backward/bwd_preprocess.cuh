@@ -1,7 +1,7 @@
 #pragma once
 // The two light kernels around the main backward pass:
 //  - preprocess: D = rowsum(O * dO) (16-bit, and fp32 with given_stats; otherwise fp32's D comes
-//    from bwd_row_stats_fp32.cuh) and L * log2(e) (fp32: L) per query row, into the workspace,
+//    from bwd_row_stats.cuh) and L * log2(e) (fp32: L) per query row, into the workspace,
 //    and the row's fp32 dQ accumulator (when dQ is summed by atomics) zeroed;
 //  - convert: the fp32 dQ accumulator, scaled, into dQ in the problem's dtype and strides.
 // One warp per query row, or for 16-bit O and dO that take 16-byte loads (vec_io) a few lanes per
@@ -72,7 +72,7 @@ __global__ void __launch_bounds__(kRowKernelThreads) preprocess_kernel(const Bwd
     const T* o = query_row<const T>(p, p.o, b, h, i);
     const T* d = query_row<const T>(p, p.dout, b, h, i);
     // fp32 forms D = rowsum(P dP) / rowsum(P) in the row-statistics kernel instead, from the
-    // gradient passes' own P and dP (bwd_row_stats_fp32.cuh says why); 0 here until it does. With
+    // gradient passes' own P and dP (bwd_row_stats.cuh says why); 0 here until it does. With
     // given_stats (partial_keys: the call's P and dP are only part of the row; the fast mode) D is
     // the given O's, here: summed in double and rounded once, as the exact products it cancels
     // against are.

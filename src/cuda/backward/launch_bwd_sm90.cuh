@@ -99,6 +99,7 @@ void BwdSm90<T, kHeadDim>::run(const BwdSm90Params& params, cudaStream_t stream)
 
   bwd::launch_preprocess<T>(p, stream);
   TA_CUDA_CHECK_LAUNCH("backward preprocess");
+  bwd::launch_consistent_delta<T, kHeadDim>(p, stream);
 
   if (p.mod.has_alibi()) detail::launch_main_sm90<T, kHeadDim, true>(params, stream);
   else detail::launch_main_sm90<T, kHeadDim, false>(params, stream);

@@ -44,6 +44,9 @@ struct BwdParams {
   // Set for problem.hpp's partial_keys (the call sees part of each row, so the given L and O are
   // the row's) and for the fast mode (TF32 products: the pass's accuracy would be lost on them).
   bool given_stats;
+  // 16-bit only: D = rowsum(P dP) / rowsum(P) from a pass of its own (bwd_row_stats.cuh) instead of
+  // the preprocess's rowsum(O dO), where that is not accurate enough (common/delta_rule.hpp).
+  bool consistent_delta;
   bool fp32_fast;  // fp32 products as one TF32 product each (Fp32Mode::fast), else exact
   int dkdv_stages;  // query-tile buffers of the dK/dV kernel: 2 where shared memory allows, else 1
   int dq_stages;    // key-tile buffers of the dQ pass, likewise

@@ -1,5 +1,7 @@
 #pragma once
-// fp32 backward only: each query row's softmax statistics, recomputed from Q and K.
+// Each query row's softmax statistics and D, recomputed from Q, K, V and dO: the exact fp32
+// backward's (both passes below), and the 16-bit backward's D where rowsum(O dO) is not accurate
+// enough (consistent_delta: the second pass only, P from the forward's L).
 //
 // Recomputing P as exp(s - L) from the forward's L costs fp32 about |L| units in the last place
 // of relative error in every P (L is a sum of a max and a log, each rounded at its magnitude),
@@ -41,6 +43,8 @@
 #include "cuda/common/bwd_params.hpp"
 #include "cuda/backward/bwd_tile_io.cuh"
 #include "cuda/backward/bwd_traits.cuh"
+#include "cuda/common/check.cuh"
+#include "cuda/common/runtime_cache.hpp"
 
 namespace tileattn::cuda::bwd {
 
@@ -54,27 +58,33 @@ __device__ __forceinline__ void merge_stats(float& m, float& l, float m2, float 
 
 // Q, dO, K, V tiles; per (column warp, row): the D pass's double sums, then max and sum; per row:
 // the merged max and sum the D pass forms P from.
-template <int D>
+template <class T, int D>
 struct RowStatsTile {
-  using Tile = DqTile<float, D>;
+  using Tile = DqTile<T, D>;
   static constexpr int kSmemBytes =
-      int(sizeof(float)) * (2 * Tile::kBlockM * Tile::kLd + 2 * Tile::kBlockN * Tile::kLd) +
+      int(sizeof(T)) * (2 * Tile::kBlockM * Tile::kLd + 2 * Tile::kBlockN * Tile::kLd) +
       int(sizeof(double)) * 2 * Tile::kGridS.wn * Tile::kBlockM +
       int(sizeof(float)) * (2 * Tile::kGridS.wn * Tile::kBlockM + 2 * Tile::kBlockM);
 };
 
-template <int D, Fp32Math M = Fp32Math::fp64>
+// T = float: both passes (not with given_stats). 16-bit: the D pass alone, over P = exp2(s log2 e
+// - L log2 e) as the gradient passes form it from the preprocess's lse2 (row_sum 1), so that D
+// cancels against their dP: with headdim_qk <= 8 the scores are few-term sums and rows peaky, and
+// D = rowsum(O dO) from the 16-bit O missed by O's rounding (bf16, headdim 1/55: dK 0.257 against
+// a naive backward's 0.065; docs/accuracy.md).
+template <class T, int D, Fp32Math M = Fp32Math::fp64>
 __global__ void __launch_bounds__(kThreads, 1) row_stats_kernel(const BwdParams p) {
-  using Tile = DqTile<float, D>;
+  using Tile = DqTile<T, D>;
   constexpr int BM = Tile::kBlockM, BN = Tile::kBlockN, LD = Tile::kLd;
   constexpr WarpGrid GS = Tile::kGridS;
   constexpr int MT = GS.tm / 16, NT = GS.tn / 8;
+  constexpr bool kStats = std::is_same_v<T, float>;
 
   extern __shared__ __align__(16) unsigned char smem[];
-  float* sQ = reinterpret_cast<float*>(smem);
-  float* sdO = sQ + BM * LD;
-  float* sK = sdO + BM * LD;
-  float* sV = sK + BN * LD;
+  T* sQ = reinterpret_cast<T*>(smem);
+  T* sdO = sQ + BM * LD;
+  T* sK = sdO + BM * LD;
+  T* sV = sK + BN * LD;
   double* sPdP = reinterpret_cast<double*>(sV + BN * LD);  // [column warp][row]: sum of P dP
   double* sP = sPdP + GS.wn * BM;                           // [column warp][row]: sum of P
   float* sM = reinterpret_cast<float*>(sP + GS.wn * BM);    // [column warp][row]
@@ -91,14 +101,14 @@ __global__ void __launch_bounds__(kThreads, 1) row_stats_kernel(const BwdParams 
   const TileSpan keys = tile_span(mask.tile_begin_key(q0), mask.tile_end_key(q1), BN);
   const int t0 = keys.first, n_tiles = keys.count;
 
-  const float* gQ =
-      static_cast<const float*>(p.q.ptr) + seq_base(p, p.q, b, true) + int64_t(h) * p.q.head + int64_t(q0) * p.q.seq;
-  const float* gK = static_cast<const float*>(p.k.ptr) + seq_base(p, p.k, b, false) + int64_t(hk) * p.k.head;
-  const float* gV = static_cast<const float*>(p.v.ptr) + seq_base(p, p.v, b, false) + int64_t(hk) * p.v.head;
-  const float* gdO = static_cast<const float*>(p.dout.ptr) + seq_base(p, p.dout, b, true) + int64_t(h) * p.dout.head +
-                     int64_t(q0) * p.dout.seq;
-  load_tile<float, BM, D, LD>(sQ, gQ, p.q.seq, q1 - q0, p.headdim_qk, p.vec_io);
-  load_tile<float, BM, D, LD>(sdO, gdO, p.dout.seq, q1 - q0, p.headdim_v, p.vec_io);
+  const T* gQ =
+      static_cast<const T*>(p.q.ptr) + seq_base(p, p.q, b, true) + int64_t(h) * p.q.head + int64_t(q0) * p.q.seq;
+  const T* gK = static_cast<const T*>(p.k.ptr) + seq_base(p, p.k, b, false) + int64_t(hk) * p.k.head;
+  const T* gV = static_cast<const T*>(p.v.ptr) + seq_base(p, p.v, b, false) + int64_t(hk) * p.v.head;
+  const T* gdO = static_cast<const T*>(p.dout.ptr) + seq_base(p, p.dout, b, true) + int64_t(h) * p.dout.head +
+                 int64_t(q0) * p.dout.seq;
+  load_tile<T, BM, D, LD>(sQ, gQ, p.q.seq, q1 - q0, p.headdim_qk, p.vec_io);
+  load_tile<T, BM, D, LD>(sdO, gdO, p.dout.seq, q1 - q0, p.headdim_v, p.vec_io);
   cp_async_commit();  // committed even when no key tile follows, so the final wait covers it
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
@@ -109,50 +119,53 @@ __global__ void __launch_bounds__(kThreads, 1) row_stats_kernel(const BwdParams 
   const bool alibi = p.mod.has_alibi();
   const float slope = p.mod.slope(b, h);
 
-  for (int it = 0; it < n_tiles; ++it) {
-    const int k0 = (t0 + it) * BN;
-    load_tile<float, BN, D, LD>(sK, gK + int64_t(k0) * p.k.seq, p.k.seq, s.sk - k0, p.headdim_qk, p.vec_io);
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
-    float st[MT][NT][4];
-    zero(st);
-    // In fp64, as the passes that form P from these statistics sum S.
-    warp_gemm<float, MT, NT, D, true, false, M>(st, sQ + s_row * LD, LD, sK + s_col * LD, LD);
-    const bool masked = !(mask.full_begin_key(q1) <= k0 && mask.full_end_key(q0) >= k0 + BN);
-    // kAlibi: ALiBi's bias after the cap, added as prob_of_score adds it, so that P's statistics
-    // are those of the scores it forms. One uniform branch per tile picks the variant.
-    auto tile_stats = [&](auto alibi_c) {
-      constexpr bool kAlibi = decltype(alibi_c)::value;
+  // The statistics pass (fp32): max and sum of the scaled scores over the row's keys.
+  if constexpr (kStats) {
+    for (int it = 0; it < n_tiles; ++it) {
+      const int k0 = (t0 + it) * BN;
+      load_tile<T, BN, D, LD>(sK, gK + int64_t(k0) * p.k.seq, p.k.seq, s.sk - k0, p.headdim_qk, p.vec_io);
+      cp_async_commit();
+      cp_async_wait<0>();
+      __syncthreads();
+      float st[MT][NT][4];
+      zero(st);
+      // In fp64, as the passes that form P from these statistics sum S.
+      warp_gemm<T, MT, NT, D, true, false, M>(st, sQ + s_row * LD, LD, sK + s_col * LD, LD);
+      const bool masked = !(mask.full_begin_key(q1) <= k0 && mask.full_end_key(q0) >= k0 + BN);
+      // kAlibi: ALiBi's bias after the cap, added as prob_of_score adds it, so that P's statistics
+      // are those of the scores it forms. One uniform branch per tile picks the variant.
+      auto tile_stats = [&](auto alibi_c) {
+        constexpr bool kAlibi = decltype(alibi_c)::value;
 #pragma unroll
-      for (int i = 0; i < MT; ++i)
+        for (int i = 0; i < MT; ++i)
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int r = s_row + i * 16 + (lane >> 2) + hh * 8;
-          float v[NT][2];
-          float tile_max = -INFINITY;
+          for (int hh = 0; hh < 2; ++hh) {
+            const int r = s_row + i * 16 + (lane >> 2) + hh * 8;
+            float v[NT][2];
+            float tile_max = -INFINITY;
 #pragma unroll
-          for (int j = 0; j < NT; ++j)
+            for (int j = 0; j < NT; ++j)
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const int c = s_col + j * 8 + (lane & 3) * 2 + e;
-              float sc = scaled_score(st[i][j][2 * hh + e], p);
-              if constexpr (kAlibi) sc = __fadd_rn(sc, ScoreMod::alibi_bias(slope, q0 + r, k0 + c, s.sq, s.sk));
-              v[j][e] = (masked && !mask.visible(q0 + r, k0 + c)) ? -INFINITY : sc;
-              tile_max = fmaxf(tile_max, v[j][e]);
-            }
-          float tile_sum = 0.0f;
-          if (tile_max != -INFINITY)
+              for (int e = 0; e < 2; ++e) {
+                const int c = s_col + j * 8 + (lane & 3) * 2 + e;
+                float sc = scaled_score(st[i][j][2 * hh + e], p);
+                if constexpr (kAlibi) sc = __fadd_rn(sc, ScoreMod::alibi_bias(slope, q0 + r, k0 + c, s.sq, s.sk));
+                v[j][e] = (masked && !mask.visible(q0 + r, k0 + c)) ? -INFINITY : sc;
+                tile_max = fmaxf(tile_max, v[j][e]);
+              }
+            float tile_sum = 0.0f;
+            if (tile_max != -INFINITY)
 #pragma unroll
-            for (int j = 0; j < NT; ++j) tile_sum += expf(v[j][0] - tile_max) + expf(v[j][1] - tile_max);
-          merge_stats(m[i][hh], l[i][hh], tile_max, tile_sum);
-        }
-    };
-    if (alibi)
-      tile_stats(std::true_type{});
-    else
-      tile_stats(std::false_type{});
-    __syncthreads();  // sK is refilled next
+              for (int j = 0; j < NT; ++j) tile_sum += expf(v[j][0] - tile_max) + expf(v[j][1] - tile_max);
+            merge_stats(m[i][hh], l[i][hh], tile_max, tile_sum);
+          }
+      };
+      if (alibi)
+        tile_stats(std::true_type{});
+      else
+        tile_stats(std::false_type{});
+      __syncthreads();  // sK is refilled next
+    }
   }
 
   // Quad lanes share rows; then the column warps of each row band.
@@ -173,9 +186,12 @@ __global__ void __launch_bounds__(kThreads, 1) row_stats_kernel(const BwdParams 
   cp_async_wait<0>();
   __syncthreads();
   for (int r = threadIdx.x; r < BM; r += kThreads) {
-    // What the gradient passes read for the row: (max, sum), or (+inf, 1) where P is 0.
+    // What the gradient passes read for the row: (max, sum), or (+inf, 1) where P is 0; 16-bit:
+    // (L log2 e, 1) as the preprocess wrote them.
     float mr = INFINITY, lr = 1.0f;
-    if (r < q1 - q0) {
+    if (!kStats) {
+      if (r < q1 - q0) mr = p.lse2[ws_row(p, b, h) + q0 + r];
+    } else if (r < q1 - q0) {
       float m_all = sM[r], l_all = sSum[r];
       for (int w = 1; w < GS.wn; ++w) merge_stats(m_all, l_all, sM[w * BM + r], sSum[w * BM + r]);
       if (l_all > 0.0f) {
@@ -197,16 +213,16 @@ __global__ void __launch_bounds__(kThreads, 1) row_stats_kernel(const BwdParams 
   for (int i = 0; i < MT; ++i) pdp[i][0] = pdp[i][1] = psum[i][0] = psum[i][1] = 0.0;
   for (int it = 0; it < n_tiles; ++it) {
     const int k0 = (t0 + it) * BN;
-    load_tile<float, BN, D, LD>(sK, gK + int64_t(k0) * p.k.seq, p.k.seq, s.sk - k0, p.headdim_qk, p.vec_io);
-    load_tile<float, BN, D, LD>(sV, gV + int64_t(k0) * p.v.seq, p.v.seq, s.sk - k0, p.headdim_v, p.vec_io);
+    load_tile<T, BN, D, LD>(sK, gK + int64_t(k0) * p.k.seq, p.k.seq, s.sk - k0, p.headdim_qk, p.vec_io);
+    load_tile<T, BN, D, LD>(sV, gV + int64_t(k0) * p.v.seq, p.v.seq, s.sk - k0, p.headdim_v, p.vec_io);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
     float dp[MT][NT][4], st[MT][NT][4];
     zero(dp);
     zero(st);
-    warp_gemm<float, MT, NT, D, true, false, M>(dp, sdO + s_row * LD, LD, sV + s_col * LD, LD);
-    warp_gemm<float, MT, NT, D, true, false, M>(st, sQ + s_row * LD, LD, sK + s_col * LD, LD);
+    warp_gemm<T, MT, NT, D, true, false, M>(dp, sdO + s_row * LD, LD, sV + s_col * LD, LD);
+    warp_gemm<T, MT, NT, D, true, false, M>(st, sQ + s_row * LD, LD, sK + s_col * LD, LD);
     const bool masked = !(mask.full_begin_key(q1) <= k0 && mask.full_end_key(q0) >= k0 + BN);
     // kDropout: dP takes the element's z, as scores_to_grads_tile gives it (one Philox call per
     // pair of columns: k0 is a whole tile of keys, so the pair's first key is even).
@@ -234,7 +250,7 @@ __global__ void __launch_bounds__(kThreads, 1) row_stats_kernel(const BwdParams 
               const int c = c0 + e;
               float bias = 0.0f, cap;
               if constexpr (kAlibi) bias = ScoreMod::alibi_bias(slope, q0 + r, k0 + c, s.sq, s.sk);
-              float pe = prob_of_score<float, kCapped, kAlibi>(st[i][j][2 * hh + e], mr, lr, p, cap, bias);
+              float pe = prob_of_score<T, kCapped, kAlibi>(st[i][j][2 * hh + e], mr, lr, p, cap, bias);
               if (masked && !mask.visible(q0 + r, k0 + c)) pe = 0.0f;
               const float dpe = kDropout ? dp[i][j][2 * hh + e] * z[e] : dp[i][j][2 * hh + e];
               pdp[i][hh] += double(pe) * double(dpe);
@@ -279,6 +295,21 @@ __global__ void __launch_bounds__(kThreads, 1) row_stats_kernel(const BwdParams 
     double num = sPdP[r], den = sP[r];
     for (int w = 1; w < GS.wn; ++w) num += sPdP[w * BM + r], den += sP[w * BM + r];
     p.dsum[ws_row(p, b, h) + q0 + r] = den > 0.0 ? float(num / den) : 0.0f;
+  }
+}
+
+// After the preprocess, before the gradient passes: fp32's statistics and D unless given_stats,
+// 16-bit's D where consistent_delta asks for it; nothing otherwise.
+template <class T, int D, Fp32Math M = Fp32Math::fp64>
+void launch_row_stats(const BwdParams& p, cudaStream_t stream) {
+  if constexpr (!(std::is_same_v<T, float> && M == Fp32Math::tf32)) {  // the fast mode takes L and O as given
+    if (std::is_same_v<T, float> ? p.given_stats : !p.consistent_delta) return;
+    constexpr int smem = RowStatsTile<T, D>::kSmemBytes;
+    allow_dynamic_smem(row_stats_kernel<T, D, M>, smem);
+    const dim3 grid((p.seqlen_q + DqTile<T, D>::kBlockM - 1) / DqTile<T, D>::kBlockM, p.batch, p.heads_q);
+    row_stats_kernel<T, D, M><<<grid, kThreads, smem, stream>>>(p);
+    if constexpr (std::is_same_v<T, float>) TA_CUDA_CHECK_LAUNCH("backward fp32 row statistics");
+    else TA_CUDA_CHECK_LAUNCH("backward D from P and dP");
   }
 }
 
