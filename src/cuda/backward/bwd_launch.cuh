@@ -1,8 +1,7 @@
 #pragma once
 // Host side of one backward: preprocess (and the row statistics: exact fp32 without partial_keys,
-// 16-bit where consistent_delta),
-// dK/dV (with atomic dQ, or not), then the dQ conversion or dQ's own pass. Instantiated per
-// (dtype, head-dim bucket) by the units src/cuda/CMakeLists.txt generates.
+// 16-bit where consistent_delta), dK/dV (with atomic dQ, or not), then the dQ conversion or dQ's
+// own pass. Instantiated per (dtype, head-dim bucket) by the units src/cuda/CMakeLists.txt generates.
 #include <cuda_runtime.h>
 
 #include <algorithm>
