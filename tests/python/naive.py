@@ -35,7 +35,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, window=(-1,
     lse = -inf without NaN in values or gradients. `mask` overrides causal/window when given.
     `delta_from_out`: the gradient of the scores is P (dP - D) with D = rowsum(dO * O), as a
     backward that keeps no score matrix forms it, instead of autograd's rowsum(P * dP)
-    (_WeightsTimesV). `stats`: when given, its "max_abs_score" is raised to the largest visible |s| (before the cap).
+    (_WeightsTimesV). `stats`: when given, its "max_abs_score" is raised to the largest visible |s|
+    (before the cap).
     """
     batch, seqlen_q, heads_q, d = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
