@@ -557,7 +557,6 @@ TEST_P(BackwardFp32Fast, GradientsWithinTf32Bound) {
 INSTANTIATE_TEST_SUITE_P(Sweep, BackwardFp32Fast, testing::ValuesIn(fp32_cases()),
                          [](const testing::TestParamInfo<Case>& info) { return info.param.name; });
 
-// deterministic = true: two runs give the same bits, with the library's workspace and the caller's.
 // 16-bit with headdim_qk <= 8 (common/delta_rule.hpp): scores are few-term sums and a row's weight
 // sits on a few keys, where D = rowsum(O dO) from the 16-bit O broke the 2x rule in a few percent
 // of one-query problems (fuzz: bf16, one query over 30 keys, headdim 7/69, dQ 0.080 against a
@@ -596,6 +595,7 @@ TEST(BackwardSmallHeaddimQk, GradientsWithin2xOfNaiveOverDraws) {
       }
 }
 
+// deterministic = true: two runs give the same bits, with the library's workspace and the caller's.
 TEST(BackwardDeterministic, BitwiseRepeatable) {
   TA_SKIP_WITHOUT_GPU();
   for (DType t : {DType::bf16, DType::f16, DType::f32}) {
