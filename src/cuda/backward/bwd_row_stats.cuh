@@ -113,14 +113,14 @@ __global__ void __launch_bounds__(kThreads, 1) row_stats_kernel(const BwdParams 
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   const int s_row = (warp / GS.wn) * GS.tm, s_col = (warp % GS.wn) * GS.tn;
-  float m[MT][2], l[MT][2];
-#pragma unroll
-  for (int i = 0; i < MT; ++i) m[i][0] = m[i][1] = -INFINITY, l[i][0] = l[i][1] = 0.0f;
   const bool alibi = p.mod.has_alibi();
   const float slope = p.mod.slope(b, h);
 
   // The statistics pass (fp32): max and sum of the scaled scores over the row's keys.
   if constexpr (kStats) {
+    float m[MT][2], l[MT][2];
+#pragma unroll
+    for (int i = 0; i < MT; ++i) m[i][0] = m[i][1] = -INFINITY, l[i][0] = l[i][1] = 0.0f;
     for (int it = 0; it < n_tiles; ++it) {
       const int k0 = (t0 + it) * BN;
       load_tile<T, BN, D, LD>(sK, gK + int64_t(k0) * p.k.seq, p.k.seq, s.sk - k0, p.headdim_qk, p.vec_io);
@@ -166,23 +166,23 @@ __global__ void __launch_bounds__(kThreads, 1) row_stats_kernel(const BwdParams 
         tile_stats(std::false_type{});
       __syncthreads();  // sK is refilled next
     }
-  }
 
-  // Quad lanes share rows; then the column warps of each row band.
+    // Quad lanes share rows; then the column warps of each row band.
 #pragma unroll
-  for (int i = 0; i < MT; ++i)
+    for (int i = 0; i < MT; ++i)
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
+      for (int hh = 0; hh < 2; ++hh) {
 #pragma unroll
-      for (int off = 1; off < 4; off <<= 1)
-        merge_stats(m[i][hh], l[i][hh], __shfl_xor_sync(0xffffffffu, m[i][hh], off),
-                    __shfl_xor_sync(0xffffffffu, l[i][hh], off));
-      if ((lane & 3) == 0) {
-        const int r = s_row + i * 16 + (lane >> 2) + hh * 8;
-        sM[(warp % GS.wn) * BM + r] = m[i][hh];
-        sSum[(warp % GS.wn) * BM + r] = l[i][hh];
+        for (int off = 1; off < 4; off <<= 1)
+          merge_stats(m[i][hh], l[i][hh], __shfl_xor_sync(0xffffffffu, m[i][hh], off),
+                      __shfl_xor_sync(0xffffffffu, l[i][hh], off));
+        if ((lane & 3) == 0) {
+          const int r = s_row + i * 16 + (lane >> 2) + hh * 8;
+          sM[(warp % GS.wn) * BM + r] = m[i][hh];
+          sSum[(warp % GS.wn) * BM + r] = l[i][hh];
+        }
       }
-    }
+  }
   cp_async_wait<0>();
   __syncthreads();
   for (int r = threadIdx.x; r < BM; r += kThreads) {
