@@ -62,7 +62,7 @@ struct AttentionProblem {
   bool check_cu_seqlens = false;
 
   // ---- key/value cache (flash-attn's flash_attn_with_kvcache, paged attention) ------------
-  // Forward only. Every pointer is int32, in the same memory space as the tensors, and checked
+  // Forward only. Every table is int32, in the same memory space as the tensors, and checked
   // like cu_seqlens (host memory always, device memory on request); unchecked device values that
   // break a rule give unspecified results but are clamped so that no access leaves the buffers.
   //
@@ -88,6 +88,28 @@ struct AttentionProblem {
   int64_t pages_per_seq = 0;
   int64_t page_size = 0;
   int64_t num_pages = 0;
+  //
+  // Appending (flash-attn's k and v): fixed length with seqused_k only. Before attending, the
+  // forward writes k_new and v_new, (batch, seqlen_new, heads_kv, headdim) in the problem's dtype,
+  // at rows [seqused_k[b] - seqlen_new, seqused_k[b]) of sequence b's cache row (through
+  // kv_batch_idx or the page table), so K and V are written too. seqused_k counts the keys after
+  // the append: flash-attn's cache_seqlens + seqlen_new. seqlen_new 0: nothing is appended.
+  TensorView k_new, v_new;
+  int64_t seqlen_new = 0;
+  // Rotary embedding (needs seqused_k): q and the new keys are rotated before use, at absolute
+  // cache rows: new key i of sequence b at row seqused_k[b] - seqlen_new + i; query i at that row
+  // plus i when rotary_per_query, else every query at seqused_k[b] - seqlen_new. Unset, it is
+  // flash-attn's rule: per query when the mask is causal or local (a window side below seqlen_k).
+  // rotary_cos, rotary_sin: (rotary_seqlen, rotary_dim / 2), contiguous, in the problem's dtype,
+  // rotary_seqlen >= seqlen_k; dims past rotary_dim pass through. Interleaved: pairs (2i, 2i + 1)
+  // (GPT-J); else (i, i + rotary_dim / 2) (GPT-NeoX). Computed in fp32 and rounded once; q itself
+  // is not written (its rotated copy lives in the workspace).
+  const void* rotary_cos = nullptr;
+  const void* rotary_sin = nullptr;
+  int64_t rotary_dim = 0;
+  int64_t rotary_seqlen = 0;
+  bool rotary_interleaved = true;
+  std::optional<bool> rotary_per_query;
 
   // ---- options --------------------------------------------------------------------------
   std::optional<float> softmax_scale;  // default 1/sqrt(headdim_qk); must be finite and > 0
@@ -152,6 +174,8 @@ struct AttentionProblem {
 
   bool is_varlen() const { return cu_seqlens_q != nullptr || cu_seqlens_k != nullptr; }
   bool is_paged() const { return block_table != nullptr; }
+  bool appends() const { return seqlen_new > 0; }
+  bool has_rotary() const { return rotary_cos != nullptr || rotary_sin != nullptr; }
   // Keys addressed through any of the cache fields above (rather than one range per sequence).
   bool has_kv_cache() const {
     return seqused_k != nullptr || leftpad_k != nullptr || kv_batch_idx != nullptr || block_table != nullptr;

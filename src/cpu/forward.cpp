@@ -3,10 +3,12 @@
 // one tile exists and every output element is written by exactly one task.
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <vector>
 
 #include "cpu/aligned.hpp"
 #include "cpu/cpu_backend.hpp"
+#include "cpu/kv_append.hpp"
 #include "cpu/parallel.hpp"
 #include "cpu/row_panels.hpp"
 #include "cpu/tile_ops.hpp"
@@ -217,7 +219,9 @@ int64_t group_tiles(int64_t heads_tasks, int64_t tiles, int threads) {
 
 }  // namespace
 
-void forward(const AttentionProblem& p) {
+void forward(const AttentionProblem& problem) {
+  std::vector<std::byte> rotated_q;
+  const AttentionProblem p = append_kv(problem, rotated_q);
   int64_t max_q, max_k;
   max_lengths(p, max_q, max_k);
   const int64_t tiles = ceil_div(max_q, kTileQ);

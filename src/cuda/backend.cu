@@ -11,6 +11,7 @@
 #include <string>
 
 #include "common/key_rows.hpp"
+#include "common/kv_append.hpp"
 #include "common/online_softmax.hpp"
 #include "common/philox.hpp"
 #include "common/score_mod.hpp"
@@ -25,6 +26,7 @@
 #include "cuda/fp32/forward_fp32.hpp"
 #include "cuda/common/fwd_params.hpp"
 #include "cuda/forward/fwd_tile_size.hpp"
+#include "cuda/forward/kv_append.hpp"
 #include "cuda/forward/launch_fwd_sm80.hpp"
 #include "cuda/arch/hopper_available.hpp"
 #include "cuda/forward/launch_fwd_sm90.hpp"
@@ -179,6 +181,7 @@ class ForwardPlan final : public detail::BackendPlan {
   explicit ForwardPlan(const AttentionProblem& problem)
       : stream_(static_cast<cudaStream_t>(problem.stream)),
         empty_(empty(problem)),
+        append_(problem),
         uncovered_(packed_rows(problem, problem.o, false, problem.heads_q, problem.headdim_v, problem.lse)) {
     if (empty_) return;
     params_.fwd = make_params(problem);  // params_.fwd is what the sm80 kernel reads too
@@ -207,6 +210,17 @@ class ForwardPlan final : public detail::BackendPlan {
     // L = -inf); the cap keeps the partials' workspace bounded.
     if (problem.num_splits > 0) params_.fwd.num_splits = std::min(problem.num_splits, kMaxRequestedSplits);
     workspace_ = split_bytes(params_.fwd, params_.fwd.num_splits, &lse_bytes_);
+    if (append_.appends() || append_.has_rotary()) {
+      // Caches run on the portable kernels, which take q's pointer at launch: its rotated copy
+      // comes from the workspace, laid out as rotated_q_view says.
+      rotated_bytes_ = Workspace::round_up(size_t(rotated_q_elements(problem)) * 2);
+      const TensorView r = rotated_q_view(problem, nullptr);
+      if (problem.has_rotary()) {
+        params_.fwd.q_batch_stride = r.batch_stride, params_.fwd.q_row_stride = r.seq_stride;
+        params_.fwd.q_head_stride = r.head_stride, params_.fwd.vec_q = problem.headdim_qk % 8 == 0;
+      }
+      workspace_ += rotated_bytes_;
+    }
   }
 
   size_t workspace_size() const override { return workspace_; }
@@ -216,9 +230,17 @@ class ForwardPlan final : public detail::BackendPlan {
     if (empty_) return;
     FwdSm90Params params = params_;
     Workspace scratch(workspace, workspace_bytes, workspace_, stream_);
-    if (workspace_) {
+    if (append_.appends() || append_.has_rotary()) {
+      void* rotated = scratch.take<void>(rotated_bytes_);
+      launch_kv_append(append_, rotated, stream_);
+      if (append_.has_rotary()) {
+        params.fwd.q = rotated;
+        params.fwd.vec_q = params.fwd.vec_q && reinterpret_cast<uintptr_t>(rotated) % 16 == 0;  // a caller's buffer
+      }
+    }
+    if (lse_bytes_) {
       params.fwd.lse_partial = scratch.take<float>(lse_bytes_);
-      params.fwd.o_partial = scratch.take<float>(workspace_ - lse_bytes_);
+      params.fwd.o_partial = scratch.take<float>(workspace_ - rotated_bytes_ - lse_bytes_);
     }
     if (sm90_) sm90_->run(params, stream_);
     else sm80_.run(params.fwd, stream_);
@@ -228,29 +250,40 @@ class ForwardPlan final : public detail::BackendPlan {
  private:
   cudaStream_t stream_;
   bool empty_;
+  AttentionProblem append_;  // what launch_kv_append reads: the cache, k_new, v_new, q, rotary
   PackedRows uncovered_;
   FwdSm90Params params_{};
   FwdKernel sm80_{};
   std::optional<FwdKernelSm90> sm90_;
-  size_t workspace_ = 0, lse_bytes_ = 0;
+  size_t workspace_ = 0, lse_bytes_ = 0, rotated_bytes_ = 0;
 };
 
 class Fp32ForwardPlan final : public detail::BackendPlan {
  public:
   explicit Fp32ForwardPlan(const AttentionProblem& problem)
-      : problem_(problem), uncovered_(packed_rows(problem, problem.o, false, problem.heads_q, problem.headdim_v,
-                                                 problem.lse)) {}
-  size_t workspace_size() const override { return 0; }
+      : problem_(problem),
+        uncovered_(packed_rows(problem, problem.o, false, problem.heads_q, problem.headdim_v, problem.lse)),
+        workspace_(Workspace::round_up(size_t(rotated_q_elements(problem)) * sizeof(float))) {}
+  size_t workspace_size() const override { return workspace_; }
   const char* kernel_name() const override { return "fp32"; }
-  void run(void*, size_t) const override {
+  void run(void* workspace, size_t workspace_bytes) const override {
     if (empty(problem_)) return;
-    forward_fp32(problem_);
-    define_uncovered_rows(uncovered_, static_cast<cudaStream_t>(problem_.stream));
+    const auto stream = static_cast<cudaStream_t>(problem_.stream);
+    Workspace scratch(workspace, workspace_bytes, workspace_, stream);
+    AttentionProblem p = problem_;
+    if (p.appends() || p.has_rotary()) {
+      void* rotated = scratch.take<void>(workspace_);
+      launch_kv_append(p, rotated, stream);
+      if (p.has_rotary()) p.q = rotated_q_view(p, rotated);
+    }
+    forward_fp32(p);
+    define_uncovered_rows(uncovered_, stream);
   }
 
  private:
   AttentionProblem problem_;
   PackedRows uncovered_;
+  size_t workspace_;
 };
 
 }  // namespace

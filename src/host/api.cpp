@@ -52,6 +52,12 @@ void check_memory(const AttentionProblem& p, host::Pass pass, Backend backend) {
   check_memory_space(p.leftpad_k, "leftpad_k", backend);
   check_memory_space(p.kv_batch_idx, "kv_batch_idx", backend);
   check_memory_space(p.block_table, "block_table", backend);
+  if (p.appends()) {
+    check_memory_space(p.k_new.data, "k_new.data", backend);
+    check_memory_space(p.v_new.data, "v_new.data", backend);
+  }
+  check_memory_space(p.rotary_cos, "rotary_cos", backend);
+  check_memory_space(p.rotary_sin, "rotary_sin", backend);
 }
 
 void check_memory(const SoftmaxMatmulProblem& p, Backend backend) {

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "tileattn/error.hpp"
@@ -186,10 +187,45 @@ void check_cu_seqlens(const int32_t* host, const char* name, int64_t batch, int6
   }
 }
 
+// Appending and the rotary embedding (problem.hpp): what they need and their sizes. The tensors'
+// strides are checked with the others.
+void check_append(const AttentionProblem& p) {
+  if (p.seqlen_new < 0) invalid("seqlen_new=" + str(p.seqlen_new) + " must be >= 0 (0: nothing is appended)");
+  if (p.appends()) {
+    if (p.seqused_k == nullptr)
+      invalid("seqlen_new=" + str(p.seqlen_new) +
+              " needs seqused_k (each sequence's key count after the append, which places the new rows)");
+    if (p.is_varlen())
+      invalid("seqlen_new is set with cu_seqlens (appending applies to fixed-length caches, as in "
+              "flash_attn_with_kvcache)");
+    if (p.seqlen_new > p.seqlen_k)
+      invalid("seqlen_new=" + str(p.seqlen_new) + " exceeds seqlen_k=" + str(p.seqlen_k) + " (the cache row)");
+  }
+  if (!p.has_rotary()) return;
+  if (p.rotary_cos == nullptr || p.rotary_sin == nullptr)
+    invalid(std::string(p.rotary_cos ? "rotary_sin" : "rotary_cos") +
+            " is null but the other rotary table is set (the rotary embedding needs both)");
+  if (p.seqused_k == nullptr)
+    invalid("rotary_cos needs seqused_k (rotary positions count from each sequence's cached keys)");
+  if (p.is_varlen())
+    invalid("rotary_cos is set with cu_seqlens (the rotary embedding applies to fixed-length caches, as in "
+            "flash_attn_with_kvcache)");
+  if (p.rotary_dim < 2 || p.rotary_dim % 2 != 0 || p.rotary_dim > p.headdim_qk)
+    invalid("rotary_dim=" + str(p.rotary_dim) + " must be even and in [2, headdim_qk=" + str(p.headdim_qk) + "]");
+  if (p.rotary_seqlen < p.seqlen_k)
+    invalid("rotary_seqlen=" + str(p.rotary_seqlen) + " must be >= seqlen_k=" + str(p.seqlen_k) +
+            " (a position for every row of the cache)");
+  checked_mul(p.rotary_seqlen, p.rotary_dim / 2, "rotary_cos");
+  const char* dtype_text = p.dtype == DType::f32 ? "an f32 element" : "an f16/bf16 element";
+  check_aligned(p.rotary_cos, element_bytes(p.dtype), "rotary_cos", dtype_text);
+  check_aligned(p.rotary_sin, element_bytes(p.dtype), "rotary_sin", dtype_text);
+}
+
 // The key/value cache fields (problem.hpp): which combinations exist, their sizes, and (where the
 // tables can be read) their values. Returns the rows K and V have along their batch dimension.
 int64_t check_kv_cache(const AttentionProblem& p, Pass pass, const HostOffsets& t) {
   if (p.num_splits < 0) invalid("num_splits=" + str(int64_t(p.num_splits)) + " must be >= 0 (0 = chosen by the library)");
+  check_append(p);
   if (!p.has_kv_cache()) return p.batch;
   if (pass == Pass::backward) {
     fail(ErrorKind::unsupported,
@@ -243,6 +279,11 @@ int64_t check_kv_cache(const AttentionProblem& p, Pass pass, const HostOffsets& 
         invalid("seqused_k" + at + "=" + str(end) + " must be in [" + str(begin) + ", " + str(len) + "] (" +
                 (t.leftpad_k ? "from leftpad_k" + at + " to " : std::string("at most ")) +
                 (varlen ? "the sequence's length in cu_seqlens_k)" : "seqlen_k)"));
+      if (end - begin < p.seqlen_new)
+        invalid("seqused_k" + at + "=" + str(end) + " must be >= " +
+                (t.leftpad_k ? "leftpad_k" + at + " + seqlen_new = " + str(begin + p.seqlen_new)
+                             : "seqlen_new=" + str(p.seqlen_new)) +
+                " (the appended rows are each sequence's last seqlen_new keys)");
     }
     if (t.kv_batch_idx && (t.kv_batch_idx[b] < 0 || t.kv_batch_idx[b] >= p.kv_batch))
       invalid("kv_batch_idx" + at + "=" + str(int64_t(t.kv_batch_idx[b])) + " must be in [0, kv_batch=" +
@@ -321,8 +362,8 @@ AttentionProblem validate_attention(const AttentionProblem& problem, Pass pass, 
   // ---- tensors: presence, memory space, strides ---------------------------------------------
   std::vector<TensorSpec> tensors = {
       {&p.q, "q", false, false, p.headdim_qk, false},
-      {&p.k, "k", true, true, p.headdim_qk, false},
-      {&p.v, "v", true, true, p.headdim_v, false},
+      {&p.k, "k", true, true, p.headdim_qk, p.appends()},  // appending writes the cache
+      {&p.v, "v", true, true, p.headdim_v, p.appends()},
       {&p.o, "o", false, false, p.headdim_v, pass == Pass::forward},
   };
   if (pass == Pass::backward) {
@@ -360,6 +401,18 @@ AttentionProblem validate_attention(const AttentionProblem& problem, Pass pass, 
     if (!varlen || cache) dims.push_back({"batch_stride", t.view->batch_stride, batch_rows, batch_name});
     check_strides(t.name, t.headdim, std::move(dims), t.is_output, /*may_broadcast=*/true);
   }
+  if (p.appends()) {
+    for (const auto& [view, name, dim] : {std::tuple{&p.k_new, "k_new", p.headdim_qk},
+                                          std::tuple{&p.v_new, "v_new", p.headdim_v}}) {
+      check_not_null(view->data, std::string(name) + ".data");
+      check_aligned(view->data, element_bytes(p.dtype), std::string(name) + ".data", dtype_text);
+      check_strides(name, dim,
+                    {{"head_stride", view->head_stride, p.heads_kv, "heads_kv"},
+                     {"seq_stride", view->seq_stride, p.seqlen_new, "seqlen_new"},
+                     {"batch_stride", view->batch_stride, p.batch, "batch"}},
+                    false, /*may_broadcast=*/true);
+    }
+  }
 
   // ---- options ------------------------------------------------------------------------------
   AttentionProblem n = p;
@@ -392,6 +445,12 @@ AttentionProblem validate_attention(const AttentionProblem& problem, Pass pass, 
   if (p.window_right < -1) invalid("window_right=" + str(p.window_right) + " must be >= -1 (-1 = unbounded)");
   // causal sets the right bound to 0 whatever window_right says, and the left bound stays: the
   // rule of flash-attn, whose callers (Mistral, Gemma) pass causal=true with a full window pair.
+  // flash-attn rotates query i at its own position when the mask is causal or local, where a side
+  // reaching past the cache row (>= seqlen_k) does not count: decided before the clamp below.
+  if (p.has_rotary() && !p.rotary_per_query.has_value()) {
+    auto bounds = [&](int64_t side) { return side >= 0 && side < p.seqlen_k; };
+    n.rotary_per_query = p.causal || bounds(p.window_left) || bounds(p.window_right);
+  }
   if (p.causal) n.window_right = 0;
   // A side reaching past every key (left >= seqlen_k) or every query (right >= seqlen_q) masks
   // nothing; it is clamped there so the int32 arithmetic of the shared Mask cannot overflow.

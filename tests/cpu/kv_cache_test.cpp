@@ -6,11 +6,13 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <numeric>
 #include <random>
 #include <vector>
 
+#include "cpu/convert.hpp"
 #include "cpu/reference.hpp"
 #include "support/host_problem.hpp"
 #include "support/metrics.hpp"
@@ -153,6 +155,152 @@ void check_cache_rows(DType dtype, bool causal) {
 TEST(KvCache, CacheRowsWithLeftpadAndBatchIndexEqualDense) {
   for (DType dtype : {DType::f32, DType::f16})
     for (bool causal : {false, true}) check_cache_rows(dtype, causal);
+}
+
+// Appending with the rotary embedding (k_new, v_new, rotary_*): the last `n_new` keys of each
+// dense sequence are given as k_new/v_new instead of being in the cache. The forward must write
+// them (the keys rotated) into the cache rows [seqused - n_new, seqused), leave every other cache
+// row as it was, and attend like the float64 oracle of the dense problem whose new keys and queries
+// are rotated at their absolute cache positions (flash-attn's rule: query i at the first new row
+// plus i when causal, else every query at the first new row).
+void check_append(DType dtype, bool paged, bool interleaved, bool causal) {
+  const std::vector<int32_t> len_k{9, 2, 30};
+  const int64_t n_new = 2, sq = 4, batch = 3, rotary_dim = 16;
+  HostProblem hp(dense_shape(dtype, causal, {4, 4, 4}, len_k));
+  AttentionProblem p = hp.problem;
+  std::mt19937_64 rng(hp.seed);
+  const int64_t hkv = p.heads_kv, hq = p.heads_q, dqk = p.headdim_qk, dv = p.headdim_v;
+
+  // The cache: rows of 40 keys (batch-indexed, left-padded) or pages of 8 (shuffled, spare pages).
+  const int64_t cache_len = 40, page_size = 8, pages_per_seq = cache_len / page_size;
+  const std::vector<int32_t> batch_idx{3, 0, 4}, leftpad{5, 38, 2};
+  const int64_t kv_rows = paged ? (batch * pages_per_seq + 2) * page_size : 5 * cache_len;  // key rows
+  std::vector<int32_t> table(size_t(batch * pages_per_seq));
+  std::iota(table.begin(), table.end(), 1);
+  std::shuffle(table.begin(), table.end(), rng);
+  // Cache row (in the buffer's rows of (heads, dim)) of sequence b's key position r.
+  auto cache_row = [&](int64_t b, int64_t r) {
+    return paged ? table[size_t(b * pages_per_seq + r / page_size)] * page_size + r % page_size
+                 : batch_idx[size_t(b)] * cache_len + r;
+  };
+  CacheBuffer k(kv_rows, hkv, dqk, dtype, rng), v(kv_rows, hkv, dv, dtype, rng);
+  std::vector<int32_t> seqused(3);
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t pad = paged ? 0 : leftpad[size_t(b)];
+    seqused[size_t(b)] = int32_t(pad + len_k[size_t(b)]);
+    for (int64_t r = 0; r < len_k[size_t(b)] - n_new; ++r) {
+      k.put(hp.k, hp.cu_seqlens_k[size_t(b)] + r, cache_row(b, pad + r));
+      v.put(hp.v, hp.cu_seqlens_k[size_t(b)] + r, cache_row(b, pad + r));
+    }
+  }
+  const std::vector<std::byte> k_before = k.bytes, v_before = v.bytes;
+
+  // k_new, v_new (batch, n_new, heads_kv, dim): the dense problem's last keys, not yet rotated.
+  CacheBuffer k_new(batch * n_new, hkv, dqk, dtype, rng), v_new(batch * n_new, hkv, dv, dtype, rng);
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t i = 0; i < n_new; ++i) {
+      k_new.put(hp.k, hp.cu_seqlens_k[size_t(b)] + len_k[size_t(b)] - n_new + i, b * n_new + i);
+      v_new.put(hp.v, hp.cu_seqlens_k[size_t(b)] + len_k[size_t(b)] - n_new + i, b * n_new + i);
+    }
+
+  // Rotary tables in the dtype, as the library reads them, with a position for every query (a
+  // causal query past the cache's last row has one).
+  const int64_t half = rotary_dim / 2, es = element_bytes(dtype), rotary_seqlen = cache_len + sq;
+  std::vector<std::byte> cos_t(size_t(rotary_seqlen * half * es)), sin_t(cos_t.size());
+  for (int64_t pos = 0; pos < rotary_seqlen; ++pos)
+    for (int64_t f = 0; f < half; ++f) {
+      const double angle = double(pos) * std::pow(10000.0, -double(f) / double(half));
+      cpu::store_element(cos_t.data(), pos * half + f, dtype, float(std::cos(angle)));
+      cpu::store_element(sin_t.data(), pos * half + f, dtype, float(std::sin(angle)));
+    }
+  // Row `x` (dim doubles) rotated at `pos` in float64, with the tables' rounded values.
+  auto rotate_row = [&](double* x, int64_t pos) {
+    std::vector<double> r(x, x + rotary_dim);
+    for (int64_t f = 0; f < half; ++f) {
+      const double c = cpu::load_element(cos_t.data(), pos * half + f, dtype);
+      const double s = cpu::load_element(sin_t.data(), pos * half + f, dtype);
+      const int64_t a = interleaved ? 2 * f : f, o = interleaved ? 2 * f + 1 : f + half;
+      x[a] = r[size_t(a)] * c - r[size_t(o)] * s;
+      x[o] = r[size_t(a)] * s + r[size_t(o)] * c;
+    }
+  };
+  std::vector<double> q_rot = hp.q.gather(), k_rot = hp.k.gather();
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t start = seqused[size_t(b)] - n_new;  // the first new row's cache position
+    for (int64_t i = 0; i < n_new; ++i)
+      for (int64_t h = 0; h < hkv; ++h)
+        rotate_row(&k_rot[size_t(((hp.cu_seqlens_k[size_t(b)] + len_k[size_t(b)] - n_new + i) * hkv + h) * dqk)],
+                   start + i);
+    for (int64_t i = 0; i < sq; ++i)
+      for (int64_t h = 0; h < hq; ++h) rotate_row(&q_rot[size_t(((b * sq + i) * hq + h) * dqk)], start + (causal ? i : 0));
+  }
+  const cpu::ReferenceForward want = cpu::reference_forward_dense(hp.problem, q_rot, k_rot, hp.v.gather());
+
+  // The fixed-length problem over the cache, as check_cache_rows builds it.
+  p.cu_seqlens_q = p.cu_seqlens_k = nullptr;
+  p.seqlen_q = sq;
+  p.seqlen_k = cache_len;
+  p.q.batch_stride = sq * p.q.seq_stride;
+  p.o.batch_stride = sq * p.o.seq_stride;
+  std::vector<float> lse(size_t(batch * hq * sq));
+  p.lse = lse.data();
+  p.k = k.view(paged ? page_size : cache_len);
+  p.v = v.view(paged ? page_size : cache_len);
+  if (paged) {
+    p.block_table = table.data();
+    p.block_table_stride = p.pages_per_seq = pages_per_seq;
+    p.page_size = page_size;
+    p.num_pages = kv_rows / page_size;
+  } else {
+    p.kv_batch_idx = batch_idx.data();
+    p.kv_batch = 5;
+    p.leftpad_k = leftpad.data();
+  }
+  p.seqused_k = seqused.data();
+  p.k_new = k_new.view(n_new);
+  p.v_new = v_new.view(n_new);
+  p.seqlen_new = n_new;
+  p.rotary_cos = cos_t.data();
+  p.rotary_sin = sin_t.data();
+  p.rotary_dim = rotary_dim;
+  p.rotary_seqlen = rotary_seqlen;
+  p.rotary_interleaved = interleaved;
+  tileattn::forward(p);
+
+  const double tol = tolerance(dtype);
+  EXPECT_TRUE(within(hp.o.gather(), want.o, tol, tol)) << "O";
+  // The cache: new rows hold k_new rotated (one rounding: within a unit roundoff of the float64
+  // value) and v_new as given; every other byte is as before.
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t i = 0; i < n_new; ++i) {
+      const int64_t row = cache_row(b, seqused[size_t(b)] - n_new + i);
+      const int64_t dense = hp.cu_seqlens_k[size_t(b)] + len_k[size_t(b)] - n_new + i;
+      std::vector<double> got, exp;
+      for (int64_t h = 0; h < hkv; ++h)
+        for (int64_t d = 0; d < dqk; ++d) {
+          got.push_back(cpu::load_element(k.bytes.data(), (row * hkv + h) * dqk + d, dtype));
+          exp.push_back(k_rot[size_t((dense * hkv + h) * dqk + d)]);
+        }
+      EXPECT_TRUE(within(got, exp, 2 * unit_roundoff(dtype), 1e-6)) << "k cache row of sequence " << b << ", new row " << i;
+      const size_t k_row_bytes = size_t(hkv * dqk * es), v_row_bytes = size_t(hkv * dv * es);
+      EXPECT_EQ(0, std::memcmp(&v.bytes[size_t(row) * v_row_bytes], &v_new.bytes[size_t(b * n_new + i) * v_row_bytes],
+                               v_row_bytes)) << "v cache row of sequence " << b << ", new row " << i;
+      // Marked as expected so the untouched-rows comparison below skips them.
+      std::memcpy(&k.bytes[size_t(row) * k_row_bytes], &k_before[size_t(row) * k_row_bytes], k_row_bytes);
+      std::memcpy(&v.bytes[size_t(row) * v_row_bytes], &v_before[size_t(row) * v_row_bytes], v_row_bytes);
+    }
+  EXPECT_TRUE(k.bytes == k_before) << "k cache rows outside the appended ones changed";
+  EXPECT_TRUE(v.bytes == v_before) << "v cache rows outside the appended ones changed";
+}
+
+TEST(KvCache, AppendWithRotaryEqualsTheDenseProblem) {
+  for (DType dtype : {DType::f32, DType::bf16})
+    for (bool paged : {false, true})
+      for (bool interleaved : {true, false})
+        for (bool causal : {false, true}) {
+          SCOPED_TRACE(testing::Message() << "paged " << paged << ", interleaved " << interleaved << ", causal " << causal);
+          check_append(dtype, paged, interleaved, causal);
+        }
 }
 
 }  // namespace

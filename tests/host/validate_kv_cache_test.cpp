@@ -3,6 +3,7 @@
 // broken rule must be an Error naming the field and the rule.
 #include <gtest/gtest.h>
 
+#include <string>
 #include <vector>
 
 #include "host/valid_problems.hpp"
@@ -135,6 +136,115 @@ TEST(ValidateKvCache, PageStrideOverlappingPagesIsAllowedForInputsButNotZero) {
   EXPECT_NO_THROW(validate_attention(c.a.p, Pass::forward, Backend::cpu));
   c.a.p.k.batch_stride = -1;
   expect_fwd_error(c.a.p, ErrorKind::invalid_argument, {"k.batch_stride=-1", "negative"});
+}
+
+// Appending 2 rows to each sequence of CacheCase (seqused 3 and 6 after the append) with rotary
+// tables of 6 positions, rotary_dim 4 of headdim_qk 8. k_new/v_new borrow the q/o buffers: their
+// values are never read by validation.
+struct AppendCase : CacheCase {
+  std::vector<float> cos = std::vector<float>(6 * 2), sin = cos;
+  AppendCase() {
+    AttentionProblem& p = a.p;
+    p.seqused_k = seqused.data();
+    p.seqlen_new = 2;
+    p.k_new = a.p.q, p.v_new = a.p.o;
+    p.k_new.head_stride = 8, p.k_new.seq_stride = 16, p.k_new.batch_stride = 32;  // (2, 2, heads_kv 2, 8)
+    p.v_new.head_stride = 16, p.v_new.seq_stride = 32, p.v_new.batch_stride = 64;
+    p.rotary_cos = cos.data(), p.rotary_sin = sin.data();
+    p.rotary_dim = 4, p.rotary_seqlen = 6;
+  }
+};
+
+TEST(ValidateKvCache, AppendWithRotaryPasses) {
+  AppendCase c;
+  EXPECT_NO_THROW(validate_attention(c.a.p, Pass::forward, Backend::cpu));
+}
+
+TEST(ValidateKvCache, AppendNeedsSequsedK) {
+  AppendCase c;
+  c.a.p.seqused_k = nullptr;
+  c.a.p.rotary_cos = c.a.p.rotary_sin = nullptr;
+  expect_fwd_error(c.a.p, ErrorKind::invalid_argument, {"seqlen_new=2", "needs seqused_k"});
+}
+
+TEST(ValidateKvCache, AppendWithVarlenIsRefused) {
+  AppendCase c;
+  c.a.make_varlen({4, 4}, {6, 6});
+  expect_fwd_error(c.a.p, ErrorKind::invalid_argument, {"seqlen_new", "cu_seqlens"});
+}
+
+TEST(ValidateKvCache, SequsedBelowTheAppendedRows) {
+  AppendCase c;
+  c.seqused[0] = 1;
+  expect_fwd_error(c.a.p, ErrorKind::invalid_argument, {"seqused_k[0]=1", "seqlen_new=2"});
+  c.seqused[0] = 2;
+  c.a.p.leftpad_k = c.leftpad.data();  // leftpad[0] = 1: the appended rows would start before it
+  expect_fwd_error(c.a.p, ErrorKind::invalid_argument, {"seqused_k[0]=2", "leftpad_k[0] + seqlen_new = 3"});
+}
+
+TEST(ValidateKvCache, NegativeSeqlenNew) {
+  AppendCase c;
+  c.a.p.seqlen_new = -1;
+  expect_fwd_error(c.a.p, ErrorKind::invalid_argument, {"seqlen_new=-1", ">= 0"});
+}
+
+TEST(ValidateKvCache, AppendNeedsTheNewRows) {
+  AppendCase c;
+  c.a.p.v_new.data = nullptr;
+  expect_fwd_error(c.a.p, ErrorKind::invalid_argument, {"v_new.data", "null"});
+}
+
+TEST(ValidateKvCache, AppendingWritesTheCacheSoItMayNotAliasItself) {
+  AppendCase c;
+  c.a.p.k.head_stride = 0;  // accepted for a read-only cache, refused for one being written
+  expect_fwd_error(c.a.p, ErrorKind::invalid_argument, {"k.head_stride=0", "must be positive"});
+}
+
+TEST(ValidateKvCache, RotaryNeedsBothTables) {
+  AppendCase c;
+  c.a.p.rotary_sin = nullptr;
+  expect_fwd_error(c.a.p, ErrorKind::invalid_argument, {"rotary_sin is null"});
+}
+
+TEST(ValidateKvCache, RotaryDimEvenAndWithinTheHeadDim) {
+  for (int64_t dim : {0, 3, 10}) {
+    AppendCase c;
+    c.a.p.rotary_dim = dim;
+    expect_fwd_error(c.a.p, ErrorKind::invalid_argument,
+                     {"rotary_dim=" + std::to_string(dim), "even", "headdim_qk=8"});
+  }
+}
+
+TEST(ValidateKvCache, RotaryTableShorterThanTheCache) {
+  AppendCase c;
+  c.a.p.rotary_seqlen = 5;
+  expect_fwd_error(c.a.p, ErrorKind::invalid_argument, {"rotary_seqlen=5", "seqlen_k=6"});
+}
+
+TEST(ValidateKvCache, RotaryNeedsSequsedK) {
+  AppendCase c;
+  c.a.p.seqlen_new = 0;
+  c.a.p.seqused_k = nullptr;
+  expect_fwd_error(c.a.p, ErrorKind::invalid_argument, {"rotary_cos needs seqused_k"});
+}
+
+// flash-attn's rule for where queries are rotated: per query under a causal or local mask, where a
+// window side of at least the cache row's length (seqlen_k = 6) masks nothing and does not count.
+TEST(ValidateKvCache, RotaryQueriesFollowTheMaskUnlessSet) {
+  struct Case {
+    bool causal;
+    int64_t left, right;
+    bool per_query;
+  };
+  for (const Case& k : {Case{false, -1, -1, false}, Case{true, -1, -1, true}, Case{false, 2, -1, true},
+                        Case{false, -1, 0, true}, Case{false, 6, -1, false}, Case{false, -1, 100, false}}) {
+    AppendCase c;
+    c.a.p.causal = k.causal, c.a.p.window_left = k.left, c.a.p.window_right = k.right;
+    EXPECT_EQ(validate_attention(c.a.p, Pass::forward, Backend::cpu).rotary_per_query, k.per_query)
+        << "causal " << k.causal << ", window (" << k.left << ", " << k.right << ")";
+    c.a.p.rotary_per_query = !k.per_query;  // an explicit choice stays
+    EXPECT_EQ(validate_attention(c.a.p, Pass::forward, Backend::cpu).rotary_per_query, !k.per_query);
+  }
 }
 
 }  // namespace
