@@ -11,6 +11,7 @@
 #include <initializer_list>
 #include <optional>
 #include <string>
+#include <tuple>
 
 #include "tileattn/tileattn.hpp"
 
@@ -205,6 +206,7 @@ struct Options {
   int num_threads = 0;
   bool check_cu_seqlens = false;
   int num_splits = 0;
+  bool rotary_interleaved = true;  // with rotary_cos/rotary_sin (problem.hpp)
   // Attention dropout (problem.hpp); the Python layer draws seed and offset per call.
   float dropout_p = 0.0f;
   uint64_t dropout_seed = 0, dropout_offset = 0;
@@ -218,6 +220,7 @@ struct AttentionTensors {
   OptRef dout, dq, dk, dv;
   OptRef alibi_slopes, dropout_rng;
   OptRef seqused_k, leftpad_k, kv_batch_idx, block_table;
+  OptRef k_new, v_new, rotary_cos, rotary_sin;  // appending to the cache (flash-attn's k, v)
 };
 
 // q, k and v alone, before the outputs are shaped from them: the three ranks first (the order the
@@ -289,6 +292,38 @@ inline void set_cache(AttentionProblem& p, const AttentionTensors& t, bool varle
     if (!varlen) p.seqlen_k = p.pages_per_seq * p.page_size;
     else p.total_k = p.num_pages * p.page_size;
   }
+}
+
+// New keys and values (batch, seqlen_new, heads_kv, headdim of the cache) and the rotary tables
+// (seqlen_ro, rotary_dim / 2), contiguous, in q's dtype (as flash-attn requires).
+inline void set_append(AttentionProblem& p, const AttentionTensors& t, const Options& options) {
+  if (t.k_new.has_value() != t.v_new.has_value())
+    fail(ErrorKind::invalid_argument, "k and v must be given together (the new keys and values to append)");
+  if (t.k_new) {
+    const int64_t seqlen_new = t.k_new->rank == 4 ? t.k_new->shape(1) : 0;
+    for (const auto& [a, name, dim] : {std::tuple{&*t.k_new, "k", p.headdim_qk}, std::tuple{&*t.v_new, "v", p.headdim_v}}) {
+      check_operand(*a, name, 4, "(batch, seqlen_new, heads_kv, headdim)", t.q, "q");
+      check_shape(*a, name, {p.batch, seqlen_new, p.heads_kv, dim}, "(batch, seqlen_new, heads_kv, headdim of the cache)");
+    }
+    p.k_new = view_of(*t.k_new, false);
+    p.v_new = view_of(*t.v_new, false);
+    p.seqlen_new = seqlen_new;
+  }
+  if (t.rotary_cos.has_value() != t.rotary_sin.has_value())
+    fail(ErrorKind::invalid_argument, "rotary_cos and rotary_sin must be given together");
+  if (!t.rotary_cos) return;
+  const TensorRef &cos = *t.rotary_cos, &sin = *t.rotary_sin;
+  if (cos.rank != 2)
+    fail(ErrorKind::invalid_argument, "rotary_cos must be (seqlen_ro, rotary_dim / 2), got shape " + shape_of(cos));
+  const std::string type = dtype_name(t.q);
+  check_aux(cos, "rotary_cos", {cos.shape(0), cos.shape(1)}, "", t.q.type, type.c_str(), t.q, "q");
+  check_aux(sin, "rotary_sin", {cos.shape(0), cos.shape(1)}, "(the shape of rotary_cos)", t.q.type, type.c_str(), t.q,
+            "q");
+  p.rotary_cos = cos.ptr;
+  p.rotary_sin = sin.ptr;
+  p.rotary_seqlen = cos.shape(0);
+  p.rotary_dim = 2 * cos.shape(1);
+  p.rotary_interleaved = options.rotary_interleaved;
 }
 
 }  // namespace detail
@@ -378,6 +413,7 @@ inline AttentionProblem attention_problem(const AttentionTensors& t, const Optio
   p.k = view_of(t.k, varlen && !paged);
   p.v = view_of(t.v, varlen && !paged);
   if (t.seqused_k || t.leftpad_k || t.kv_batch_idx || t.block_table) detail::set_cache(p, t, varlen);
+  if (t.k_new || t.v_new || t.rotary_cos || t.rotary_sin) detail::set_append(p, t, options);
   p.o = view_of(t.out, varlen);
   p.lse = static_cast<float*>(t.lse.ptr);
   if (has_grads) {

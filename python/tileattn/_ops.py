@@ -166,7 +166,7 @@ def _check_attention_ranks(q: Tensor, k: Tensor, v: Tensor, varlen: bool) -> Non
 
 def _make_options(max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, deterministic,
                   fp32_fast, num_threads, check_cu_seqlens, num_splits=0, dropout_p=0.0, dropout_seed=0,
-                  dropout_offset=0, partial_keys=False):
+                  dropout_offset=0, partial_keys=False, rotary_interleaved=True):
     o = _ext.Options()
     o.max_seqlen_q, o.max_seqlen_k, o.softmax_scale, o.causal = max_seqlen_q, max_seqlen_k, softmax_scale, causal
     o.window_left, o.window_right, o.softcap, o.deterministic = window_left, window_right, softcap, deterministic
@@ -174,6 +174,7 @@ def _make_options(max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left
     o.num_splits = num_splits
     o.dropout_p, o.dropout_seed, o.dropout_offset = dropout_p, dropout_seed, dropout_offset
     o.partial_keys = partial_keys
+    o.rotary_interleaved = rotary_interleaved
     return o
 
 
@@ -315,14 +316,18 @@ def plan_cache_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[T
                        softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int,
                        softcap: float, alibi_slopes: Optional[Tensor], seqused_k: Optional[Tensor],
                        leftpad_k: Optional[Tensor], kv_batch_idx: Optional[Tensor], block_table: Optional[Tensor],
-                       num_splits: int):
-    """A forward over keys in a cache (seqused_k, leftpad_k, kv_batch_idx, block_table: problem.hpp's
-    key/value cache fields), validated and planned: returns (out, lse, run), run() computing them.
-    Every rule is checked before run(), so a caller can change the cache in between (appending)
-    knowing the call will not be refused. Inference only: nothing is recorded for autograd."""
+                       num_splits: int, k_new: Optional[Tensor] = None, v_new: Optional[Tensor] = None,
+                       rotary_cos: Optional[Tensor] = None, rotary_sin: Optional[Tensor] = None,
+                       rotary_interleaved: bool = True):
+    """A forward over keys in a cache (seqused_k, leftpad_k, kv_batch_idx, block_table, and the
+    append of k_new, v_new with the rotary embedding: problem.hpp's key/value cache fields),
+    validated and planned: returns (out, lse, run), run() appending and computing them. Every rule
+    is checked before run(), so a refused call leaves the cache as it was. Inference only: nothing
+    is recorded for autograd."""
     for t, name in ((q, "q"), (k, "k"), (v, "v"), (cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k"),
                     (alibi_slopes, "alibi_slopes"), (seqused_k, "seqused_k"), (leftpad_k, "leftpad_k"),
-                    (kv_batch_idx, "kv_batch_idx"), (block_table, "block_table")):
+                    (kv_batch_idx, "kv_batch_idx"), (block_table, "block_table"), (k_new, "k"), (v_new, "v"),
+                    (rotary_cos, "rotary_cos"), (rotary_sin, "rotary_sin")):
         if t is not None:
             _check_device(t, name)
     varlen = cu_seqlens_q is not None
@@ -331,11 +336,13 @@ def plan_cache_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[T
     out = torch.empty(_out_shape(q, v), dtype=q.dtype, device=q.device)
     lse = torch.empty(_lse_shape(q, varlen), dtype=torch.float32, device=q.device)
     options = _options(max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, False,
-                       _fp32_fast(q), _num_threads(q.device), _checks["cu_seqlens"], num_splits)
+                       _fp32_fast(q), _num_threads(q.device), _checks["cu_seqlens"], num_splits,
+                       rotary_interleaved=bool(rotary_interleaved))
     cap = lambda t: None if t is None else _capsule(t)  # noqa: E731
     call = _ext.Attention(_capsule(q), _capsule(k), _capsule(v), _capsule(out), _capsule(lse), cap(cu_seqlens_q),
                           cap(cu_seqlens_k), options, alibi_slopes=cap(alibi_slopes), seqused_k=cap(seqused_k),
-                          leftpad_k=cap(leftpad_k), kv_batch_idx=cap(kv_batch_idx), block_table=cap(block_table))
+                          leftpad_k=cap(leftpad_k), kv_batch_idx=cap(kv_batch_idx), block_table=cap(block_table),
+                          k_new=cap(k_new), v_new=cap(v_new), rotary_cos=cap(rotary_cos), rotary_sin=cap(rotary_sin))
     with _device_context(q.device):
         workspace = _workspace(call.plan_forward(_stream(q.device)), q.device)
 

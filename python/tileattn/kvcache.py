@@ -2,9 +2,9 @@
 values appended to the cache in place (with rotary embedding), then attention over each
 sequence's cached keys, contiguous or paged (``block_table``).
 
-The attention itself is the library's forward over the cache where it lies (problem.hpp's
-key/value cache fields): nothing is gathered or copied. Appending and the rotary embedding are a
-few tensor operations on the caller's stream, with no host synchronisation (CUDA graphs work).
+The whole call is the library's forward over the cache where it lies (problem.hpp's key/value
+cache fields): the append and the rotary embedding run in the same plan, before the attention, on
+the caller's stream and with no host synchronisation (CUDA graphs work); nothing is gathered.
 """
 
 from __future__ import annotations
@@ -32,21 +32,6 @@ def _int32_table(t: Optional[Tensor], name: str, shape: tuple, device: torch.dev
     if tuple(t.shape) != shape:
         raise ValueError(f"{name}.shape={tuple(t.shape)} must be {shape}")
     return t.contiguous()
-
-
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
-    """Rotary embedding of x (batch, seqlen, heads, d) with cos/sin (batch, seqlen, rotary_dim / 2),
-    computed in fp32 and rounded once; dims past rotary_dim pass through."""
-    rd = 2 * cos.shape[-1]
-    xr = x[..., :rd].float()
-    cos, sin = cos.float().unsqueeze(2), sin.float().unsqueeze(2)
-    if interleaved:
-        x1, x2 = xr[..., 0::2], xr[..., 1::2]
-        rot = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
-    else:
-        x1, x2 = xr[..., : rd // 2], xr[..., rd // 2:]
-        rot = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-    return torch.cat((rot.to(x.dtype), x[..., rd:]), dim=-1) if rd < x.shape[-1] else rot.to(x.dtype)
 
 
 def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor] = None,
@@ -133,14 +118,8 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
 
     seqlen_new = 0
     if k is not None:
-        seqlen_new = k.shape[1]
-        for t, name, d in ((k, "k", k_cache.shape[-1]), (v, "v", v_cache.shape[-1])):
-            want = (batch, seqlen_new, k_cache.shape[2], d)
-            if t.dim() != 4 or tuple(t.shape) != want:
-                raise ValueError(f"{name}.shape={tuple(t.shape)} must be {want} (batch, seqlen_new, heads_kv, "
-                                 "headdim of the cache)")
-            if t.dtype != q.dtype:
-                raise TypeError(f"{name}.dtype={_dtype_name(t.dtype)} must equal q.dtype={_dtype_name(q.dtype)}")
+        # The shapes of k and v are the library's to check; their length places the append.
+        seqlen_new = k.shape[1] if isinstance(k, Tensor) and k.dim() == 4 else 0
         if cache_seqlens is None:
             raise ValueError("cache_seqlens is needed with k and v (where to append them)")
 
@@ -161,33 +140,14 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
             raise ValueError(f"cache_seqlens must be in [0, {capacity - seqlen_new}] (the cache holds {capacity} "
                              f"keys per sequence and {seqlen_new} are appended), got values in [{low}, {top}]")
 
-    if k is not None:
-        if rotary_cos is not None:
-            rd2 = rotary_cos.shape[-1] if rotary_cos.dim() == 2 else -1
-            if rotary_cos.dim() != 2 or tuple(rotary_sin.shape) != tuple(rotary_cos.shape):
-                raise ValueError(f"rotary_cos and rotary_sin must both be (seqlen_ro, rotary_dim / 2), got "
-                                 f"{tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
-            if not 0 < 2 * rd2 <= q.shape[-1]:
-                raise ValueError(f"rotary_dim={2 * rd2} (2 * rotary_cos.shape[1]) must be in [2, headdim="
-                                 f"{q.shape[-1]}]")
-            if rotary_cos.shape[0] < capacity:
-                raise ValueError(f"rotary_cos.shape[0]={rotary_cos.shape[0]} must be >= {capacity} (a position for "
-                                 "every key the cache holds)")
-            for t, name in ((rotary_cos, "rotary_cos"), (rotary_sin, "rotary_sin")):
-                if t.device != device:
-                    raise ValueError(f"{name} is on {t.device} but q is on {device}")
-            # Positions clamp to the table so that unchecked device lengths cannot index past it.
-            last = rotary_cos.shape[0] - 1
-            pos_k = (seqlens.long().unsqueeze(1) + torch.arange(seqlen_new, device=device)).clamp_(0, last)
-            k = _rotate(k, rotary_cos[pos_k], rotary_sin[pos_k], rotary_interleaved)
-            local = causal or left >= 0 or right >= 0
-            steps = torch.arange(seqlen_q, device=device) if local else torch.zeros(seqlen_q, dtype=torch.long,
-                                                                                     device=device)
-            pos_q = (seqlens.long().unsqueeze(1) + steps).clamp_(0, last)
-            q = _rotate(q, rotary_cos[pos_q], rotary_sin[pos_q], rotary_interleaved)
-        seqused = seqlens + seqlen_new
-    else:
-        seqused = seqlens
+    if rotary_cos is not None:
+        for t, name in ((rotary_cos, "rotary_cos"), (rotary_sin, "rotary_sin")):
+            if not isinstance(t, Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        # flash-attn takes the tables in q's dtype only; another float dtype is rounded to it once.
+        rotary_cos, rotary_sin = (t.to(q.dtype) if t.dtype != q.dtype and t.is_floating_point() else t
+                                  for t in (rotary_cos, rotary_sin))
+    seqused = seqlens + seqlen_new if k is not None and seqlen_new else seqlens
     # Without explicit lengths each sequence reaches the end of its cache row.
     if seqused is None and (cache_leftpad is not None or paged):
         seqused = torch.full((batch,), capacity, dtype=torch.int32, device=device)
@@ -195,27 +155,41 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     scale, cap = _scale(softmax_scale, "softmax_scale"), _float32(softcap, "softcap")
     if q.numel() == 0 or capacity == 0:
         # Nothing to attend (no query rows, or a cache of no keys): what a fully masked row gives.
-        if k is not None:
-            _append(k_cache, v_cache, k, v, seqlens, cache_batch_idx, block_table, capacity)
         out = q.new_zeros((*q.shape[:-1], v_cache.shape[-1]))
         lse = torch.full((batch, q.shape[2], seqlen_q), float("-inf"), dtype=torch.float32, device=device)
+        if seqlen_new and batch and q.shape[2] and seqlen_q == 0:
+            # The append still happens: through a call with one query position, its output unused.
+            _cache_call(q.new_zeros((batch, 1, *q.shape[2:])), k_cache, v_cache, k, v, rotary_cos, rotary_sin,
+                        rotary_interleaved, seqused, cache_leftpad, cache_batch_idx, block_table, capacity, scale,
+                        causal, left, right, cap, alibi_slopes, splits)
         return (out, lse) if return_softmax_lse else out
-    # Every rule is checked (the plan) before the cache is written, so a refused call changes nothing.
-    with _argument_names():
-        out, lse, run = _ops.plan_cache_forward(q, k_cache, v_cache, None, None, seqlen_q, capacity, scale,
-                                                bool(causal), left, right, cap, alibi_slopes, seqused, cache_leftpad,
-                                                cache_batch_idx, block_table, splits)
-    if k is not None:
-        _append(k_cache, v_cache, k, v, seqlens, cache_batch_idx, block_table, capacity)
-    run()
+    out, lse = _cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, rotary_interleaved, seqused,
+                           cache_leftpad, cache_batch_idx, block_table, capacity, scale, causal, left, right, cap,
+                           alibi_slopes, splits)
     return (out, lse) if return_softmax_lse else out
+
+
+def _cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, rotary_interleaved, seqused, cache_leftpad,
+                cache_batch_idx, block_table, capacity, scale, causal, left, right, softcap, alibi_slopes, splits):
+    """One planned library call: every rule is checked before anything runs, so a refused call
+    leaves the cache as it was; then the append (rotary included) and the attention."""
+    with _argument_names():
+        out, lse, run = _ops.plan_cache_forward(q, k_cache, v_cache, None, None, q.shape[1], capacity, scale,
+                                                bool(causal), left, right, softcap, alibi_slopes, seqused,
+                                                cache_leftpad, cache_batch_idx, block_table, splits, k_new=k, v_new=v,
+                                                rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                                                rotary_interleaved=rotary_interleaved)
+    run()
+    return out, lse
 
 
 # The library names the cache fields after its problem struct; a caller of flash_attn_with_kvcache
 # passed flash-attn's names, which its error messages should use.
 _CALLER_NAMES = (("leftpad_k", "cache_leftpad"), ("kv_batch_idx", "cache_batch_idx"),
                  ("seqused_k", "cache_seqlens + seqlen_new"), ("kv_batch", "k_cache.shape[0]"),
-                 ("num_pages", "k_cache.shape[0]"))
+                 ("num_pages", "k_cache.shape[0]"), ("rotary_dim", "rotary_dim (2 * rotary_cos.shape[1])"),
+                 ("rotary_seqlen", "rotary_cos.shape[0]"), ("seqlen_k", "the cache's capacity"),
+                 ("headdim_qk", "headdim"), ("k_new", "k"), ("v_new", "v"))
 
 
 @contextlib.contextmanager
@@ -236,27 +210,6 @@ def _splits(num_splits) -> int:
     if n < 0:
         raise ValueError(f"num_splits={num_splits} must be >= 0 (0 = chosen by the library)")
     return n
-
-
-def _append(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, seqlens: Tensor,
-            cache_batch_idx: Optional[Tensor], block_table: Optional[Tensor], capacity: int) -> None:
-    """Writes k, v (batch, seqlen_new, ...) at rows seqlens[b] + i of each sequence's cache row."""
-    batch, seqlen_new = k.shape[0], k.shape[1]
-    if batch == 0 or seqlen_new == 0:
-        return
-    device = k.device
-    # Clamped like every other index the device cannot check without a sync: an out-of-range
-    # length overwrites the row's last keys rather than memory past the cache.
-    pos = (seqlens.long().unsqueeze(1) + torch.arange(seqlen_new, device=device)).clamp_(0, capacity - 1)
-    if block_table is not None:
-        page_size = k_cache.shape[1]
-        pages = block_table.long().gather(1, pos // page_size).clamp_(0, k_cache.shape[0] - 1)
-        rows = (pages, pos % page_size)
-    else:
-        cache_rows = cache_batch_idx.long() if cache_batch_idx is not None else torch.arange(batch, device=device)
-        rows = (cache_rows.clamp(0, k_cache.shape[0] - 1).unsqueeze(1).expand(batch, seqlen_new), pos)
-    k_cache[rows] = k
-    v_cache[rows] = v
 
 
 def cache_varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
