@@ -76,7 +76,8 @@ void check(const AppendCase& c) {
 
   Buffer q(batch * c.seqlen_q * hq * d, dt, rng), k(rows * hkv * d, dt, rng), v(rows * hkv * d, dt, rng);
   Buffer k_new(batch * c.seqlen_new * hkv * d, dt, rng), v_new(batch * c.seqlen_new * hkv * d, dt, rng);
-  const int64_t half = c.rotary_dim / 2, rotary_seqlen = cache_len + c.seqlen_q;
+  const int64_t seqlen_k = paged ? pages_per_seq * c.page_size : cache_len;  // the rows a sequence may reach
+  const int64_t half = c.rotary_dim / 2, rotary_seqlen = seqlen_k + c.seqlen_q;
   Buffer cos(rotary_seqlen * half, dt, rng), sin(rotary_seqlen * half, dt, rng);
   for (int64_t i = 0; i < rotary_seqlen * half; ++i) {  // a unit circle per angle
     const double a = std::atan2(cpu::load_element(sin.host.data(), i, dt), cpu::load_element(cos.host.data(), i, dt));
@@ -96,7 +97,7 @@ void check(const AppendCase& c) {
   };
   auto problem = [&](bool on_gpu) {
     AttentionProblem p;
-    p.batch = batch, p.seqlen_q = c.seqlen_q, p.seqlen_k = paged ? pages_per_seq * c.page_size : cache_len;
+    p.batch = batch, p.seqlen_q = c.seqlen_q, p.seqlen_k = seqlen_k;
     p.heads_q = hq, p.heads_kv = hkv, p.headdim_qk = p.headdim_v = d, p.dtype = dt;
     p.q = rows_of(on_gpu ? q.device.get() : q.host.data(), c.seqlen_q, hq);
     p.k = rows_of(on_gpu ? k.device.get() : k.host.data(), paged ? c.page_size : cache_len, hkv);
