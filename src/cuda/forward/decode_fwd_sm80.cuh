@@ -97,23 +97,21 @@ __global__ void __launch_bounds__(DecodeTraits<T, kHeadDim>::kThreads)
 
     const T* gK = static_cast<const T*>(p.k) + kv_head * p.k_head_stride;
     const T* gV = static_cast<const T*>(p.v) + kv_head * p.v_head_stride;
-    // Pages shorter than a tile: with pages of a multiple of 16 keys, each warp copies its own
-    // 16 keys from their one page (one page id per warp and tile); shorter pages are gathered row
-    // by row. Either way the ids (one fetch for K and V) are read a tile ahead, so a copy never
-    // waits on the page table.
+    // Pages of a multiple of the tile hold whole tiles (one page id per tile); with pages of a
+    // multiple of 16 keys each warp copies its own 16 keys from their one page (one id per warp
+    // and tile); shorter pages are gathered row by row. Every id (one fetch for K and V) is read a
+    // tile ahead, so a copy never waits on the page table: with few blocks per SM (split-KV) a
+    // table read in front of each tile's copies left the ring short of bytes in flight.
     const bool gather = blk.key.pages && p.keys.page_size % kBlockN != 0;
     const bool by_warp = gather && p.keys.page_size % 16 == 0;
     PagedRows<KVTile, kThreads> ids;
-    int warp_page = 0;
+    int warp_page = 0;  // the next tile's page (whole-tile pages) or this warp's page of it
     auto fetch_ids = [&](int i) {
-      if (!gather || i >= n_tiles) return;
+      if (!blk.key.pages || i >= n_tiles) return;
       const int key0 = (tiles.begin + i) * kBlockN;
-      if (by_warp) {
-        const int key = key0 + warp * 16;
-        warp_page = key < blk.seqlen_k ? load_page_id(blk.key.pages + p.keys.page_of(key)) : 0;
-      } else {
-        ids.fetch(p.keys, blk.key.pages, key0, blk.seqlen_k - key0);
-      }
+      if (gather && !by_warp) return ids.fetch(p.keys, blk.key.pages, key0, blk.seqlen_k - key0);
+      const int key = key0 + (by_warp ? warp * 16 : 0);
+      warp_page = key < blk.seqlen_k ? load_page_id(blk.key.pages + p.keys.page_of(key)) : 0;
     };
     auto load_stage = [&](int i) {  // key tile tiles.begin + i into stage i % kStages
       T* stage = sKV + (i % kStages) * Tr::kStageElements;
@@ -127,11 +125,16 @@ __global__ void __launch_bounds__(DecodeTraits<T, kHeadDim>::kThreads)
                                    gV + page * p.v_batch_stride + row * p.v_row_stride, p.v_row_stride,
                                    blk.seqlen_k - key, p.headdim_v, p.vec_v);
       } else if (!gather) {
-        load_tile<KVTile, kThreads>(stage, gK + key_offset(p.keys, blk.key, key0, p.k_batch_stride, p.k_row_stride),
-                                    p.k_row_stride, rows, p.headdim_qk, p.vec_k);
-        load_tile<KVTile, kThreads>(stage + KVTile::kElements,
-                                    gV + key_offset(p.keys, blk.key, key0, p.v_batch_stride, p.v_row_stride),
-                                    p.v_row_stride, rows, p.headdim_v, p.vec_v);
+        int64_t k_off, v_off;
+        if (blk.key.pages) {
+          const int64_t page = clamp_to(warp_page, 0, p.keys.num_pages - 1), row = p.keys.row_in_page(key0);
+          k_off = page * p.k_batch_stride + row * p.k_row_stride, v_off = page * p.v_batch_stride + row * p.v_row_stride;
+        } else {
+          k_off = key_offset(p.keys, blk.key, key0, p.k_batch_stride, p.k_row_stride);
+          v_off = key_offset(p.keys, blk.key, key0, p.v_batch_stride, p.v_row_stride);
+        }
+        load_tile<KVTile, kThreads>(stage, gK + k_off, p.k_row_stride, rows, p.headdim_qk, p.vec_k);
+        load_tile<KVTile, kThreads>(stage + KVTile::kElements, gV + v_off, p.v_row_stride, rows, p.headdim_v, p.vec_v);
       } else {
         ids.load(stage, gK, p.keys, key0, p.k_batch_stride, p.k_row_stride, rows, p.headdim_qk, p.vec_k);
         ids.load(stage + KVTile::kElements, gV, p.keys, key0, p.v_batch_stride, p.v_row_stride, rows, p.headdim_v,
