@@ -12,7 +12,8 @@ The semantics the reference encodes (flash-attn 2):
   [cache_leftpad[b], cache_seqlens[b] + seqlen_new); cache_seqlens itself is left alone.
 - Rotary (only with new keys) rotates q and the new keys, never cached keys or values, at absolute
   cache positions: new key i at cache_seqlens[b] + i; query i at cache_seqlens[b] + i when the
-  mask is causal or local, else every query at cache_seqlens[b].
+  mask is causal or local (a window side shorter than the cache row), else every query at
+  cache_seqlens[b].
 - Masks and ALiBi (``-slope * |i + sk - sq - j|``) are aligned to the bottom-right corner of each
   sequence's own keys (sk counts from the left pad). As in flash_attn_func (test_alibi.py), the
   causal form of ALiBi gives a softmax_lse larger by ``slope * (i + sk - sq)``.
@@ -100,7 +101,10 @@ def kvcache_reference(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rota
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
     seqlen_new = 0 if k is None else k.shape[1]
     left, right = window
-    local = causal or left >= 0 or right >= 0
+    # flash-attn's rule: a window side as long as the cache row or longer masks nothing and does
+    # not make the mask local.
+    capacity = k_cache.shape[1] * (pages.table.shape[1] if pages is not None else 1)
+    local = causal or 0 <= left < capacity or 0 <= right < capacity
     if alibi_slopes is not None and alibi_slopes.dim() == 1:
         alibi_slopes = alibi_slopes.expand(batch, -1)
     outs, lses = [], []
@@ -199,6 +203,10 @@ CASES = {
     "d128": dict(d=128, heads=2, heads_kv=2, seqlen_new=1),
     "d40_rotary": dict(d=40, seqlen_q=2, seqlen_new=2, causal=True, rotary="interleaved"),
     "d40_half_partial_paged": dict(d=40, seqlen_new=1, rotary="half", rotary_dim=24, page_size=3),
+    # rotary positions of the queries: local windows rotate each query at its own position, a
+    # window side past the cache (37 rows) leaves every query at the first new row
+    "rotary_window": dict(seqlen_q=3, seqlen_new=3, rotary="interleaved", window=(6, -1)),
+    "rotary_window_past_the_cache": dict(seqlen_q=3, seqlen_new=3, rotary="half", window=(40, 50)),
 }
 
 
