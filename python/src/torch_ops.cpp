@@ -202,6 +202,42 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(
   });
 }
 
+// The forward over a key/value cache (tileattn/kvcache.py: flash_attn_with_kvcache, and
+// flash_attn_varlen_func with block_table or seqused_k): the cache tables, the append of k_new and
+// v_new with the rotary embedding, and the attention, validated, planned and run in one call. Not
+// an operator: it writes the caches in place and has no gradient, so Python calls it directly.
+std::tuple<Tensor, Tensor> cache_forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                         const OptTensor& cu_seqlens_q, const OptTensor& cu_seqlens_k,
+                                         int64_t max_seqlen_q, int64_t max_seqlen_k,
+                                         std::optional<double> softmax_scale, bool causal, int64_t window_left,
+                                         int64_t window_right, double softcap, const OptTensor& alibi_slopes,
+                                         const OptTensor& seqused_k, const OptTensor& leftpad_k,
+                                         const OptTensor& kv_batch_idx, const OptTensor& block_table,
+                                         int64_t num_splits, const OptTensor& k_new, const OptTensor& v_new,
+                                         const OptTensor& rotary_cos, const OptTensor& rotary_sin,
+                                         bool rotary_interleaved) {
+  return translate_errors([&] {
+    const bool varlen = cu_seqlens_q.has_value();
+    check_rank(tensor_ref(q), "q", varlen ? 3 : 4, varlen ? kVarlenDims : kFixedDims);
+    auto out_shape = q.sizes().vec();
+    out_shape.back() = v.dim() > 0 ? v.size(-1) : 0;  // a v of the wrong rank is named by attention_problem
+    Tensor out = at::empty(out_shape, q.options());
+    Tensor lse = varlen ? at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat))
+                        : at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
+    AttentionTensors t = tensors_of(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, std::nullopt);
+    t.seqused_k = tensor_ref(seqused_k), t.leftpad_k = tensor_ref(leftpad_k);
+    t.kv_batch_idx = tensor_ref(kv_batch_idx), t.block_table = tensor_ref(block_table);
+    t.k_new = tensor_ref(k_new), t.v_new = tensor_ref(v_new);
+    t.rotary_cos = tensor_ref(rotary_cos), t.rotary_sin = tensor_ref(rotary_sin);
+    Options o = options_of(q, SymInt(max_seqlen_q), SymInt(max_seqlen_k), softmax_scale, causal, SymInt(window_left),
+                           SymInt(window_right), softcap, false, 0.0);
+    o.num_splits = int(num_splits);
+    o.rotary_interleaved = rotary_interleaved;
+    plan_and_run(attention_problem(t, o), q, false);
+    return std::make_tuple(out, lse);
+  });
+}
+
 using ForwardSig = decltype(attention_forward);
 using BackwardSig = decltype(attention_backward);
 
@@ -337,6 +373,7 @@ PYBIND11_MODULE(_torch_ops, m) {
                                  deterministic, alibi_slopes, dropout_p, dropout_rng);
       },
       py::call_guard<py::gil_scoped_release>());
+  m.def("cache_forward", &cache_forward, py::call_guard<py::gil_scoped_release>());
 #if !AT_PARALLEL_OPENMP || defined(_OPENMP)
   // tileattn._ext (imported first by tileattn._ops) links its own copy of the CPU backend: its
   // CPU calls (kv cache, softmax_matmul, merges, the Python route) take torch's threads too.

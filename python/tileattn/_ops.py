@@ -311,25 +311,30 @@ def _checked_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     return out, lse
 
 
-def plan_cache_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
-                       cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
-                       softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int,
-                       softcap: float, alibi_slopes: Optional[Tensor], seqused_k: Optional[Tensor],
-                       leftpad_k: Optional[Tensor], kv_batch_idx: Optional[Tensor], block_table: Optional[Tensor],
-                       num_splits: int, k_new: Optional[Tensor] = None, v_new: Optional[Tensor] = None,
-                       rotary_cos: Optional[Tensor] = None, rotary_sin: Optional[Tensor] = None,
-                       rotary_interleaved: bool = True):
+def cache_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
+                  max_seqlen_q: int, max_seqlen_k: int, softmax_scale: Optional[float], causal: bool,
+                  window_left: int, window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
+                  seqused_k: Optional[Tensor], leftpad_k: Optional[Tensor], kv_batch_idx: Optional[Tensor],
+                  block_table: Optional[Tensor], num_splits: int, k_new: Optional[Tensor] = None,
+                  v_new: Optional[Tensor] = None, rotary_cos: Optional[Tensor] = None,
+                  rotary_sin: Optional[Tensor] = None, rotary_interleaved: bool = True) -> tuple[Tensor, Tensor]:
     """A forward over keys in a cache (seqused_k, leftpad_k, kv_batch_idx, block_table, and the
-    append of k_new, v_new with the rotary embedding: problem.hpp's key/value cache fields),
-    validated and planned: returns (out, lse, run), run() appending and computing them. Every rule
-    is checked before run(), so a refused call leaves the cache as it was. Inference only: nothing
-    is recorded for autograd."""
-    for t, name in ((q, "q"), (k, "k"), (v, "v"), (cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k"),
-                    (alibi_slopes, "alibi_slopes"), (seqused_k, "seqused_k"), (leftpad_k, "leftpad_k"),
-                    (kv_batch_idx, "kv_batch_idx"), (block_table, "block_table"), (k_new, "k"), (v_new, "v"),
-                    (rotary_cos, "rotary_cos"), (rotary_sin, "rotary_sin")):
+    append of k_new, v_new with the rotary embedding: problem.hpp's key/value cache fields): returns
+    (out, lse). Every rule is checked before anything runs, so a refused call leaves the cache as it
+    was. Inference only: nothing is recorded for autograd."""
+    for t, name in ((q, "q"), (k, "k"), (v, "v")):
+        _check_device(t, name)  # the other tensors are checked against q's device by the binding
+    if _torch_ops is not None:
+        return _torch_ops.cache_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                                        causal, window_left, window_right, softcap, alibi_slopes, seqused_k,
+                                        leftpad_k, kv_batch_idx, block_table, num_splits, k_new, v_new, rotary_cos,
+                                        rotary_sin, bool(rotary_interleaved))
+    for t, name in ((cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k"), (alibi_slopes, "alibi_slopes"),
+                    (seqused_k, "seqused_k"), (leftpad_k, "leftpad_k"), (kv_batch_idx, "kv_batch_idx"),
+                    (block_table, "block_table"), (k_new, "k"), (v_new, "v"), (rotary_cos, "rotary_cos"),
+                    (rotary_sin, "rotary_sin")):
         if t is not None:
-            _check_device(t, name)
+            _check_device(t, name)  # DLPack export of another device's tensor fails less clearly
     varlen = cu_seqlens_q is not None
     _check_rank(q, "q", 3 if varlen else 4, "(total_tokens, heads, headdim)" if varlen else
                 "(batch, seqlen, heads, headdim)")
@@ -344,13 +349,8 @@ def plan_cache_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[T
                           leftpad_k=cap(leftpad_k), kv_batch_idx=cap(kv_batch_idx), block_table=cap(block_table),
                           k_new=cap(k_new), v_new=cap(v_new), rotary_cos=cap(rotary_cos), rotary_sin=cap(rotary_sin))
     with _device_context(q.device):
-        workspace = _workspace(call.plan_forward(_stream(q.device)), q.device)
-
-    def run() -> None:
-        with _device_context(q.device):
-            call.run(workspace)
-
-    return out, lse, run
+        call.run(_workspace(call.plan_forward(_stream(q.device)), q.device))
+    return out, lse
 
 
 # Without the operator library the two attention operators are registered here, with

@@ -172,16 +172,13 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
 
 def _cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, rotary_interleaved, seqused, cache_leftpad,
                 cache_batch_idx, block_table, capacity, scale, causal, left, right, softcap, alibi_slopes, splits):
-    """One planned library call: every rule is checked before anything runs, so a refused call
-    leaves the cache as it was; then the append (rotary included) and the attention."""
+    """One library call: every rule is checked before anything runs, so a refused call leaves the
+    cache as it was; then the append (rotary included) and the attention."""
     with _argument_names():
-        out, lse, run = _ops.plan_cache_forward(q, k_cache, v_cache, None, None, q.shape[1], capacity, scale,
-                                                bool(causal), left, right, softcap, alibi_slopes, seqused,
-                                                cache_leftpad, cache_batch_idx, block_table, splits, k_new=k, v_new=v,
-                                                rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-                                                rotary_interleaved=rotary_interleaved)
-    run()
-    return out, lse
+        return _ops.cache_forward(q, k_cache, v_cache, None, None, q.shape[1], capacity, scale, bool(causal), left,
+                                  right, softcap, alibi_slopes, seqused, cache_leftpad, cache_batch_idx, block_table,
+                                  splits, k_new=k, v_new=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                                  rotary_interleaved=rotary_interleaved)
 
 
 # The library names the cache fields after its problem struct; a caller of flash_attn_with_kvcache
@@ -239,8 +236,5 @@ def cache_varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, 
     if q.numel() == 0 or batch == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:
         out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
         return out, torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=device)
-    out, lse, run = _ops.plan_cache_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                            softmax_scale, causal, left, right, softcap, alibi_slopes, seqused_k, None,
-                                            None, block_table, 0)
-    run()
-    return out, lse
+    return _ops.cache_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                              left, right, softcap, alibi_slopes, seqused_k, None, None, block_table, 0)
