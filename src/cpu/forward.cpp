@@ -119,14 +119,20 @@ struct ForwardScratch {
   QueryTile tiles[kGroupTiles];
 };
 
-// Query tiles [tile0, tile0 + count) of (sequence b, head h). Each query tile sees the key tiles
-// of its mask on the grid of multiples of kTileK, in increasing order, whatever the group: the
-// keys a window hides in the first or last tile are masked (-inf, weight 0).
+// Query tiles [tile0, tile0 + count) of (sequence b, heads [h, h + heads)). A tile holds
+// kTileQ / heads positions of each of its heads, head-major (row r: head h + r / positions,
+// position r % positions): with GQA the heads of a kv group then share every K and V tile and
+// every product over it, as the GPU's decode packing does (heads > 1 only without ALiBi and
+// dropout, whose slope and mask are per head). Each query tile sees the key tiles of its mask on
+// the grid of multiples of kTileK, in increasing order, whatever the group: the keys a window hides
+// in the first or last tile are masked (-inf, weight 0).
 void forward_tiles(const AttentionProblem& p, const ScoreTransform& transform, const RowPanels& k_rows,
-                   const RowPanels& v_rows, int64_t b, int64_t h, int64_t tile0, int64_t count, ForwardScratch& w) {
+                   const RowPanels& v_rows, int64_t b, int64_t h, int64_t heads, int64_t tile0, int64_t count,
+                   ForwardScratch& w) {
   const Sequence s = sequence(p, b);
   const int64_t dqk = p.headdim_qk, dv = p.headdim_v, hk = h / (p.heads_q / p.heads_kv);
-  count = std::min(count, ceil_div(s.len_q, kTileQ) - tile0);
+  const int64_t positions = kTileQ / heads;  // per head and tile
+  count = std::min(count, ceil_div(s.len_q, positions) - tile0);
   if (count <= 0) return;
   const float slope = transform.mod.slope(b, h);
   const int64_t shift = s.len_k - s.len_q;
@@ -135,10 +141,16 @@ void forward_tiles(const AttentionProblem& p, const ScoreTransform& transform, c
   w.k.resize(size_t(kTileK * dqk));
   w.v.resize(size_t(kTileK * dv));
   w.s.resize(size_t(kTileK * kTileQ));
+  // Tile t: positions [i0, i0 + n_pos) of each head, rows = heads * n_pos.
+  auto tile_rows = [&](int64_t t, int64_t& i0, int64_t& n_pos) {
+    i0 = (tile0 + t) * positions, n_pos = std::min(positions, s.len_q - i0);
+    return heads * n_pos;
+  };
 
   int64_t begin[kGroupTiles], end[kGroupTiles], group_begin = s.len_k, group_end = 0;
   for (int64_t t = 0; t < count; ++t) {
-    const int64_t i0 = (tile0 + t) * kTileQ, rows = std::min(kTileQ, s.len_q - i0);
+    int64_t i0, n_pos;
+    const int64_t rows = tile_rows(t, i0, n_pos);
     // Products and the softmax step run over whole vectors of queries: `cols` columns, those past
     // `rows` zero so that their padding scores are finite (a short tile then costs its own size,
     // not a full tile's: a seqlen-1 call spent most of its time clearing 64 columns).
@@ -146,10 +158,11 @@ void forward_tiles(const AttentionProblem& p, const ScoreTransform& transform, c
     QueryTile& q = w.tiles[t];
     q.qt.resize(size_t(dqk * kTileQ));
     q.rows.reset(rows, dv);
-    load_rows_transposed(p, p.q, s, true, h, i0, rows, dqk, q.qt.data(), kTileQ);
+    for (int64_t e = 0; e < heads; ++e)
+      load_rows_transposed(p, p.q, s, true, h + e, i0, n_pos, dqk, q.qt.data() + e * n_pos, kTileQ);
     for (int64_t d = 0; d < dqk; ++d) std::fill(&q.qt[size_t(d * kTileQ + rows)], &q.qt[size_t(d * kTileQ + cols)], 0.0f);
     begin[t] = s.mask.tile_begin_key(int(i0));
-    end[t] = s.mask.tile_end_key(int(i0 + rows));
+    end[t] = s.mask.tile_end_key(int(i0 + n_pos));
     if (begin[t] < end[t]) {
       group_begin = std::min(group_begin, begin[t] / kTileK * kTileK);
       group_end = std::max(group_end, end[t]);
@@ -163,7 +176,8 @@ void forward_tiles(const AttentionProblem& p, const ScoreTransform& transform, c
     for (int64_t t = 0; t < count; ++t) {
       if (j0 + n <= begin[t] || j0 >= end[t]) continue;  // no key of this tile is visible
       QueryTile& q = w.tiles[t];
-      const int64_t i0 = (tile0 + t) * kTileQ, rows = std::min(kTileQ, s.len_q - i0), i1 = i0 + rows;
+      int64_t i0, n_pos;
+      const int64_t rows = tile_rows(t, i0, n_pos), i1 = i0 + n_pos;
       const int64_t cols = ceil_div(rows, kLanes) * kLanes;
       // S^T = K Q^T; only tiles straddling the mask edge pay for masking.
       gemm(k.data, k.ld, 1, q.qt.data(), kTileQ, w.s.data(), kTileQ, n, cols, dqk);
@@ -174,11 +188,12 @@ void forward_tiles(const AttentionProblem& p, const ScoreTransform& transform, c
             ScoreTransform::add_alibi(&w.s[size_t(j * kTileQ)], rows, slope, i0 + shift - (j0 + j), 1);
       }
       if (j0 < s.mask.full_begin_key(int(i1)) || j0 + n > s.mask.full_end_key(int(i0))) {
-        for (int64_t i = 0; i < rows; ++i) {
-          const int64_t lo = std::clamp<int64_t>(s.mask.begin_key(int(i0 + i)) - j0, 0, n);
-          const int64_t hi = std::clamp<int64_t>(s.mask.end_key(int(i0 + i)) - j0, lo, n);
-          for (int64_t j = 0; j < lo; ++j) w.s[size_t(j * kTileQ + i)] = -INFINITY;
-          for (int64_t j = hi; j < n; ++j) w.s[size_t(j * kTileQ + i)] = -INFINITY;
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t i = i0 + r % n_pos;
+          const int64_t lo = std::clamp<int64_t>(s.mask.begin_key(int(i)) - j0, 0, n);
+          const int64_t hi = std::clamp<int64_t>(s.mask.end_key(int(i)) - j0, lo, n);
+          for (int64_t j = 0; j < lo; ++j) w.s[size_t(j * kTileQ + r)] = -INFINITY;
+          for (int64_t j = hi; j < n; ++j) w.s[size_t(j * kTileQ + r)] = -INFINITY;
         }
       }
       online_step(w.s.data(), rows, n, dv, scale_in_step ? transform.scale : 1.0f, q.rows);
@@ -198,15 +213,27 @@ void forward_tiles(const AttentionProblem& p, const ScoreTransform& transform, c
 
   for (int64_t t = 0; t < count; ++t) {
     QueryTile& q = w.tiles[t];
-    const int64_t i0 = (tile0 + t) * kTileQ, rows = std::min(kTileQ, s.len_q - i0);
+    int64_t i0, n_pos;
+    const int64_t rows = tile_rows(t, i0, n_pos);
     float* inv = q.rows.l;  // l is finished: reuse it for 1/l
-    for (int64_t i = 0; i < rows; ++i) {
-      const float offset = transform.mod.lse_offset(slope, int(i0 + i), int(s.len_q), int(s.len_k));
-      p.lse[lse_index(p, s, i0 + i, h)] = finish_lse_rounded_once(q.rows.m[i], inv[i], offset);
-      inv[i] = inverse_row_sum(inv[i]) * transform.dropout.scale;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float offset = transform.mod.lse_offset(slope, int(i0 + r % n_pos), int(s.len_q), int(s.len_k));
+      p.lse[lse_index(p, s, i0 + r % n_pos, h + r / n_pos)] = finish_lse_rounded_once(q.rows.m[r], inv[r], offset);
+      inv[r] = inverse_row_sum(inv[r]) * transform.dropout.scale;
     }
-    store_rows(p, p.o, s, true, h, i0, rows, dv, q.rows.acc.data(), dv, inv);
+    for (int64_t e = 0; e < heads; ++e)
+      store_rows(p, p.o, s, true, h + e, i0, n_pos, dv, q.rows.acc.data() + e * n_pos * dv, dv, inv + e * n_pos);
   }
+}
+
+// Query heads per tile: a kv group's heads share their tiles where the problem allows it (no
+// per-head slope or mask) and their rows fit one tile (max_q * heads <= kTileQ: decoding); halved
+// while the tasks would leave threads idle (the keys are not split across tasks).
+int64_t packed_heads(const AttentionProblem& p, const ScoreTransform& transform, int64_t max_q, int threads) {
+  int64_t heads = p.heads_q / p.heads_kv;
+  if (heads == 1 || transform.mod.has_alibi() || transform.dropout.on || max_q * heads > kTileQ) return 1;
+  while (heads > 1 && p.batch * (p.heads_q / heads) < 2 * int64_t(threads) && heads % 2 == 0) heads /= 2;
+  return heads;
 }
 
 // Query tiles per task: kGroupTiles where that still leaves every thread several tasks (uneven
@@ -224,19 +251,21 @@ void forward(const AttentionProblem& problem) {
   const AttentionProblem p = append_kv(problem, rotated_q);
   int64_t max_q, max_k;
   max_lengths(p, max_q, max_k);
-  const int64_t tiles = ceil_div(max_q, kTileQ);
   const ScoreTransform transform = ScoreTransform::from(p);
   const double flops = 2.0 * double(p.batch * p.heads_q) * double(max_q) * double(max_k) * double(p.headdim_qk + p.headdim_v);
   const int threads = threads_for(p.num_threads, flops);
-  const int64_t group = group_tiles(p.batch * p.heads_q, tiles, threads), groups = ceil_div(tiles, group);
-  // Each key tile is read by every group of query tiles of every query head of its kv head.
-  const int64_t readers = groups * (p.heads_q / p.heads_kv);
+  const int64_t heads = packed_heads(p, transform, max_q, threads), head_tasks = p.heads_q / heads;
+  const int64_t tiles = ceil_div(max_q, kTileQ / heads);
+  const int64_t group = group_tiles(p.batch * head_tasks, tiles, threads), groups = ceil_div(tiles, group);
+  // Each key tile is read by every group of query tiles of every tile of heads of its kv head.
+  const int64_t readers = groups * (p.heads_q / p.heads_kv / heads);
   const RowPanels k_rows(p, p.k, false, p.heads_kv, p.headdim_qk, readers, threads);
   const RowPanels v_rows(p, p.v, false, p.heads_kv, p.headdim_v, readers, threads);
-  parallel_for(p.batch * p.heads_q * groups, threads, [&](int64_t task) {
+  parallel_for(p.batch * head_tasks * groups, threads, [&](int64_t task) {
     thread_local ForwardScratch scratch;
     const int64_t g = task % groups, bh = task / groups;
-    forward_tiles(p, transform, k_rows, v_rows, bh / p.heads_q, bh % p.heads_q, g * group, group, scratch);
+    forward_tiles(p, transform, k_rows, v_rows, bh / head_tasks, bh % head_tasks * heads, heads, g * group, group,
+                  scratch);
   });
   if (p.is_varlen()) {
     const int64_t r0 = first_uncovered_row(p, true);

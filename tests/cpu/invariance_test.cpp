@@ -60,6 +60,28 @@ TEST(Invariance, BitwiseAcrossThreadCountsFp32BothSchedules) {
   EXPECT_TRUE(one == run(hp, 5));
 }
 
+// Decoding with GQA packs a kv group's query heads into one tile, fewer of them where the tasks
+// would leave threads idle (forward.cpp's packed_heads): 1, 5 and 16 threads pack 8, 4 and 2
+// heads here (the problem is large enough for 16), and the results must not move.
+TEST(Invariance, BitwiseAcrossThreadCountsPackedDecode) {
+  for (DType dt : {DType::f32, DType::bf16}) {
+    ProblemShape s;
+    s.batch = 4;
+    s.seqlen_q = 2;
+    s.seqlen_k = 2048;
+    s.heads_q = 16;
+    s.heads_kv = 2;
+    s.headdim_qk = 64;
+    s.causal = true;
+    s.dtype = dt;
+    HostProblem hp(s);
+    const Outputs one = run(hp, 1);
+    EXPECT_TRUE(one == run(hp, 2));
+    EXPECT_TRUE(one == run(hp, 5));
+    EXPECT_TRUE(one == run(hp, 16));
+  }
+}
+
 // fp32 in (B, H, N, D) is read in place; strided fp32 and 16-bit rows go through per-call dense
 // panels (the forward's K and V) or per-task copies.
 TEST(Invariance, BitwiseAcrossLayouts) {

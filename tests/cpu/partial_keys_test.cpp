@@ -109,7 +109,13 @@ void check_case(const Case& c, DType dtype) {
     tileattn::backward(p);  // the whole problem's gradients, for the comparison below
     const SplitGrads split = split_backward(hp, c, true);
     const auto oracle = cpu::reference_backward(p);
-    const NaiveResult naive = naive_attention(p);
+    // The naive partial-key backward (P from the given L, D from the given O, as the CUDA test's):
+    // a part sees only its own keys, so D carries O's rounding, which the whole naive backward's
+    // rowsum(P * dP) does not. Against that one the fp32 headdim_qk 4 case missed in about 1 of 16
+    // runs of the suite (dQ 4.7e-6 against 4.1e-6).
+    NaiveOptions partial;
+    partial.probs_from_lse = true;
+    const NaiveResult naive = naive_attention(p, partial);
     const double floor = 2 * floor_for(dtype);
     SCOPED_TRACE(std::string(dtype_name(dtype)) + " trial " + std::to_string(trial));
     EXPECT_TRUE(two_x_rule(split.dq, naive.dq, oracle.dq, floor)) << "dQ summed over the parts";
