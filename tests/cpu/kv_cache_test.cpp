@@ -102,6 +102,18 @@ TEST(KvCache, PagedEqualsDense) {
       for (bool causal : {false, true}) check_paged(dtype, page_size, causal);
 }
 
+// The dense varlen problem's Q and O (sequences of seqlen_q rows each, packed) read as
+// fixed-length (batch, seqlen_q, heads, dim) over a cache of seqlen_k rows, L in `lse`.
+void read_as_fixed_length(AttentionProblem& p, int64_t seqlen_q, int64_t seqlen_k, std::vector<float>& lse) {
+  p.cu_seqlens_q = p.cu_seqlens_k = nullptr;
+  p.seqlen_q = seqlen_q;
+  p.seqlen_k = seqlen_k;
+  p.q.batch_stride = seqlen_q * p.q.seq_stride;
+  p.o.batch_stride = seqlen_q * p.o.seq_stride;
+  lse.assign(size_t(p.batch * p.heads_q * seqlen_q), 0.0f);
+  p.lse = lse.data();
+}
+
 // Fixed-length queries over rows of a larger cache: sequence b reads cache row batch_idx[b], its
 // keys at [leftpad[b], seqused[b]), with random keys before and after.
 void check_cache_rows(DType dtype, bool causal) {
@@ -124,14 +136,8 @@ void check_cache_rows(DType dtype, bool causal) {
       v.put(hp.v, hp.cu_seqlens_k[size_t(b)] + r, dst);
     }
   }
-  // The dense varlen Q and O (equal lengths, packed rows) read as fixed-length (batch, 4, heads, dim).
-  p.cu_seqlens_q = p.cu_seqlens_k = nullptr;
-  p.seqlen_q = 4;
-  p.seqlen_k = cache_len;
-  p.q.batch_stride = 4 * p.q.seq_stride;
-  p.o.batch_stride = 4 * p.o.seq_stride;
-  std::vector<float> lse(size_t(p.batch * p.heads_q * 4));
-  p.lse = lse.data();
+  std::vector<float> lse;
+  read_as_fixed_length(p, 4, cache_len, lse);
   p.k = k.view(cache_len);
   p.v = v.view(cache_len);
   p.kv_batch_idx = batch_idx.data();
@@ -236,14 +242,8 @@ void check_append(DType dtype, bool paged, bool interleaved, bool causal) {
   }
   const cpu::ReferenceForward want = cpu::reference_forward_dense(hp.problem, q_rot, k_rot, hp.v.gather());
 
-  // The fixed-length problem over the cache, as check_cache_rows builds it.
-  p.cu_seqlens_q = p.cu_seqlens_k = nullptr;
-  p.seqlen_q = sq;
-  p.seqlen_k = cache_len;
-  p.q.batch_stride = sq * p.q.seq_stride;
-  p.o.batch_stride = sq * p.o.seq_stride;
-  std::vector<float> lse(size_t(batch * hq * sq));
-  p.lse = lse.data();
+  std::vector<float> lse;
+  read_as_fixed_length(p, sq, cache_len, lse);
   p.k = k.view(paged ? page_size : cache_len);
   p.v = v.view(paged ? page_size : cache_len);
   if (paged) {
