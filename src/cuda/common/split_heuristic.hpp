@@ -34,12 +34,13 @@ inline int fwd_num_splits(int64_t tiles, int key_blocks, int num_sms, int blocks
 }
 
 // The decode kernel keeps its own K/V ring in flight, so one block per SM already draws full
-// bandwidth; more splits only add partials and the combine (measured on an H100: 4 x 32 blocks
-// beat 8 x 32, 16 x 8 beat 33 x 8). Split until the blocks about cover the SMs once.
-inline int decode_num_splits(int64_t tiles, int key_blocks, int num_sms) {
+// bandwidth from a contiguous cache; more splits only add partials and the combine (measured on an
+// H100: 4 x 32 blocks beat 8 x 32, 16 x 8 beat 33 x 8). Split until the blocks about fill `slots`
+// once (the SMs, times the blocks per SM the caller wants resident).
+inline int decode_num_splits(int64_t tiles, int key_blocks, int slots) {
   constexpr int kMaxSplits = 128;
-  if (tiles >= num_sms) return 1;
-  const int splits = int(num_sms / std::max<int64_t>(tiles, 1));
+  if (tiles >= slots) return 1;
+  const int splits = int(slots / std::max<int64_t>(tiles, 1));
   return std::max(1, std::min({splits, key_blocks, kMaxSplits}));
 }
 

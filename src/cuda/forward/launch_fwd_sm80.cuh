@@ -54,10 +54,12 @@ int FwdSm80<T, kHeadDim>::num_splits(const FwdParams& p) {
   const int64_t tiles = int64_t(p.batch) * (p.heads_q / p.pack) * fwd_query_tiles(p, k.block_m);
   const int key_blocks = (p.seqlen_k + k.block_n - 1) / k.block_n;
   if (k.fn == reinterpret_cast<const void*>(fwd_decode_kernel_sm80<T, kHeadDim>)) {
-    // Pages shorter than a tile cost each block more instructions per byte: two blocks per SM
-    // (page size 16 on the H100: 2819 GB/s against 2610 with one).
-    const bool short_pages = p.keys.paged() && p.keys.page_size % k.block_n != 0;
-    return decode_num_splits(tiles, key_blocks, sms * (short_pages ? 2 : 1));
+    // A paged cache costs each block more latency per byte (a page-table read per tile or row,
+    // pages scattered over the address space), which one block per SM does not hide: two blocks
+    // per SM where they fit (docs/perf-log.md: pages of 64 and 256 gain 12-13% on the H200,
+    // pages of 16 8% on the H100; contiguous caches read the same either way).
+    const int blocks_per_sm = p.keys.paged() ? std::min(per_sm, 2) : 1;
+    return decode_num_splits(tiles, key_blocks, sms * std::max(blocks_per_sm, 1));
   }
   return fwd_num_splits(tiles, key_blocks, sms, per_sm);
 }
