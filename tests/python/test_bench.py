@@ -70,6 +70,20 @@ def test_attention_benchmark_small_grid():
     assert (frame["backward_ms"] > 0).all()
 
 
+def test_course_plot_writes_time_and_peak_memory_panels(tmp_path):
+    pd = pytest.importorskip("pandas", reason="the benchmark tables need the bench extra (pandas)")
+    pytest.importorskip("matplotlib", reason="the plots need the bench extra (matplotlib)")
+    from tileattn.bench import attention
+
+    rows = [dict(implementation=impl, d_model=64, seq_len=n, forward_ms=s * t, forward_peak_MiB=s * m,
+                 backward_ms=2 * s * t, backward_peak_MiB=2 * s * m, saved_activations_MiB=s * m / 2, status="ok",
+                 gpu="a GPU")
+            for impl, s in (("tileattn", 1.0), ("pytorch_sdpa", 3.0)) for n, t, m in ((256, 0.1, 4.0), (4096, 2.0, 64.0))]
+    path = tmp_path / "course.png"
+    attention.plot_course(pd.DataFrame(rows, columns=attention.COLUMNS), str(path), tf32=False)
+    assert path.stat().st_size > 0
+
+
 def test_overhead_ratios_pair_rounds():
     from tileattn.bench.overhead import paired_ratios
 

@@ -102,7 +102,8 @@ def measured_matmul_tflops(device: torch.device, n: int = 8192, dtype=torch.bflo
     return 2.0 * n ** 3 / (sorted(times)[len(times) // 2] * 1e-3) / 1e12
 
 
-def save_plot(frame, x: str, ys: list[str], hue: str, path: str, title: str, logx: bool = True) -> None:
+def save_plot(frame, x: str, ys: list[str], hue: str, path: str, title: str, logx: bool = True,
+              logy: bool = False) -> None:
     """A PNG beside the CSV: one line per value of `hue`, one panel per metric."""
     import matplotlib
 
@@ -117,6 +118,8 @@ def save_plot(frame, x: str, ys: list[str], hue: str, path: str, title: str, log
                 ax.plot(group[x], group[y], marker="o", label=str(name))
         if logx:
             ax.set_xscale("log", base=2)
+        if logy:
+            ax.set_yscale("log")
         ax.set_xlabel(x)
         ax.set_ylabel(y)
         ax.grid(True, alpha=0.3)

@@ -121,6 +121,16 @@ def run_course(impls: list[str], causal: bool, warmup: int, passes: int, seq_len
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
+def plot_course(frame, path: str, tf32: bool) -> None:
+    """Both implementations on the same axes: time and peak memory of each pass, and what the forward
+    leaves for the backward; log scales, as the two sides differ by orders of magnitude at 16k."""
+    _common.save_plot(frame, "seq_len",
+                      ["forward_ms", "backward_ms", "forward_peak_MiB", "backward_peak_MiB", "saved_activations_MiB"],
+                      "implementation", path,
+                      f"attention fp32{' (TF32 allowed)' if tf32 else ''}, batch {BATCH}, d_model {D_MODEL} "
+                      f"({frame.gpu.iloc[0]})", logy=True)
+
+
 # ---- --preset h100 ---------------------------------------------------------------------------
 
 H100_TOKENS, H100_HIDDEN = 16 * 1024, 2048
@@ -301,10 +311,7 @@ def main(argv=None):
         frame = run_course(args.impl or ["pytorch_sdpa", "tileattn"], args.causal, args.warmup, args.passes)
         path = _common.output_path(args.csv or "outputs/csv/attention_benchmark.csv")
         frame.to_csv(path, index=False)
-        _common.save_plot(frame, "seq_len", ["forward_ms", "backward_ms", "saved_activations_MiB"],
-                          "implementation", path.rsplit(".", 1)[0] + ".png",
-                          f"attention fp32{' (TF32 allowed)' if args.tf32 else ''}, batch {BATCH}, d_model "
-                          f"{D_MODEL} ({frame.gpu[0]})")
+        plot_course(frame, path.rsplit(".", 1)[0] + ".png", args.tf32)
         print(frame.drop(columns=["gpu"]).to_string(index=False, float_format=lambda x: f"{x:.3f}"))
     print(f"wrote {path}")
 
