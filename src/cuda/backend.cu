@@ -181,7 +181,7 @@ class ForwardPlan final : public detail::BackendPlan {
   explicit ForwardPlan(const AttentionProblem& problem)
       : stream_(static_cast<cudaStream_t>(problem.stream)),
         empty_(empty(problem)),
-        append_(problem),
+        append_(kv_append_args(problem)),
         uncovered_(packed_rows(problem, problem.o, false, problem.heads_q, problem.headdim_v, problem.lse)) {
     if (empty_) return;
     params_.fwd = make_params(problem);  // params_.fwd is what the sm80 kernel reads too
@@ -210,7 +210,7 @@ class ForwardPlan final : public detail::BackendPlan {
     // L = -inf); the cap keeps the partials' workspace bounded.
     if (problem.num_splits > 0) params_.fwd.num_splits = std::min(problem.num_splits, kMaxRequestedSplits);
     workspace_ = split_bytes(params_.fwd, params_.fwd.num_splits, &lse_bytes_);
-    if (append_.appends() || append_.has_rotary()) {
+    if (append_.active) {
       // Caches run on the portable kernels, which take q's pointer at launch: its rotated copy
       // comes from the workspace, laid out as rotated_q_view says.
       rotated_bytes_ = Workspace::round_up(size_t(rotated_q_elements(problem)) * 2);
@@ -230,10 +230,10 @@ class ForwardPlan final : public detail::BackendPlan {
     if (empty_) return;
     FwdSm90Params params = params_;
     Workspace scratch(workspace, workspace_bytes, workspace_, stream_);
-    if (append_.appends() || append_.has_rotary()) {
+    if (append_.active) {
       void* rotated = scratch.take<void>(rotated_bytes_);
       launch_kv_append(append_, rotated, stream_);
-      if (append_.has_rotary()) {
+      if (append_.rotary) {
         params.fwd.q = rotated;
         params.fwd.vec_q = params.fwd.vec_q && reinterpret_cast<uintptr_t>(rotated) % 16 == 0;  // a caller's buffer
       }
@@ -250,7 +250,7 @@ class ForwardPlan final : public detail::BackendPlan {
  private:
   cudaStream_t stream_;
   bool empty_;
-  AttentionProblem append_;  // what launch_kv_append reads: the cache, k_new, v_new, q, rotary
+  KvAppendArgs append_;
   PackedRows uncovered_;
   FwdSm90Params params_{};
   FwdKernel sm80_{};
@@ -262,6 +262,7 @@ class Fp32ForwardPlan final : public detail::BackendPlan {
  public:
   explicit Fp32ForwardPlan(const AttentionProblem& problem)
       : problem_(problem),
+        append_(kv_append_args(problem)),
         uncovered_(packed_rows(problem, problem.o, false, problem.heads_q, problem.headdim_v, problem.lse)),
         workspace_(Workspace::round_up(size_t(rotated_q_elements(problem)) * sizeof(float))) {}
   size_t workspace_size() const override { return workspace_; }
@@ -271,9 +272,9 @@ class Fp32ForwardPlan final : public detail::BackendPlan {
     const auto stream = static_cast<cudaStream_t>(problem_.stream);
     Workspace scratch(workspace, workspace_bytes, workspace_, stream);
     AttentionProblem p = problem_;
-    if (p.appends() || p.has_rotary()) {
+    if (append_.active) {
       void* rotated = scratch.take<void>(workspace_);
-      launch_kv_append(p, rotated, stream);
+      launch_kv_append(append_, rotated, stream);
       if (p.has_rotary()) p.q = rotated_q_view(p, rotated);
     }
     forward_fp32(p);
@@ -282,6 +283,7 @@ class Fp32ForwardPlan final : public detail::BackendPlan {
 
  private:
   AttentionProblem problem_;
+  KvAppendArgs append_;
   PackedRows uncovered_;
   size_t workspace_;
 };
