@@ -17,6 +17,7 @@ struct AppendRows {
   int64_t batch_stride, row_stride, head_stride;
 };
 
+// What the append kernel reads, from the validated problem.
 struct KvAppendArgs {
   bool active;  // the problem appends to its cache or rotates q; nothing else is set otherwise
   DType dtype;

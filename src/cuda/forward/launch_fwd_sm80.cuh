@@ -56,8 +56,7 @@ int FwdSm80<T, kHeadDim>::num_splits(const FwdParams& p) {
   if (k.fn == reinterpret_cast<const void*>(fwd_decode_kernel_sm80<T, kHeadDim>)) {
     // A paged cache costs each block more latency per byte (a page-table read per tile or row,
     // pages scattered over the address space), which one block per SM does not hide: two blocks
-    // per SM where they fit (docs/perf-log.md: pages of 64 and 256 gain 12-13% on the H200,
-    // pages of 16 8% on the H100; contiguous caches read the same either way).
+    // per SM where they fit. A contiguous cache reads the same with one or two (docs/perf-log.md).
     const int blocks_per_sm = p.keys.paged() ? std::min(per_sm, 2) : 1;
     return decode_num_splits(tiles, key_blocks, sms * std::max(blocks_per_sm, 1));
   }
