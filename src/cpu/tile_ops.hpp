@@ -95,7 +95,7 @@ inline void load_rows(const AttentionProblem& p, const TensorView& t, const Sequ
       const float* in = static_cast<const float*>(t.data) + base;
       std::copy(in, in + dim, out);
     } else {
-      for (int64_t d = 0; d < dim; ++d) out[d] = load_element(t.data, base + d, p.dtype);
+      load_elements(t.data, base, p.dtype, dim, out);
     }
   }
 }
@@ -159,7 +159,12 @@ inline void load_rows_transposed(const AttentionProblem& p, const TensorView& t,
 #endif
   for (int64_t r = r0; r < rows; ++r) {
     const int64_t base = row_offset(p, t, s, query_side, i0 + r, h);
-    for (int64_t d = 0; d < dim; ++d) dst[d * ld + r] = load_element(t.data, base + d, p.dtype);
+    float row[64];
+    for (int64_t d0 = 0; d0 < dim; d0 += 64) {
+      const int64_t n = std::min<int64_t>(64, dim - d0);
+      load_elements(t.data, base + d0, p.dtype, n, row);
+      for (int64_t d = 0; d < n; ++d) dst[(d0 + d) * ld + r] = row[d];
+    }
   }
 }
 
