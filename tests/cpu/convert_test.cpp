@@ -6,6 +6,7 @@
 #include <bit>
 #include <cmath>
 #include <random>
+#include <vector>
 
 #include "cpu/convert.hpp"
 #include "support/host_problem.hpp"
@@ -31,6 +32,33 @@ TEST(Convert, HalfToFloatMatchesDefinitionForAllBitPatterns) {
     } else {
       EXPECT_EQ(double(got), want) << h;
       EXPECT_EQ(std::signbit(got), bool(h & 0x8000)) << h;
+    }
+  }
+}
+
+// The row loads (vectorised, F16C for fp16 where the build has it) decode every bit pattern as the
+// definition does, at every offset of a row and for the scalar tail.
+TEST(Convert, LoadElementsMatchesDefinitionForAllBitPatterns) {
+  std::vector<uint16_t> bits(65536 + 11);
+  for (uint32_t h = 0; h < 65536; ++h) bits[h + 3] = uint16_t(h);
+  for (const DType dtype : {DType::f16, DType::bf16}) {
+    std::vector<float> out(65536);
+    load_elements(bits.data(), 3, dtype, 65536, out.data());
+    for (uint32_t h = 0; h < 65536; ++h) {
+      const double want = dtype == DType::f16 ? half_by_formula(uint16_t(h))
+                                              : double(std::bit_cast<float>(uint32_t(h) << 16));
+      if (std::isnan(want)) {
+        EXPECT_TRUE(std::isnan(out[h])) << h;
+      } else {
+        EXPECT_EQ(double(out[h]), want) << h;
+        EXPECT_EQ(std::signbit(out[h]), bool(h & 0x8000)) << h;
+      }
+    }
+    for (int64_t n = 0; n < 11; ++n) {  // lengths around the 8-wide chunks
+      std::vector<float> part(size_t(n) + 1, -7.0f);
+      load_elements(bits.data(), 1000 + n, dtype, n, part.data());
+      for (int64_t i = 0; i < n; ++i) EXPECT_EQ(part[size_t(i)], load_element(bits.data(), 1000 + n + i, dtype));
+      EXPECT_EQ(part[size_t(n)], -7.0f) << "wrote past the row";
     }
   }
 }
