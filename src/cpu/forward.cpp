@@ -288,12 +288,10 @@ void softmax_matmul(const SoftmaxMatmulProblem& p) {
       const int64_t n = std::min(kTileK, p.d2 - c0);
       // Each element of X is read once, straight into the key-major score tile.
       for (int64_t i = 0; i < rows; ++i)
-        for (int64_t j = 0; j < n; ++j)
-          w.s[size_t(j * kTileQ + i)] =
-              load_element(p.x, b * p.x_batch_stride + (r0 + i) * p.x_row_stride + c0 + j, p.dtype);
+        load_elements_strided(p.x, b * p.x_batch_stride + (r0 + i) * p.x_row_stride + c0, p.dtype, n,
+                              &w.s[size_t(i)], kTileQ);
       for (int64_t j = 0; j < n; ++j)
-        for (int64_t d = 0; d < dv; ++d)
-          w.v[size_t(j * dv + d)] = load_element(p.v, b * p.v_batch_stride + (c0 + j) * p.v_row_stride + d, p.dtype);
+        load_elements(p.v, b * p.v_batch_stride + (c0 + j) * p.v_row_stride, p.dtype, dv, &w.v[size_t(j * dv)]);
       online_step(w.s.data(), rows, n, dv, 1.0f, w.rows);
       gemm_accumulate(w.s.data(), 1, kTileQ, w.v.data(), dv, w.rows.acc.data(), dv, rows, dv, n);
     }

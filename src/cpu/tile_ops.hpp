@@ -121,6 +121,18 @@ inline RowsView view_rows(const AttentionProblem& p, const TensorView& t, const 
   return {scratch, dim};
 }
 
+// Elements [index, index + n) of an array of `dtype`, widened into dst[0], dst[stride], ...: a
+// row into a column, through load_elements (a vector loop) a chunk at a time.
+inline void load_elements_strided(const void* base, int64_t index, DType dtype, int64_t n, float* dst,
+                                  int64_t stride) {
+  float chunk[64];
+  for (int64_t i0 = 0; i0 < n; i0 += 64) {
+    const int64_t m = std::min<int64_t>(64, n - i0);
+    load_elements(base, index + i0, dtype, m, chunk);
+    for (int64_t i = 0; i < m; ++i) dst[(i0 + i) * stride] = chunk[i];
+  }
+}
+
 // dst[d * ld + r] = src row r: the transposed tile, so products against it run over rows.
 // fp32 rows go through 8 x 8 register transposes where AVX is on: element by element, with the
 // dtype switch in the loop, the transposes of K and V were ~15% of a backward.
@@ -157,15 +169,8 @@ inline void load_rows_transposed(const AttentionProblem& p, const TensorView& t,
     }
   }
 #endif
-  for (int64_t r = r0; r < rows; ++r) {
-    const int64_t base = row_offset(p, t, s, query_side, i0 + r, h);
-    float row[64];
-    for (int64_t d0 = 0; d0 < dim; d0 += 64) {
-      const int64_t n = std::min<int64_t>(64, dim - d0);
-      load_elements(t.data, base + d0, p.dtype, n, row);
-      for (int64_t d = 0; d < n; ++d) dst[(d0 + d) * ld + r] = row[d];
-    }
-  }
+  for (int64_t r = r0; r < rows; ++r)
+    load_elements_strided(t.data, row_offset(p, t, s, query_side, i0 + r, h), p.dtype, dim, dst + r, ld);
 }
 
 // Varlen buffers may hold rows after the last sequence (cu_seqlens[batch] < total): no sequence
