@@ -60,8 +60,20 @@ std::optional<BwdKernelSm90> pick_backward_sm90(int bucket) {
   return kernel;
 }
 
+// fp32 on Hopper: the TF32 kernels in fast mode, for their buckets; exact mode stays on the
+// portable kernels' fp64 tensor-core products.
+std::optional<BwdKernelSm90> pick_backward_tf32_sm90(const AttentionProblem& p, int bucket) {
+  std::optional<BwdKernelSm90> kernel;
+  if (p.fp32_mode != Fp32Mode::fast || bucket_of(BwdTf32Sm90HeadDims{}, bucket) != bucket) return kernel;
+  with_bucket(BwdTf32Sm90HeadDims{}, bucket, [&](auto d) {
+    kernel = BwdKernelSm90{&BwdTf32Sm90<decltype(d)::value>::make_maps, &BwdTf32Sm90<decltype(d)::value>::run};
+  });
+  return kernel;
+}
+
 std::optional<BwdKernelSm90> pick_backward_sm90(const AttentionProblem& p, int bucket) {
-  if (p.dtype == DType::f32 || !sm90::hopper_kernels_enabled()) return std::nullopt;
+  if (!sm90::hopper_kernels_enabled()) return std::nullopt;
+  if (p.dtype == DType::f32) return pick_backward_tf32_sm90(p, bucket);
   return p.dtype == DType::f16 ? pick_backward_sm90<__half>(bucket) : pick_backward_sm90<__nv_bfloat16>(bucket);
 }
 
@@ -83,8 +95,11 @@ BwdPlan pick_kernels(const AttentionProblem& p) {
   return plan;
 }
 
-// dQ is summed into the accumulator unless asked for determinism (then dQ has its own pass).
-bool uses_atomic_dq(const AttentionProblem& p) { return !p.deterministic; }
+// dQ is summed into the accumulator unless asked for determinism (then dQ has its own pass), and
+// the TF32 Hopper backward always gives it its own pass.
+bool uses_atomic_dq(const AttentionProblem& p, const BwdPlan& plan) {
+  return !p.deterministic && !(plan.sm90 && p.dtype == DType::f32);
+}
 
 // The workspace, carved in this order: lse2, dsum, row_sum (fp32 only), one float per padded
 // query row each, then the fp32 dQ accumulator when dQ is summed by atomics.
@@ -98,7 +113,7 @@ struct WorkspaceLayout {
   }
 };
 
-WorkspaceLayout workspace_layout(const AttentionProblem& p) {
+WorkspaceLayout workspace_layout(const AttentionProblem& p, const BwdPlan& plan) {
   WorkspaceLayout w;
   const int64_t rows_per_head =
       (p.seqlen_q + bwd::kWorkspaceRowTile - 1) / bwd::kWorkspaceRowTile * bwd::kWorkspaceRowTile;
@@ -106,7 +121,7 @@ WorkspaceLayout workspace_layout(const AttentionProblem& p) {
   w.dim = headdim_bucket(p);
   w.lse2 = w.dsum = size_t(w.rows) * sizeof(float);
   w.row_sum = p.dtype == DType::f32 ? size_t(w.rows) * sizeof(float) : 0;
-  w.accum = uses_atomic_dq(p) ? size_t(w.rows) * size_t(w.dim) * sizeof(float) : 0;
+  w.accum = uses_atomic_dq(p, plan) ? size_t(w.rows) * size_t(w.dim) * sizeof(float) : 0;
   return w;
 }
 
@@ -148,7 +163,7 @@ class BackwardPlan final : public detail::BackendPlan {
                    packed_rows(p, p.dk, true, p.heads_kv, p.headdim_qk),
                    packed_rows(p, p.dv, true, p.heads_kv, p.headdim_v)} {
     plan_ = pick_kernels(p);
-    layout_ = workspace_layout(p);
+    layout_ = workspace_layout(p, plan_);
     bwd::BwdParams& params = params_;
     params.q = strided(p.q);
     params.k = strided(p.k);

@@ -425,6 +425,29 @@ std::vector<Case> cases() {
     s.layout = Layout::padded;
     c.push_back({"f32_varlen_with_empty_d40", s});
   }
+  // Several key blocks and query blocks of the TF32 Hopper kernels (128 keys, 64- and 128-query
+  // steps): interior tiles without mask arithmetic, GQA's group walked per key block, ragged ends.
+  {
+    auto s = base(DType::f32, 700, 650, 64);
+    s.heads_q = 4;
+    s.heads_kv = 2;
+    s.causal = true;
+    c.push_back({"f32_causal_gqa_sq_gt_sk_d64", s});
+  }
+  {
+    auto s = base(DType::f32, 333, 517, 32);
+    s.softcap = 2.0f;
+    s.window_left = 200;
+    s.window_right = 30;
+    c.push_back({"f32_softcap_window_d32", s});
+  }
+  {
+    auto s = base(DType::f32, 1, 1, 64);
+    s.seqlens_q = {300, 1, 129, 0};
+    s.seqlens_k = {260, 140, 129, 33};
+    s.causal = true;
+    c.push_back({"f32_varlen_causal_d64", s});
+  }
   return c;
 }
 
@@ -522,17 +545,24 @@ class BackwardFp32Fast : public testing::TestWithParam<Case> {};
 
 // fp32 fast mode (forward and backward in TF32): every gradient within the TF32 bound of the
 // float64 oracle, in both dQ modes, and the backward's products really TF32 (the exact backward on
-// the same O and L gives other bits).
+// the same O and L gives other bits). Head-dim buckets up to 64 run the Hopper TF32 kernels on
+// Hopper, the others the portable ones.
 TEST_P(BackwardFp32Fast, GradientsWithinTf32Bound) {
   TA_SKIP_WITHOUT_GPU();
   HostProblem hp(GetParam().shape);
   const auto ref = cpu::reference_backward(host::validate_attention(hp.problem, host::Pass::backward, Backend::cpu));
   DeviceProblem dp(hp);
+  const int bucket = tileattn::cuda::bucket_of(tileattn::cuda::BwdSm80HeadDims{},
+                                               int(std::max(hp.problem.headdim_qk, hp.problem.headdim_v)));
+  const bool tf32_hopper =
+      bucket != 0 && tileattn::cuda::bucket_of(tileattn::cuda::BwdTf32Sm90HeadDims{}, bucket) == bucket;
   for (bool deterministic : {false, true}) {
     SCOPED_TRACE(deterministic ? "deterministic" : "atomic dQ");
     dp.problem.deterministic = deterministic;
     dp.problem.fp32_mode = Fp32Mode::fast;
     try {
+      EXPECT_STREQ(tileattn::plan_backward(dp.problem).kernel_name(),
+                   tf32_hopper && hopper_kernels_run() ? "sm90" : "fp32");
       run_forward_backward(dp);
     } catch (const Error& e) {
       if (e.kind() == ErrorKind::unsupported) GTEST_SKIP() << e.what();

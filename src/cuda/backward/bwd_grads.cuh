@@ -29,10 +29,26 @@ __device__ __forceinline__ float scaled_score(float x, const BwdParams& p) {
   return p.softcap > 0.0f ? __fmul_rn(p.softcap, tanhf(x * p.scale_over_cap)) : __fmul_rn(x, p.scale);
 }
 
+// P of one raw score x (q.k) in the log2 domain, from l = L * log2(e) of its query: the 16-bit
+// kernels' form, and the TF32 kernels' (fp32 fast mode), whose products are the accuracy limit.
+// `cap` receives the capped score that grad_of_prob needs; with kAlibi, `bias` is ALiBi's bias in
+// natural units, added after the cap (constant in x, so dS needs nothing more from it).
+template <bool kCapped, bool kAlibi = false>
+__device__ __forceinline__ float prob_of_score_log2(float x, float l, const BwdParams& p, float& cap,
+                                                    float bias = 0.0f) {
+  cap = kCapped ? p.softcap * tanhf(x * p.scale_over_cap) : 0.0f;
+  if constexpr (kAlibi) {
+    const float sc = (kCapped ? cap : x * p.scale) + bias;
+    return exp2_fast(fmaf(sc, kLog2e, -l));
+  } else if constexpr (kCapped) {
+    return exp2_fast(cap * kLog2e - l);
+  } else {
+    return exp2_fast(fmaf(x, p.scale_log2, -l));
+  }
+}
+
 // P of one raw score x (q.k) of a query whose statistics are l (L * log2(e); fp32: the row max)
-// and row_sum (fp32 only); `cap` receives the capped score that grad_of_prob needs. With kAlibi,
-// `bias` is ALiBi's bias in natural units, added after the cap; it is constant in x, so dS needs
-// nothing more from it.
+// and row_sum (fp32 only); cap and bias as for prob_of_score_log2.
 template <class T, bool kCapped, bool kAlibi = false>
 __device__ __forceinline__ float prob_of_score(float x, float l, float row_sum, const BwdParams& p, float& cap,
                                                float bias = 0.0f) {
@@ -46,15 +62,7 @@ __device__ __forceinline__ float prob_of_score(float x, float l, float row_sum, 
     if constexpr (kAlibi) sc = __fadd_rn(sc, bias);
     return expf(sc - l) / row_sum;
   } else {
-    cap = kCapped ? p.softcap * tanhf(x * p.scale_over_cap) : 0.0f;
-    if constexpr (kAlibi) {
-      const float sc = (kCapped ? cap : x * p.scale) + bias;
-      return exp2_fast(fmaf(sc, kLog2e, -l));
-    } else if constexpr (kCapped) {
-      return exp2_fast(cap * kLog2e - l);
-    } else {
-      return exp2_fast(fmaf(x, p.scale_log2, -l));
-    }
+    return prob_of_score_log2<kCapped, kAlibi>(x, l, p, cap, bias);
   }
 }
 
@@ -210,16 +218,27 @@ struct Fragment {
   Mask mask;
 };
 
-// s, dp: m64nN accumulators (per warp the mma.sync C layout). Writes P and dS rounded to T as
-// A fragments of the next product (k-step ks covers columns 16 ks .. 16 ks + 15); fp32 never
-// comes here. kAlibi adds ALiBi's bias of slope `slope` (natural units, as prob_of_score takes
-// it) at the mask's indices; L comes without the causal form's offset (the preprocess took it
-// off), so P is the forward's, and the bias is constant in s: dS needs nothing more from it.
+// Accumulator column tiles (8 columns) per k-step of the next product: 16-bit k-steps are 16
+// columns, TF32 ones 8.
+template <class T>
+constexpr int kTilesPerStep = sizeof(T) == 2 ? 2 : 1;
+
+// s, dp: m64nN accumulators (per warp the mma.sync C layout). Writes P and dS as A fragments of
+// the next product, rounded to T (16-bit: k-step ks covers columns 16 ks .. 16 ks + 15) or to
+// TF32 for fp32 (the fast mode; k-step ks covers columns 8 ks .. 8 ks + 7, fragment position t
+// holding column 2t and t + 4 column 2t + 1: the B operand is stored in that order,
+// tf32_transpose_sm90.cuh). kAlibi adds ALiBi's bias of slope `slope` (natural units, as
+// prob_of_score takes it) at the mask's indices; L comes without the causal form's offset (the
+// preprocess took it off), so P is the forward's, and the bias is constant in s: dS needs nothing
+// more from it. fp32's statistics are in the natural domain (bwd_params.hpp) and are taken to
+// log2 here.
 template <class T, bool kRowsAreKeys, bool kCapped, bool kMasked, bool kAlibi, int NT>
 __device__ __forceinline__ void grads_to_fragments(const float (&s)[1][NT][4], const float (&dp)[1][NT][4],
-                                                   const Fragment& f, const BwdParams& p, uint32_t (&pa)[NT / 2][4],
-                                                   uint32_t (&da)[NT / 2][4], [[maybe_unused]] float slope) {
-  static_assert(!std::is_same_v<T, float>, "16-bit inputs only");
+                                                   const Fragment& f, const BwdParams& p,
+                                                   uint32_t (&pa)[NT / kTilesPerStep<T>][4],
+                                                   uint32_t (&da)[NT / kTilesPerStep<T>][4],
+                                                   [[maybe_unused]] float slope) {
+  constexpr float kToLog2 = std::is_same_v<T, float> ? kLog2e : 1.0f;
   const int t = threadIdx.x % 4;
 #pragma unroll
   for (int j = 0; j < NT; ++j)
@@ -229,7 +248,7 @@ __device__ __forceinline__ void grads_to_fragments(const float (&s)[1][NT][4], c
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int c = j * 8 + 2 * t + e;
-        const float l = kRowsAreKeys ? f.col_lse2[c] : f.row_lse2[half];
+        const float l = (kRowsAreKeys ? f.col_lse2[c] : f.row_lse2[half]) * kToLog2;
         const float d = kRowsAreKeys ? f.col_dsum[c] : f.row_dsum[half];
         // The element's query and key (sequence positions).
         auto query = [&] { return kRowsAreKeys ? f.col0 + c : f.row + 8 * half; };
@@ -240,19 +259,27 @@ __device__ __forceinline__ void grads_to_fragments(const float (&s)[1][NT][4], c
         if constexpr (kAlibi) {
           const int qi = query(), kj = key();
           const float bias = ScoreMod::alibi_bias(slope, qi, kj, f.mask.seqlen_q, f.mask.seqlen_k);
-          pe = prob_of_score<T, kCapped, true>(s[0][j][2 * half + e], l, 1.0f, p, cap, bias);
+          pe = prob_of_score_log2<kCapped, true>(s[0][j][2 * half + e], l, p, cap, bias);
           if constexpr (kMasked)
             if (!f.mask.visible(qi, kj)) pe = 0.0f;
         } else {
-          pe = prob_of_score<T, kCapped>(s[0][j][2 * half + e], l, 1.0f, p, cap);
+          pe = prob_of_score_log2<kCapped>(s[0][j][2 * half + e], l, p, cap);
           if constexpr (kMasked)
             if (!f.mask.visible(query(), key())) pe = 0.0f;
         }
         pv[e] = pe;
         ds[e] = grad_of_prob<kCapped>(pe, dp[0][j][2 * half + e], d, cap, p);
       }
-      pa[j / 2][2 * (j % 2) + half] = pack2<T>(pv[0], pv[1]);
-      da[j / 2][2 * (j % 2) + half] = pack2<T>(ds[0], ds[1]);
+      if constexpr (sizeof(T) == 2) {
+        pa[j / 2][2 * (j % 2) + half] = pack2<T>(pv[0], pv[1]);
+        da[j / 2][2 * (j % 2) + half] = pack2<T>(ds[0], ds[1]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          pa[j][half + 2 * e] = fp32::to_tf32(pv[e]);
+          da[j][half + 2 * e] = fp32::to_tf32(ds[e]);
+        }
+      }
     }
 }
 
@@ -261,8 +288,8 @@ __device__ __forceinline__ void grads_to_fragments(const float (&s)[1][NT][4], c
 template <class T, bool kRowsAreKeys, bool kAlibi = false, int NT>
 __device__ __forceinline__ void grads_to_fragments(bool masked, const float (&s)[1][NT][4],
                                                    const float (&dp)[1][NT][4], const Fragment& f,
-                                                   const BwdParams& p, uint32_t (&pa)[NT / 2][4],
-                                                   uint32_t (&da)[NT / 2][4], float slope = 0.0f) {
+                                                   const BwdParams& p, uint32_t (&pa)[NT / kTilesPerStep<T>][4],
+                                                   uint32_t (&da)[NT / kTilesPerStep<T>][4], float slope = 0.0f) {
   if (p.softcap > 0.0f) {
     if (masked) grads_to_fragments<T, kRowsAreKeys, true, true, kAlibi>(s, dp, f, p, pa, da, slope);
     else grads_to_fragments<T, kRowsAreKeys, true, false, kAlibi>(s, dp, f, p, pa, da, slope);

@@ -149,16 +149,17 @@ __device__ __forceinline__ void reduce_dq_tiles(const bwd::BwdParams& p, const B
 }
 
 // S = A_s B_s^T and dP = A_dp B_dp^T over the head dim (every operand K-major in shared memory,
-// ATile and BTile giving the k-step descriptors), issued together and waited for.
+// ATile and BTile giving the k-step descriptors; TF32 for fp32), issued together and waited for.
 template <class T, int kN, int kHeadDim, class ATile, class BTile>
 __device__ __forceinline__ void score_products(float (&s)[1][kN / 8][4], float (&dp)[1][kN / 8][4], uint32_t a_s,
                                                uint32_t b_s, uint32_t a_dp, uint32_t b_dp) {
+  constexpr int kSteps = kHeadDim / sm90::Wgmma<T, kN>::kK;
   sm90::wgmma_fence();
 #pragma unroll
-  for (int ks = 0; ks < kHeadDim / 16; ++ks)
+  for (int ks = 0; ks < kSteps; ++ks)
     sm90::Wgmma<T, kN>::ss(s[0], ATile::k_major(a_s, ks), BTile::k_major(b_s, ks), ks > 0);
 #pragma unroll
-  for (int ks = 0; ks < kHeadDim / 16; ++ks)
+  for (int ks = 0; ks < kSteps; ++ks)
     sm90::Wgmma<T, kN>::ss(dp[0], ATile::k_major(a_dp, ks), BTile::k_major(b_dp, ks), ks > 0);
   sm90::wgmma_commit();
   sm90::wgmma_wait<0>();

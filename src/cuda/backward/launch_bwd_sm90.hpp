@@ -16,4 +16,13 @@ struct BwdSm90 {
   static void run(const BwdSm90Params& params, cudaStream_t stream);
 };
 
+// The sm90 backward of fp32 in fast mode (TF32 products; head-dim buckets 32 and 64): preprocess,
+// dK/dV, then dQ's own pass. Instantiated per bucket like BwdSm90; the same two entry points.
+template <int kHeadDim>
+struct BwdTf32Sm90 {
+  static bool make_maps(const AttentionProblem& problem, BwdSm90Params& params);
+  // params.bwd as for the sm80 kernels, without the dQ accumulator.
+  static void run(const BwdSm90Params& params, cudaStream_t stream);
+};
+
 }  // namespace tileattn::cuda

@@ -9,10 +9,8 @@
 //   warpgroups 1, 2  consumers, 64 query rows each: S = Q K^T (wgmma, both from shared memory),
 //                    the online softmax, O += P V (wgmma, P from registers).
 //
-// P goes to the A fragment without moving between lanes: the S accumulator gives thread (g, t)
-// keys 2t and 2t+1 of every 8-key column tile, and the A fragment wants positions t and t+4 of
-// a k-step, so position t holds key 2t and position t+4 key 2t+1; the transposed V is written
-// in that order.
+// P goes to the A fragment without moving between lanes: the transposed V holds its keys in the
+// order that fragment wants (Tf32Transposed, tf32_transpose_sm90.cuh).
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -26,7 +24,7 @@
 #include "cuda/arch/mma_fp32.cuh"
 #include "cuda/arch/pipeline_sm90.cuh"
 #include "cuda/arch/ptx_sm90.cuh"
-#include "cuda/arch/smm_ptx.cuh"
+#include "cuda/arch/tf32_transpose_sm90.cuh"
 #include "cuda/arch/wgmma_ops.cuh"
 
 namespace tileattn::cuda::fp32 {
@@ -51,8 +49,8 @@ struct FwdSm90Tile {
   static constexpr int kQBytes = kPanels * kBlockM * 128;
   static constexpr int kKVPanelBytes = kBlockN * 128;
   static constexpr int kKVBytes = kPanels * kKVPanelBytes;
-  static constexpr int kTPanelBytes = kD * 128;  // transposed V: kD rows x 32 keys per panel
-  static constexpr int kTBytes = (kBlockN / 32) * kTPanelBytes;
+  using VT = sm90::Tf32Transposed<kBlockN, kD>;  // V rewritten K-major
+  static constexpr int kTBytes = VT::kBytes;
   // K through two stages; raw V through kVStages (the producer warpgroup frees a stage itself,
   // behind a named barrier, so its empty barriers go unused); V transposed through two.
   using KRing = sm90::StageRing<2>;
@@ -163,28 +161,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<kD>::kThreads, 1)
       v_ring.wait(j);
       const unsigned char* src = sV + v_ring.slot(j) * Tile::kKVBytes;
       unsigned char* dst = sT + t_ring.slot(j) * Tile::kTBytes;
-      // Unit (position group pgg, column chunk nc): positions 4 pgg .. 4 pgg + 3 of transposed
-      // rows 4 nc .. 4 nc + 3. Position group pgg is half pgg % 2 of k-step pgg / 2: keys
-      // 8 (pgg / 2) + 2i + pgg % 2, i < 4.
-#pragma unroll 1
-      for (int u = tid; u < (kBN / 4) * (kD / 4); u += 128) {
-        const int pgg = u % (kBN / 4), nc = u / (kBN / 4);
-        const int panel = nc / 8, chunk = nc % 8;
-        float4 in[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int key = 8 * (pgg / 2) + 2 * i + pgg % 2;
-          in[i] = *reinterpret_cast<const float4*>(src + panel * Tile::kKVPanelBytes + key * 128 +
-                                                   ((chunk ^ (key % 8)) * 16));
-        }
-        unsigned char* trow = dst + (pgg / 8) * Tile::kTPanelBytes;
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const int n = 4 * nc + c;
-          const float4 o = sm90::column_of(in, c);
-          *reinterpret_cast<float4*>(trow + n * 128 + (((pgg % 8) ^ (n % 8)) * 16)) = o;
-        }
-      }
+      Tile::VT::write(src, dst, tid, 128);
       sm90::fence_shared_to_async();
       t_ring.publish_warp(j, lane);
       sm90::named_barrier_sync(sm90::kFp32VStageRead, 128);
@@ -313,8 +290,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<kD>::kThreads, 1)
       sm90::wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kBN / 8; ++kk)
-        sm90::Wgmma<float, kD>::rs(acc_o, pa[kk],
-                                   sm90::k_major_descriptor(t_base + (kk / 4) * Tile::kTPanelBytes + (kk % 4) * 32), 1);
+        sm90::Wgmma<float, kD>::rs(acc_o, pa[kk], Tile::VT::k_major(t_base, kk), 1);
       sm90::wgmma_commit();
       sm90::wgmma_wait<0>();
       sm90::fence_registers(acc_o);
