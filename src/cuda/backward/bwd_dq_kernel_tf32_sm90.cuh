@@ -6,7 +6,8 @@
 //   producer warps 1-3  rewrite each K(j) K-major with its keys as rows' positions (K^T; TF32
 //                       wgmma reads no N-major operand) into one of two buffers
 //   consumers           64 queries each:
-//     S = Q K^T     dP = dO V^T     wgmma, all operands in shared memory
+//     S = Q K^T     dP = dO V^T     wgmma, Q and dO in registers (read once), K and V in shared
+//                                   memory
 //     dS            rounded to TF32 in the A-fragment layout (bwd::grads_to_fragments)
 //     dQ += dS K    wgmma, B = K^T
 // No atomics: every dQ element is summed by one thread in a fixed order.
@@ -16,7 +17,7 @@
 #include "cuda/arch/panel_tile_sm90.cuh"
 #include "cuda/arch/pipeline_sm90.cuh"
 #include "cuda/arch/ptx_sm90.cuh"
-#include "cuda/arch/tf32_transpose_sm90.cuh"
+#include "cuda/arch/tf32_operands_sm90.cuh"
 #include "cuda/arch/wgmma_ops.cuh"
 #include "cuda/backward/bwd_grads.cuh"
 #include "cuda/backward/bwd_launch.hpp"
@@ -145,17 +146,19 @@ __global__ void __launch_bounds__(DqTf32Sm90Traits<kHeadDim>::kThreads, 1)
       grads.row_dsum[half] = p.dsum[w + 8 * half];
     }
     const float slope = kAlibi ? p.mod.slope(b, h) : 0.0f;
-    const uint32_t q_addr = smem_address(sQ) + consumer * 64 * 128;
-    const uint32_t do_addr = smem_address(sdO) + consumer * 64 * 128;
     bars.wait_once();
+    // Q and dO, the A operands of every step's score products, in registers for the whole loop.
+    uint32_t qa[kHeadDim / 8][4], doa[kHeadDim / 8][4];
+    sm90::tf32_a_fragments<kHeadDim>(qa, sQ, BM, row0, lane);
+    sm90::tf32_a_fragments<kHeadDim>(doa, sdO, BM, row0, lane);
     for (int i = 0; i < keys.count; ++i) {
       const int s = i % Traits::kStages;  // in the loop's own words: see StageRing::wait_slot
       const int key0 = (keys.first + i) * BN;
       ring.wait_slot(i, s);
 
       float st[1][BN / 8][4], dpt[1][BN / 8][4];
-      score_products<float, BN, kHeadDim, QTile, KVTile>(st, dpt, q_addr, smem_address(stage_k(s)), do_addr,
-                                                         smem_address(stage_v(s)));
+      score_products_tf32<BN, kHeadDim, KVTile>(st, dpt, qa, smem_address(stage_k(s)), doa,
+                                                smem_address(stage_v(s)));
 
       uint32_t pa[BN / 8][4], da[BN / 8][4];
       grads.col0 = key0;

@@ -227,7 +227,7 @@ constexpr int kTilesPerStep = sizeof(T) == 2 ? 2 : 1;
 // the next product, rounded to T (16-bit: k-step ks covers columns 16 ks .. 16 ks + 15) or to
 // TF32 for fp32 (the fast mode; k-step ks covers columns 8 ks .. 8 ks + 7, fragment position t
 // holding column 2t and t + 4 column 2t + 1: the B operand is stored in that order,
-// tf32_transpose_sm90.cuh). kAlibi adds ALiBi's bias of slope `slope` (natural units, as
+// tf32_operands_sm90.cuh). kAlibi adds ALiBi's bias of slope `slope` (natural units, as
 // prob_of_score takes it) at the mask's indices; L comes without the causal form's offset (the
 // preprocess took it off), so P is the forward's, and the bias is constant in s: dS needs nothing
 // more from it. fp32's statistics are in the natural domain (bwd_params.hpp) and are taken to

@@ -5,9 +5,10 @@
 //   producer warp 0   one thread loads K and V once, then streams (Q, dO, L, D) of the query
 //                     tiles that see these keys, for every query head of the kv head's group
 //   producer warps 1-3  rewrite each step's Q and dO K-major (Q^T, dO^T; TF32 wgmma reads no
-//                     N-major operand) into one of two buffers (tf32_transpose_sm90.cuh)
+//                     N-major operand) into one of two buffers (tf32_operands_sm90.cuh)
 //   consumers         64 keys each:
-//     S^T  = K Q^T     dP^T = V dO^T    wgmma, all operands in shared memory
+//     S^T  = K Q^T     dP^T = V dO^T    wgmma, K and V in registers (read once), Q and dO in
+//                                       shared memory
 //     P^T, dS^T        rounded to TF32 in the A-fragment layout (bwd::grads_to_fragments)
 //     dV  += P^T dO    dK  += dS^T Q    wgmma, B = dO^T and Q^T
 // A fused dQ would add K^T, a dS tile and a dQ tile to these stages and pass the shared memory
@@ -19,7 +20,7 @@
 #include "cuda/arch/panel_tile_sm90.cuh"
 #include "cuda/arch/pipeline_sm90.cuh"
 #include "cuda/arch/ptx_sm90.cuh"
-#include "cuda/arch/tf32_transpose_sm90.cuh"
+#include "cuda/arch/tf32_operands_sm90.cuh"
 #include "cuda/arch/wgmma_ops.cuh"
 #include "cuda/backward/bwd_grads.cuh"
 #include "cuda/backward/bwd_launch.hpp"
@@ -41,13 +42,13 @@ struct BwdTf32Sm90Traits {
   using KVTile = sm90::PanelTile<kBlockN, kHeadDim, 4>;
   using QTile = sm90::PanelTile<kBlockM, kHeadDim, 4>;
   using QT = sm90::Tf32Transposed<kBlockM, kHeadDim>;  // Q^T or dO^T of a step
-  using Stages = BwdStages<QTile, kBlockM, kStages>;
+  using Stages = BwdStages<QTile, kBlockM, kStages, 1024>;  // the rewrite swizzles from each tile's start
   using Barriers = BwdBarriers<kStages>;
   using TRing = sm90::StageRing<2>;
-  // K, V, the stages (Q, dO, L, D; rounded up to 1024 bytes, the swizzle period), two buffers of
+  // K, V, the stages (Q, dO, L, D; each on a 1024-byte swizzle period), two buffers of
   // (Q^T, dO^T), the barriers (the transposed ring's after the stages').
   enum Region { kK, kV, kStagesRegion, kTransposed, kBarriers };
-  using Smem = sm90::SmemRegions<KVTile::kBytes, KVTile::kBytes, (kStages * Stages::kBytes + 1023) / 1024 * 1024,
+  using Smem = sm90::SmemRegions<KVTile::kBytes, KVTile::kBytes, kStages * Stages::kStride,
                                  2 * 2 * QT::kBytes, Barriers::kBytes + TRing::kBarrierBytes>;
   static constexpr int kSmemBytes = Smem::kBytes;
   static_assert(kHeadDim == 32 || kHeadDim == 64, "TF32 sm90 backward: head dims 32 and 64");
@@ -121,9 +122,11 @@ __global__ void __launch_bounds__(BwdTf32Sm90Traits<kHeadDim>::kThreads, 1)
     for (int e = 0; e < 4; ++e) dk[0][j][e] = dv[0][j][e] = 0.0f;
 
   if (n_iter > 0) {
-    const uint32_t k_base = smem_address(sK) + consumer * 64 * 128;
-    const uint32_t v_base = smem_address(sV) + consumer * 64 * 128;
     bars.wait_once();
+    // K and V, the A operands of every step's score products, in registers for the whole loop.
+    uint32_t ka[kHeadDim / 8][4], va[kHeadDim / 8][4];
+    sm90::tf32_a_fragments<kHeadDim>(ka, sK, BN, 64 * consumer + 16 * warp, lane);
+    sm90::tf32_a_fragments<kHeadDim>(va, sV, BN, 64 * consumer + 16 * warp, lane);
     for (int it = 0; it < n_iter; ++it) {
       const int s = it % kStages;  // in the loop's own words: see StageRing::wait_slot
       const int q0 = kb.q0(it);
@@ -131,8 +134,8 @@ __global__ void __launch_bounds__(BwdTf32Sm90Traits<kHeadDim>::kThreads, 1)
       ring.wait_slot(it, s);
 
       float st[1][BM / 8][4], dpt[1][BM / 8][4];
-      score_products<float, BM, kHeadDim, KVTile, QTile>(st, dpt, k_base, smem_address(stages.q(s)), v_base,
-                                                         smem_address(stages.dout(s)));
+      score_products_tf32<BM, kHeadDim, QTile>(st, dpt, ka, smem_address(stages.q(s)), va,
+                                               smem_address(stages.dout(s)));
 
       const int q1 = min(q0 + BM, kb.seq.sq);
       const bool masked = !(kb.mask.full_begin_key(q1) <= kb.k0 && kb.mask.full_end_key(q0) >= kb.k0 + BN);

@@ -55,12 +55,14 @@ struct BwdKeyBlock {
 };
 
 // kStages stages of one step each, from `base`: Q, dO (tiles of kBlockM rows), then the rows'
-// L * log2(e) and D.
-template <class QTile, int kBlockM, int kStages>
+// L * log2(e) and D; stages kStride bytes apart. kAlign = 1024 starts every stage on the swizzle
+// period, for readers that swizzle addresses relative to a tile's start (the TF32 rewrite).
+template <class QTile, int kBlockM, int kStages, int kAlign = 1>
 struct BwdStages {
-  static constexpr int kBytes = 2 * QTile::kBytes + 2 * kBlockM * 4;  // one stage
+  static constexpr int kBytes = 2 * QTile::kBytes + 2 * kBlockM * 4;  // one stage's loads
+  static constexpr int kStride = (kBytes + kAlign - 1) / kAlign * kAlign;
   unsigned char* base;
-  __device__ __forceinline__ unsigned char* q(int s) const { return base + s * kBytes; }
+  __device__ __forceinline__ unsigned char* q(int s) const { return base + s * kStride; }
   __device__ __forceinline__ unsigned char* dout(int s) const { return q(s) + QTile::kBytes; }
   __device__ __forceinline__ float* lse2(int s) const { return reinterpret_cast<float*>(q(s) + 2 * QTile::kBytes); }
   __device__ __forceinline__ float* dsum(int s) const { return lse2(s) + kBlockM; }
@@ -92,10 +94,10 @@ struct BwdBarriers {
 #if defined(TILEATTN_SM90_ENABLED)
 // The producer thread: K and V of the block once, then each step's stage through the ring (freed
 // by whoever reads the stage last).
-template <class KVTile, class QTile, int kBlockN, int kBlockM, int kStages>
+template <class KVTile, class QTile, int kBlockN, int kBlockM, int kStages, int kAlign>
 __device__ __forceinline__ void load_key_block(const BwdSm90Params& params, const BwdKeyBlock<kBlockN, kBlockM>& kb,
                                                unsigned char* sK, unsigned char* sV,
-                                               const BwdStages<QTile, kBlockM, kStages>& stages,
+                                               const BwdStages<QTile, kBlockM, kStages, kAlign>& stages,
                                                const BwdBarriers<kStages>& bars) {
   const bwd::BwdParams& p = params.bwd;
   const int batch = p.cu_seqlens_q != nullptr ? 0 : kb.b;
@@ -161,6 +163,23 @@ __device__ __forceinline__ void score_products(float (&s)[1][kN / 8][4], float (
 #pragma unroll
   for (int ks = 0; ks < kSteps; ++ks)
     sm90::Wgmma<T, kN>::ss(dp[0], ATile::k_major(a_dp, ks), BTile::k_major(b_dp, ks), ks > 0);
+  sm90::wgmma_commit();
+  sm90::wgmma_wait<0>();
+  sm90::fence_registers(s[0]);
+  sm90::fence_registers(dp[0]);
+}
+
+// score_products with both A operands in registers (TF32 A fragments, tf32_a_fragments).
+template <int kN, int kHeadDim, class BTile>
+__device__ __forceinline__ void score_products_tf32(float (&s)[1][kN / 8][4], float (&dp)[1][kN / 8][4],
+                                                    const uint32_t (&a_s)[kHeadDim / 8][4], uint32_t b_s,
+                                                    const uint32_t (&a_dp)[kHeadDim / 8][4], uint32_t b_dp) {
+  sm90::wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < kHeadDim / 8; ++ks) sm90::Wgmma<float, kN>::rs(s[0], a_s[ks], BTile::k_major(b_s, ks), ks > 0);
+#pragma unroll
+  for (int ks = 0; ks < kHeadDim / 8; ++ks)
+    sm90::Wgmma<float, kN>::rs(dp[0], a_dp[ks], BTile::k_major(b_dp, ks), ks > 0);
   sm90::wgmma_commit();
   sm90::wgmma_wait<0>();
   sm90::fence_registers(s[0]);

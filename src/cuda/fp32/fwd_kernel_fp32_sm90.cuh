@@ -10,7 +10,7 @@
 //                    the online softmax, O += P V (wgmma, P from registers).
 //
 // P goes to the A fragment without moving between lanes: the transposed V holds its keys in the
-// order that fragment wants (Tf32Transposed, tf32_transpose_sm90.cuh).
+// order that fragment wants (Tf32Transposed, tf32_operands_sm90.cuh).
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -24,7 +24,7 @@
 #include "cuda/arch/mma_fp32.cuh"
 #include "cuda/arch/pipeline_sm90.cuh"
 #include "cuda/arch/ptx_sm90.cuh"
-#include "cuda/arch/tf32_transpose_sm90.cuh"
+#include "cuda/arch/tf32_operands_sm90.cuh"
 #include "cuda/arch/wgmma_ops.cuh"
 
 namespace tileattn::cuda::fp32 {

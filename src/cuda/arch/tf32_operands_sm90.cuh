@@ -1,14 +1,23 @@
 #pragma once
-// The B operand TF32 wgmma needs where the product's k dimension runs down a stored tile's rows.
-// TF32 wgmma reads shared-memory operands K-major only, so a (kRows x kDim) fp32 tile as TMA
-// wrote it (PanelTile<kRows, kDim, 4>) is rewritten as kDim rows of kRows positions: panels of
-// kDim rows x 32 positions (128 bytes), 128-byte swizzled.
+// TF32 operands beyond what TMA writes (PanelTile<kRows, kDim, 4>: 128-byte swizzled panels of 32
+// fp32 columns, each panel on the 1024-byte swizzle period).
+//
+// Tf32Transposed: the B operand where the product's k dimension runs down a stored tile's rows.
+// TF32 wgmma reads shared-memory operands K-major only, so such a tile is rewritten as kDim rows
+// of kRows positions: panels of kDim rows x 32 positions (128 bytes), 128-byte swizzled.
 //
 // The positions are permuted within each group of 8 so that an accumulator goes to the A
 // fragment of the next product without moving between lanes: the accumulator gives thread
 // (g, t) columns 2t and 2t+1 of every 8-column tile, the A fragment wants k positions t and t+4
 // of a k-step, so position t holds row 2t and position t+4 row 2t+1 of the source tile.
+//
+// tf32_a_fragments: an A operand that every product of a block reuses, read once into registers
+// (the A-fragment layout of wgmma per warp, rounded to TF32), so that its products read only B
+// from shared memory: with both operands from shared memory a TF32 m64n64k8 step reads 4 KB in
+// the 32 clocks the tensor core takes for it, all of shared memory's bandwidth.
 #include <cstdint>
+
+#include "cuda/arch/mma_fp32.cuh"
 
 #include "cuda/arch/ptx_sm90.cuh"
 #include "cuda/arch/smm_ptx.cuh"
@@ -52,5 +61,23 @@ struct Tf32Transposed {
     }
   }
 };
+
+// Rows row0 .. row0 + 15 (this warp's) of a PanelTile<rows, kDim, 4> at `tile` as kDim / 8 A
+// fragments: fragment ks holds (row0 + g, 8 ks + t), (row0 + g + 8, 8 ks + t), (row0 + g,
+// 8 ks + t + 4), (row0 + g + 8, 8 ks + t + 4) for lane (g, t). row0 is a multiple of 8.
+template <int kDim>
+__device__ __forceinline__ void tf32_a_fragments(uint32_t (&a)[kDim / 8][4], const unsigned char* tile, int tile_rows,
+                                                 int row0, int lane) {
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int ks = 0; ks < kDim / 8; ++ks)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int row = row0 + g + 8 * (i % 2), col = 8 * ks + t + 4 * (i / 2);
+      const unsigned char* at = tile + (col / 32) * tile_rows * 128 + row * 128 +
+                                ((((col % 32) / 4) ^ (row % 8)) * 16) + (col % 4) * 4;
+      a[ks][i] = fp32::to_tf32(*reinterpret_cast<const float*>(at));
+    }
+}
 
 }  // namespace tileattn::cuda::sm90
