@@ -45,6 +45,8 @@ struct FwdSm90Tile {
   // stages, one V stage and two transposed buffers fill the rest of shared memory.
   static constexpr int kBlockN = kD <= 64 ? 128 : 64;
   static constexpr int kVStages = kD <= 64 ? 2 : 1;
+  // Q's A fragments in the consumers' registers up to head dim 64 (32 a thread).
+  static constexpr bool kQInRegisters = kD <= 64;
   static constexpr int kPanels = kD / 32;  // 128-byte panels of 32 fp32 columns
   static constexpr int kQBytes = kPanels * kBlockM * 128;
   static constexpr int kKVPanelBytes = kBlockN * 128;
@@ -184,10 +186,15 @@ __global__ void __launch_bounds__(FwdSm90Tile<kD>::kThreads, 1)
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
 
   if (n_tiles > 0) {
-    // Q, read by every key tile, is rounded to TF32 once (each consumer its own 64 rows); K and
-    // V go in as fp32 bits, which the tensor core truncates.
+    // Q, read by every key tile, is rounded to TF32 once (each consumer its own 64 rows): into
+    // registers as the A operand of every S product where they hold it (the product then reads
+    // only K from shared memory, whose bandwidth bounds a TF32 product with both operands there),
+    // else in place. K and V go in as fp32 bits, which the tensor core truncates.
     sm90::barrier_wait(q_full, 0);
-    {
+    [[maybe_unused]] uint32_t qa[Tile::kQInRegisters ? kD / 8 : 1][4];
+    if constexpr (Tile::kQInRegisters) {
+      sm90::tf32_a_fragments<kD>(qa, sQ, kBM, 64 * consumer + 16 * warp, lane);
+    } else {
       const int ctid = int(threadIdx.x) % 128;
 #pragma unroll
       for (int c = 0; c < Tile::kPanels; ++c) {
@@ -218,9 +225,12 @@ __global__ void __launch_bounds__(FwdSm90Tile<kD>::kThreads, 1)
 #pragma unroll
       for (int ks = 0; ks < kD / 8; ++ks) {
         const uint32_t offset = (ks % 4) * 32;
-        sm90::Wgmma<float, kBN>::ss(acc_s, sm90::k_major_descriptor(q_base + (ks / 4) * kBM * 128 + offset),
-                                    sm90::k_major_descriptor(k_base + (ks / 4) * Tile::kKVPanelBytes + offset),
-                                    ks > 0);
+        const uint64_t k_desc = sm90::k_major_descriptor(k_base + (ks / 4) * Tile::kKVPanelBytes + offset);
+        if constexpr (Tile::kQInRegisters)
+          sm90::Wgmma<float, kBN>::rs(acc_s, qa[ks], k_desc, ks > 0);
+        else
+          sm90::Wgmma<float, kBN>::ss(acc_s, sm90::k_major_descriptor(q_base + (ks / 4) * kBM * 128 + offset), k_desc,
+                                      ks > 0);
       }
       sm90::wgmma_commit();
       sm90::wgmma_wait<0>();
