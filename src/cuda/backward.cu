@@ -45,7 +45,6 @@ int headdim_bucket(const AttentionProblem& p) {
 }
 
 struct BwdKernelSm90 {
-  bool (*make_maps)(const AttentionProblem&, BwdSm90Params&);
   void (*run)(const BwdSm90Params&, cudaStream_t);
 };
 
@@ -55,7 +54,7 @@ std::optional<BwdKernelSm90> pick_backward_sm90(int bucket) {
   std::optional<BwdKernelSm90> kernel;
   if (bucket_of(BwdSm90HeadDims{}, bucket) != bucket) return kernel;
   with_bucket(BwdSm90HeadDims{}, bucket, [&](auto d) {
-    kernel = BwdKernelSm90{&BwdSm90<T, decltype(d)::value>::make_maps, &BwdSm90<T, decltype(d)::value>::run};
+    kernel = BwdKernelSm90{&BwdSm90<T, decltype(d)::value>::run};
   });
   return kernel;
 }
@@ -66,7 +65,7 @@ std::optional<BwdKernelSm90> pick_backward_tf32_sm90(const AttentionProblem& p, 
   std::optional<BwdKernelSm90> kernel;
   if (p.fp32_mode != Fp32Mode::fast || bucket_of(BwdTf32Sm90HeadDims{}, bucket) != bucket) return kernel;
   with_bucket(BwdTf32Sm90HeadDims{}, bucket, [&](auto d) {
-    kernel = BwdKernelSm90{&BwdTf32Sm90<decltype(d)::value>::make_maps, &BwdTf32Sm90<decltype(d)::value>::run};
+    kernel = BwdKernelSm90{&BwdTf32Sm90<decltype(d)::value>::run};
   });
   return kernel;
 }
@@ -91,7 +90,7 @@ BwdPlan pick_kernels(const AttentionProblem& p) {
   const int bucket = headdim_bucket(p);
   if (p.dropout_p == 0.0f && !(p.deterministic && bucket > 128))
     plan.sm90 = pick_backward_sm90(p, bucket);
-  if (plan.sm90 && !plan.sm90->make_maps(p, plan.params)) plan.sm90.reset();
+  if (plan.sm90 && !make_bwd_sm90_maps(p, plan.params)) plan.sm90.reset();
   return plan;
 }
 

@@ -2,8 +2,6 @@
 // Launch side of the sm90 backward. Included only by the generated instantiation units.
 #include <cuda_runtime.h>
 
-#include <string>
-
 #include "cuda/common/check.cuh"
 #include "cuda/common/runtime_cache.hpp"
 #include "cuda/backward/bwd_preprocess.cuh"
@@ -12,27 +10,8 @@
 #include "cuda/backward/bwd_kernel_wide_sm90.cuh"
 #include "cuda/backward/bwd_dq_kernel_sm90.cuh"
 #include "cuda/backward/launch_bwd_sm90.hpp"
-#include "cuda/arch/tma_map.hpp"
-#include "tileattn/error.hpp"
 
 namespace tileattn::cuda {
-
-template <class T, int kHeadDim>
-bool BwdSm90<T, kHeadDim>::make_maps(const AttentionProblem& pr, BwdSm90Params& params) {
-  using sm90::attention_map_shape;
-  return sm90::make_tile_map(&params.q, pr.dtype, pr.q.data,
-                             attention_map_shape(pr, pr.q, pr.headdim_qk, pr.seqlen_q, pr.total_q, pr.heads_q,
-                                                 kBwdBoxRows)) &&
-         sm90::make_tile_map(&params.k, pr.dtype, pr.k.data,
-                             attention_map_shape(pr, pr.k, pr.headdim_qk, pr.seqlen_k, pr.total_k, pr.heads_kv,
-                                                 kBwdBoxRows)) &&
-         sm90::make_tile_map(&params.v, pr.dtype, pr.v.data,
-                             attention_map_shape(pr, pr.v, pr.headdim_v, pr.seqlen_k, pr.total_k, pr.heads_kv,
-                                                 kBwdBoxRows)) &&
-         sm90::make_tile_map(&params.dout, pr.dtype, pr.dout.data,
-                             attention_map_shape(pr, pr.dout, pr.headdim_v, pr.seqlen_q, pr.total_q, pr.heads_q,
-                                                 kBwdBoxRows));
-}
 
 namespace detail {
 // The main kernel over (key tiles, batch, kv heads).
@@ -92,10 +71,7 @@ void launch_main_sm90(const BwdSm90Params& params, cudaStream_t stream) {
 template <class T, int kHeadDim>
 void BwdSm90<T, kHeadDim>::run(const BwdSm90Params& params, cudaStream_t stream) {
   const bwd::BwdParams& p = params.bwd;
-  if (p.batch == 0 || p.heads_q == 0 || p.seqlen_q == 0) return;
-  if (p.batch > 65535 || p.heads_q > 65535)
-    throw Error(ErrorKind::unsupported, "CUDA backward: batch " + std::to_string(p.batch) + " and heads_q " +
-                                            std::to_string(p.heads_q) + " must be <= 65535");
+  if (!bwd_sm90_has_work(p)) return;
 
   bwd::launch_preprocess<T>(p, stream);
   TA_CUDA_CHECK_LAUNCH("backward preprocess");

@@ -1,27 +1,32 @@
 #pragma once
-// The sm90 backward (fp16/bf16, head-dim buckets <= 128): preprocess, dK/dV, dQ. Instantiated per
-// (dtype, bucket) by generated translation units (see src/cuda/CMakeLists.txt).
+// The sm90 backward: the 16-bit kernels (head-dim buckets up to 256) and the TF32 ones for fp32 in
+// fast mode (buckets 32 and 64), each preprocess, dK/dV and dQ. Instantiated per (dtype, bucket)
+// by generated translation units (see src/cuda/CMakeLists.txt); the host pieces they share are in
+// launch_bwd_sm90.cpp.
 #include <cuda_runtime.h>
 
 #include "cuda/backward/bwd_params_sm90.hpp"
+#include "cuda/common/bwd_params.hpp"
 #include "tileattn/problem.hpp"
 
 namespace tileattn::cuda {
 
+// Tensor maps of Q, K, V and dO in the problem's dtype (boxes of kBwdBoxRows rows); false when TMA
+// cannot describe one (the sm80 kernels run).
+bool make_bwd_sm90_maps(const AttentionProblem& problem, BwdSm90Params& params);
+
+// False when the problem has nothing to compute; throws where the kernels' grids cannot hold it.
+bool bwd_sm90_has_work(const bwd::BwdParams& params);
+
 template <class T, int kHeadDim>
 struct BwdSm90 {
-  // Tensor maps of Q, K, V and dO; false when TMA cannot describe one (the sm80 kernels run).
-  static bool make_maps(const AttentionProblem& problem, BwdSm90Params& params);
   // params.bwd as for the sm80 kernels, without the dQ accumulator.
   static void run(const BwdSm90Params& params, cudaStream_t stream);
 };
 
-// The sm90 backward of fp32 in fast mode (TF32 products; head-dim buckets 32 and 64): preprocess,
-// dK/dV, then dQ's own pass. Instantiated per bucket like BwdSm90; the same two entry points.
+// fp32 in fast mode: TF32 products, dQ always in its own pass (no dQ accumulator).
 template <int kHeadDim>
 struct BwdTf32Sm90 {
-  static bool make_maps(const AttentionProblem& problem, BwdSm90Params& params);
-  // params.bwd as for the sm80 kernels, without the dQ accumulator.
   static void run(const BwdSm90Params& params, cudaStream_t stream);
 };
 

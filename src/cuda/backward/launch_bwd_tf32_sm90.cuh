@@ -3,35 +3,14 @@
 // instantiation units.
 #include <cuda_runtime.h>
 
-#include <string>
-
-#include "cuda/arch/tma_map.hpp"
 #include "cuda/backward/bwd_dq_kernel_tf32_sm90.cuh"
 #include "cuda/backward/bwd_kernel_tf32_sm90.cuh"
 #include "cuda/backward/bwd_preprocess.cuh"
 #include "cuda/backward/launch_bwd_sm90.hpp"
 #include "cuda/common/check.cuh"
 #include "cuda/common/runtime_cache.hpp"
-#include "tileattn/error.hpp"
 
 namespace tileattn::cuda {
-
-template <int kHeadDim>
-bool BwdTf32Sm90<kHeadDim>::make_maps(const AttentionProblem& pr, BwdSm90Params& params) {
-  using sm90::attention_map_shape;
-  return sm90::make_tile_map(&params.q, DType::f32, pr.q.data,
-                             attention_map_shape(pr, pr.q, pr.headdim_qk, pr.seqlen_q, pr.total_q, pr.heads_q,
-                                                 kBwdBoxRows)) &&
-         sm90::make_tile_map(&params.k, DType::f32, pr.k.data,
-                             attention_map_shape(pr, pr.k, pr.headdim_qk, pr.seqlen_k, pr.total_k, pr.heads_kv,
-                                                 kBwdBoxRows)) &&
-         sm90::make_tile_map(&params.v, DType::f32, pr.v.data,
-                             attention_map_shape(pr, pr.v, pr.headdim_v, pr.seqlen_k, pr.total_k, pr.heads_kv,
-                                                 kBwdBoxRows)) &&
-         sm90::make_tile_map(&params.dout, DType::f32, pr.dout.data,
-                             attention_map_shape(pr, pr.dout, pr.headdim_v, pr.seqlen_q, pr.total_q, pr.heads_q,
-                                                 kBwdBoxRows));
-}
 
 namespace detail {
 template <int kHeadDim, bool kAlibi>
@@ -59,10 +38,7 @@ void launch_tf32_sm90(const BwdSm90Params& params, cudaStream_t stream) {
 template <int kHeadDim>
 void BwdTf32Sm90<kHeadDim>::run(const BwdSm90Params& params, cudaStream_t stream) {
   const bwd::BwdParams& p = params.bwd;
-  if (p.batch == 0 || p.heads_q == 0 || p.seqlen_q == 0) return;
-  if (p.batch > 65535 || p.heads_q > 65535)
-    throw Error(ErrorKind::unsupported, "CUDA backward: batch " + std::to_string(p.batch) + " and heads_q " +
-                                            std::to_string(p.heads_q) + " must be <= 65535");
+  if (!bwd_sm90_has_work(p)) return;
   bwd::launch_preprocess<float>(p, stream);
   TA_CUDA_CHECK_LAUNCH("backward preprocess");
   if (p.mod.has_alibi()) detail::launch_tf32_sm90<kHeadDim, true>(params, stream);
