@@ -36,14 +36,24 @@ struct Tf32Transposed {
     return k_major_descriptor(base + (kk / 4) * kPanelBytes + (kk % 4) * 32);
   }
 
-  // The rewrite of `src` into `dst` by threads [0, threads) (tid = this thread's index among them).
-  // Unit (position group pg, column chunk nc): positions 4 pg .. 4 pg + 3 of rewritten rows
-  // 4 nc .. 4 nc + 3. Position group pg is half pg % 2 of k-step pg / 2: source rows
-  // 8 (pg / 2) + 2i + pg % 2, i < 4. Both sides read and write whole 16-byte chunks.
+  // The rewrite of `src` into `dst` by threads [0, threads) (tid = this thread's index among them;
+  // threads a multiple of 32, warps aligned). Unit (position group pg, column chunk nc): positions
+  // 4 pg .. 4 pg + 3 of rewritten rows 4 nc .. 4 nc + 3. Position group pg is half pg % 2 of k-step
+  // pg / 2: source rows 8 (pg / 2) + 2i + pg % 2, i < 4. Both sides read and write whole 16-byte
+  // chunks.
+  //
+  // Units go to lanes so that the eight lanes of each quarter-warp touch eight different 16-byte
+  // bank groups on both sides: lane l of a quarter takes pg % 8 = l and nc % 8 = (l & 6) ^ s for
+  // the quarter's s. The loads then land in bank group (nc % 8) ^ 2i ^ (pg % 2) and the stores in
+  // (pg % 8) ^ 4 (nc % 2) ^ c, each a permutation of l. (Eight lanes reading one chunk of
+  // consecutive pg hit two groups only: 16 wavefronts a load instead of 4.)
   __device__ __forceinline__ static void write(const unsigned char* src, unsigned char* dst, int tid, int threads) {
+    constexpr int kPgBlocks = kRows / 32;  // blocks of 8 position groups
+    const int l = tid % 8;                  // the same in every unit of this thread
 #pragma unroll 1
     for (int u = tid; u < (kRows / 4) * (kDim / 4); u += threads) {
-      const int pg = u % (kRows / 4), nc = u / (kRows / 4);
+      const int r = u / 64;
+      const int pg = 8 * (r % kPgBlocks) + l, nc = 8 * (r / kPgBlocks) + ((l & 6) ^ ((u / 8) % 8));
       const int panel = nc / 8, chunk = nc % 8;
       float4 in[4];
 #pragma unroll

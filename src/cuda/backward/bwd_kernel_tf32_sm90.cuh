@@ -32,7 +32,7 @@ namespace tileattn::cuda {
 
 template <int kHeadDim>
 struct BwdTf32Sm90Traits {
-  using Roles = sm90::WarpRoles<2, 40, 232>;
+  using Roles = sm90::WarpRoles<2, 48, 224>;  // the rewrite's unit indices spill at 40 producer registers
   static constexpr int kConsumers = Roles::kConsumers;
   static constexpr int kThreads = Roles::kThreads;
   static constexpr int kTransposeThreads = 96;  // producer warps 1-3

@@ -46,6 +46,40 @@ struct FwdTile {
 
 __device__ __forceinline__ int round_up8(int x) { return (x + 7) & ~7; }
 
+// One 16-row strip of a score tile in the accumulator layout (thread (g, t): row `row` for
+// e < 2 and row + 8 for e >= 2, column col0 + 8 nt + (e & 1) with col0 = n0 + 2t), made ready
+// for the online softmax: soft-capped into the log2 domain (else left raw, scale * log2(e) folded
+// into the exponent), -inf outside the mask where `need_mask` (tiles crossing a mask edge or the
+// key end), then ALiBi's bias in the scores' units (finite, so masked scores stay -inf). Each
+// step is a loop of its own behind one uniform branch: a branch per element inside the unrolled
+// loop makes every element a taken jump, and the instruction-fetch stalls after those jumps were
+// 37% of the Hopper TF32 forward's warp samples (docs/perf-log.md).
+template <int kNT>
+__device__ __forceinline__ void prepare_scores(float (&x)[kNT][4], const FwdParams& p, const Mask& mask,
+                                               bool need_mask, bool alibi, float slope, int row, int col0) {
+  if (p.softcap > 0.0f) {
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) x[nt][e] = apply_softcap(x[nt][e] * p.scale, p.softcap) * kLog2e;
+  }
+  if (need_mask) {
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (!mask.visible(row + (e >= 2 ? 8 : 0), col0 + nt * 8 + (e & 1))) x[nt][e] = -INFINITY;
+  }
+  if (alibi) {
+    const float slope_x = p.softcap > 0.0f ? slope * kLog2e : slope / p.scale;
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        x[nt][e] += ScoreMod::alibi_bias(slope_x, row + (e >= 2 ? 8 : 0), col0 + nt * 8 + (e & 1), mask.seqlen_q, mask.seqlen_k);
+  }
+}
+
 template <int kD, bool kExact, bool kDropout>
 __global__ void __launch_bounds__(FwdTile<kD, kExact>::kThreads) forward_fp32_kernel(const FwdParams p) {
   using Tile = FwdTile<kD, kExact>;
@@ -196,41 +230,17 @@ __global__ void __launch_bounds__(FwdTile<kD, kExact>::kThreads) forward_fp32_ke
       }
     }
 
-    // Scores: soft-capped into the log2 domain, or left raw with scale * log2(e) folded into the
-    // exponent's FMA below. Only tiles crossing a mask edge (or the key end) pay for masking.
     const bool capped = p.softcap > 0.0f;
     const float to_log2 = capped ? 1.0f : p.scale_log2;
     const bool need_mask = n0 < full_begin || n0 + kBN > full_end;
     float s[kMT][kNT][4];
 #pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
+    for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
       for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float x = float(sa[mt][nt][e]);
-          if (capped) x = apply_softcap(x * p.scale, p.softcap) * kLog2e;
-          if (need_mask) {
-            const int i = i0 + wm0 + mt * 16 + g + (e >= 2 ? 8 : 0);
-            const int j = n0 + nt * 8 + 2 * t + (e & 1);
-            if (!mask.visible(i, j)) x = -INFINITY;
-          }
-          s[mt][nt][e] = x;
-        }
-    // ALiBi in the scores' units (raw, or log2 when capped), after the cap; masked scores stay
-    // -inf since the bias is finite, so one pass behind one branch serves every tile.
-    if (alibi) {
-      const float slope_x = capped ? slope * kLog2e : slope / p.scale;
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int i = i0 + wm0 + mt * 16 + g + (e >= 2 ? 8 : 0);
-            const int j = n0 + nt * 8 + 2 * t + (e & 1);
-            s[mt][nt][e] += ScoreMod::alibi_bias(slope_x, i, j, sq, sk);
-          }
+        for (int e = 0; e < 4; ++e) s[mt][nt][e] = float(sa[mt][nt][e]);
+      prepare_scores(s[mt], p, mask, need_mask, alibi, slope, i0 + wm0 + mt * 16 + g, n0 + 2 * t);
     }
 
     // Online softmax: each row lives in the 4 lanes of a quad; row_max is in the log2 domain.

@@ -36,8 +36,9 @@ struct FwdSm90Params {
 
 template <int kD>
 struct FwdSm90Tile {
-  // Head dim 128's transpose (four column panels) spills at 40 producer registers.
-  using Roles = sm90::WarpRoles<2, kD <= 64 ? 40 : 56, kD <= 64 ? 232 : 224>;
+  // The transpose's unit indices spill at 40 producer registers (head dim 128's four column
+  // panels at 48).
+  using Roles = sm90::WarpRoles<2, kD <= 64 ? 48 : 56, 224>;
   static constexpr int kConsumers = Roles::kConsumers;
   static constexpr int kThreads = Roles::kThreads;
   static constexpr int kBlockM = 64 * kConsumers;
@@ -237,28 +238,8 @@ __global__ void __launch_bounds__(FwdSm90Tile<kD>::kThreads, 1)
       sm90::fence_registers(acc_s);
       k_ring.release_warp(j, lane);
 
-      // Scores: soft-capped into the log2 domain, or raw with scale * log2(e) folded into the
-      // exponent; keys past the end or outside the mask (also rows past sq) become -inf.
       const bool need_mask = n0 < full_begin || n0 + kBN > full_end;
-#pragma unroll
-      for (int nt = 0; nt < kBN / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float x = acc_s[nt][e];
-          if (capped) x = apply_softcap(x * p.scale, p.softcap) * kLog2e;
-          if (need_mask) {
-            const int i = i0 + wrow + (e >= 2 ? 8 : 0);
-            const int key = n0 + nt * 8 + 2 * t + (e & 1);
-            if (!mask.visible(i, key)) x = -INFINITY;
-          }
-          // Finite: a masked score stays -inf.
-          if constexpr (kAlibi) {
-            // The slope in the scores' units: raw, or log2 once capped.
-            const float slope = p.mod.slope(b, h), slope_x = capped ? slope * kLog2e : slope / p.scale;
-            x += ScoreMod::alibi_bias(slope_x, i0 + wrow + (e >= 2 ? 8 : 0), n0 + nt * 8 + 2 * t + (e & 1), sq, sk);
-          }
-          acc_s[nt][e] = x;
-        }
+      prepare_scores(acc_s, p, mask, need_mask, kAlibi, kAlibi ? p.mod.slope(b, h) : 0.0f, i0 + wrow, n0 + 2 * t);
       float factor[2];
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
