@@ -25,8 +25,9 @@ namespace tileattn::cuda::bwd {
 // products are rounded on their own (__fmul_rn: never contracted into a later add), so the fp32
 // row statistics and prob_of_score round every score identically; the row's largest score then
 // gives exp(s - max) = exp(0) = 1 exactly.
+template <bool kCapped>
 __device__ __forceinline__ float scaled_score(float x, const BwdParams& p) {
-  return p.softcap > 0.0f ? __fmul_rn(p.softcap, tanhf(x * p.scale_over_cap)) : __fmul_rn(x, p.scale);
+  return kCapped ? __fmul_rn(p.softcap, tanhf(x * p.scale_over_cap)) : __fmul_rn(x, p.scale);
 }
 
 // P of one raw score x (q.k) in the log2 domain, from l = L * log2(e) of its query: the 16-bit

@@ -133,9 +133,10 @@ __global__ void __launch_bounds__(kThreads, 1) row_stats_kernel(const BwdParams 
       warp_gemm<T, MT, NT, D, true, false, M>(st, sQ + s_row * LD, LD, sK + s_col * LD, LD);
       const bool masked = !(mask.full_begin_key(q1) <= k0 && mask.full_end_key(q0) >= k0 + BN);
       // kAlibi: ALiBi's bias after the cap, added as prob_of_score adds it, so that P's statistics
-      // are those of the scores it forms. One uniform branch per tile picks the variant.
-      auto tile_stats = [&](auto alibi_c) {
-        constexpr bool kAlibi = decltype(alibi_c)::value;
+      // are those of the scores it forms. One uniform branch per tile picks the variant (a test
+      // of the cap per score would make each score a jump over the inlined tanh).
+      auto tile_stats = [&](auto capped_c, auto alibi_c) {
+        constexpr bool kCapped = decltype(capped_c)::value, kAlibi = decltype(alibi_c)::value;
 #pragma unroll
         for (int i = 0; i < MT; ++i)
 #pragma unroll
@@ -148,7 +149,7 @@ __global__ void __launch_bounds__(kThreads, 1) row_stats_kernel(const BwdParams 
 #pragma unroll
               for (int e = 0; e < 2; ++e) {
                 const int c = s_col + j * 8 + (lane & 3) * 2 + e;
-                float sc = scaled_score(st[i][j][2 * hh + e], p);
+                float sc = scaled_score<kCapped>(st[i][j][2 * hh + e], p);
                 if constexpr (kAlibi) sc = __fadd_rn(sc, ScoreMod::alibi_bias(slope, q0 + r, k0 + c, s.sq, s.sk));
                 v[j][e] = (masked && !mask.visible(q0 + r, k0 + c)) ? -INFINITY : sc;
                 tile_max = fmaxf(tile_max, v[j][e]);
@@ -160,10 +161,13 @@ __global__ void __launch_bounds__(kThreads, 1) row_stats_kernel(const BwdParams 
             merge_stats(m[i][hh], l[i][hh], tile_max, tile_sum);
           }
       };
-      if (alibi)
-        tile_stats(std::true_type{});
-      else
-        tile_stats(std::false_type{});
+      if (p.softcap > 0.0f) {
+        if (alibi) tile_stats(std::true_type{}, std::true_type{});
+        else tile_stats(std::true_type{}, std::false_type{});
+      } else {
+        if (alibi) tile_stats(std::false_type{}, std::true_type{});
+        else tile_stats(std::false_type{}, std::false_type{});
+      }
       __syncthreads();  // sK is refilled next
     }
 
