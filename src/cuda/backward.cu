@@ -46,6 +46,7 @@ int headdim_bucket(const AttentionProblem& p) {
 
 struct BwdKernelSm90 {
   void (*run)(const BwdSm90Params&, cudaStream_t);
+  bool dq_own_pass = false;  // dQ always in a pass of its own (no accumulator), whatever the mode
 };
 
 // The Hopper backward for this bucket, when the build has it and the device runs it.
@@ -65,7 +66,7 @@ std::optional<BwdKernelSm90> pick_backward_tf32_sm90(const AttentionProblem& p, 
   std::optional<BwdKernelSm90> kernel;
   if (p.fp32_mode != Fp32Mode::fast || bucket_of(BwdTf32Sm90HeadDims{}, bucket) != bucket) return kernel;
   with_bucket(BwdTf32Sm90HeadDims{}, bucket, [&](auto d) {
-    kernel = BwdKernelSm90{&BwdTf32Sm90<decltype(d)::value>::run};
+    kernel = BwdKernelSm90{&BwdTf32Sm90<decltype(d)::value>::run, true};
   });
   return kernel;
 }
@@ -94,10 +95,10 @@ BwdPlan pick_kernels(const AttentionProblem& p) {
   return plan;
 }
 
-// dQ is summed into the accumulator unless asked for determinism (then dQ has its own pass), and
-// the TF32 Hopper backward always gives it its own pass.
+// dQ is summed into the accumulator unless asked for determinism (then dQ has its own pass) or
+// the kernel always gives it its own pass (the TF32 Hopper backward).
 bool uses_atomic_dq(const AttentionProblem& p, const BwdPlan& plan) {
-  return !p.deterministic && !(plan.sm90 && p.dtype == DType::f32);
+  return !p.deterministic && !(plan.sm90 && plan.sm90->dq_own_pass);
 }
 
 // The workspace, carved in this order: lse2, dsum, row_sum (fp32 only), one float per padded

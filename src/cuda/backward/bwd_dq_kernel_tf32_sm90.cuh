@@ -114,15 +114,8 @@ __global__ void __launch_bounds__(DqTf32Sm90Traits<kHeadDim>::kThreads, 1)
       return;
     }
     const int tid = int(threadIdx.x) - 32;
-    for (int i = 0; i < keys.count; ++i) {
-      const int s = i % Traits::kStages;
-      ring.wait_slot(i, s);
-      t_ring.acquire(i);
-      KT::write(stage_k(s), k_t(t_ring.slot(i)), tid, Traits::kTransposeThreads);
-      sm90::fence_shared_to_async();
-      t_ring.publish_warp(i, lane);
-      ring.release_warp(i, lane);
-    }
+    rewrite_stages(keys.count, ring, t_ring, lane,
+                   [=](int s, int slot) { KT::write(stage_k(s), k_t(slot), tid, Traits::kTransposeThreads); });
     return;
   }
 

@@ -97,16 +97,10 @@ __global__ void __launch_bounds__(BwdTf32Sm90Traits<kHeadDim>::kThreads, 1)
       return;
     }
     const int tid = int(threadIdx.x) - 32;
-    for (int it = 0; it < n_iter; ++it) {
-      const int s = it % kStages;
-      ring.wait_slot(it, s);
-      t_ring.acquire(it);
-      QT::write(stages.q(s), q_t(t_ring.slot(it)), tid, Traits::kTransposeThreads);
-      QT::write(stages.dout(s), dout_t(t_ring.slot(it)), tid, Traits::kTransposeThreads);
-      sm90::fence_shared_to_async();
-      t_ring.publish_warp(it, lane);
-      ring.release_warp(it, lane);
-    }
+    rewrite_stages(n_iter, ring, t_ring, lane, [=](int s, int slot) {
+      QT::write(stages.q(s), q_t(slot), tid, Traits::kTransposeThreads);
+      QT::write(stages.dout(s), dout_t(slot), tid, Traits::kTransposeThreads);
+    });
     return;
   }
 

@@ -150,6 +150,23 @@ __device__ __forceinline__ void reduce_dq_tiles(const bwd::BwdParams& p, const B
   }
 }
 
+// Producer warps 1-3 of the TF32 kernels: each of the n stages of `ring` rewritten K-major into
+// one of t_ring's buffers by rewrite(stage, buffer) (tf32_operands_sm90.cuh), published once the
+// three warps wrote it; the stage is released as one of its readers.
+template <int kStages, class TRing, class Rewrite>
+__device__ __forceinline__ void rewrite_stages(int n, const sm90::StageRing<kStages>& ring, const TRing& t_ring,
+                                               int lane, Rewrite rewrite) {
+  for (int i = 0; i < n; ++i) {
+    const int s = i % kStages;  // in the loop's own words: see StageRing::wait_slot
+    ring.wait_slot(i, s);
+    t_ring.acquire(i);
+    rewrite(s, t_ring.slot(i));
+    sm90::fence_shared_to_async();
+    t_ring.publish_warp(i, lane);
+    ring.release_warp(i, lane);
+  }
+}
+
 // S = A_s B_s^T and dP = A_dp B_dp^T over the head dim (every operand K-major in shared memory,
 // ATile and BTile giving the k-step descriptors; TF32 for fp32), issued together and waited for.
 template <class T, int kN, int kHeadDim, class ATile, class BTile>
