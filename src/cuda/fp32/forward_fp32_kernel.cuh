@@ -76,7 +76,8 @@ __device__ __forceinline__ void prepare_scores(float (&x)[kNT][4], const FwdPara
     for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        x[nt][e] += ScoreMod::alibi_bias(slope_x, row + (e >= 2 ? 8 : 0), col0 + nt * 8 + (e & 1), mask.seqlen_q, mask.seqlen_k);
+        x[nt][e] += ScoreMod::alibi_bias(slope_x, row + (e >= 2 ? 8 : 0), col0 + nt * 8 + (e & 1), mask.seqlen_q,
+                                         mask.seqlen_k);
   }
 }
 
