@@ -16,9 +16,6 @@ namespace {
 
 constexpr int kTrials = 10;
 
-// The floors of tests/python/test_attention.py (gradients twice the output's).
-double floor_for(DType dtype) { return dtype == DType::f32 ? 1e-6 : dtype == DType::f16 ? 2e-4 : 2e-3; }
-
 struct Case {
   int64_t seqlen_q, seqlen_k, headdim_qk, headdim_v;
   DType dtype;
@@ -46,7 +43,7 @@ void check_trials(const Case& c) {
     const auto oracle_fwd = cpu::reference_forward(p);
     const auto oracle = cpu::reference_backward(p);
     const NaiveResult naive = naive_attention(p);
-    const double floor = floor_for(c.dtype);
+    const double floor = two_x_floor(c.dtype);
     SCOPED_TRACE("trial " + std::to_string(trial));
     EXPECT_TRUE(two_x_rule(hp.o.gather(), naive.o, oracle_fwd.o, floor)) << "O";
     EXPECT_TRUE(two_x_rule(hp.dq.gather(), naive.dq, oracle.dq, 2 * floor)) << "dQ";

@@ -22,8 +22,6 @@ namespace {
 
 constexpr int kTrials = 5;
 
-double floor_for(DType dtype) { return dtype == DType::f32 ? 1e-6 : dtype == DType::f16 ? 2e-4 : 2e-3; }
-
 const char* dtype_name(DType d) { return d == DType::f32 ? "f32" : d == DType::f16 ? "f16" : "bf16"; }
 
 // The view from key row `row` on (fixed-length layout: every sequence's rows start there).
@@ -116,7 +114,7 @@ void check_case(const Case& c, DType dtype) {
     NaiveOptions partial;
     partial.probs_from_lse = true;
     const NaiveResult naive = naive_attention(p, partial);
-    const double floor = 2 * floor_for(dtype);
+    const double floor = 2 * two_x_floor(dtype);
     SCOPED_TRACE(std::string(dtype_name(dtype)) + " trial " + std::to_string(trial));
     EXPECT_TRUE(two_x_rule(split.dq, naive.dq, oracle.dq, floor)) << "dQ summed over the parts";
     EXPECT_TRUE(two_x_rule(split.dk, naive.dk, oracle.dk, floor)) << "dK of the parts";
@@ -167,7 +165,7 @@ TEST(PartialKeys, WithoutTheOptionThePartsDoNotAddUp) {
   const SplitGrads split = split_backward(hp, c, false);
   const auto oracle = cpu::reference_backward(hp.problem);
   const NaiveResult naive = naive_attention(hp.problem);
-  EXPECT_FALSE(two_x_rule(split.dq, naive.dq, oracle.dq, 2 * floor_for(DType::f16)));
+  EXPECT_FALSE(two_x_rule(split.dq, naive.dq, oracle.dq, 2 * two_x_floor(DType::f16)));
 }
 
 }  // namespace

@@ -74,6 +74,8 @@ testing::AssertionResult two_x_rule(const std::vector<double>& got, const std::v
                                      << " = " << bound << " (" << ours << ")";
 }
 
+double two_x_floor(DType dtype) { return dtype == DType::f32 ? 1e-6 : dtype == DType::f16 ? 2e-4 : 2e-3; }
+
 double unit_roundoff(DType dtype) {
   switch (dtype) {
     case DType::f32: return 0x1p-24;

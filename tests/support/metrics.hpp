@@ -41,6 +41,10 @@ testing::AssertionResult within(const std::vector<double>& got, const std::vecto
 testing::AssertionResult two_x_rule(const std::vector<double>& got, const std::vector<double>& naive,
                                     const std::vector<double>& oracle, double floor);
 
+// The 2x rule's floor for an output of magnitude up to 1, the floors of
+// tests/python/test_attention.py: 1e-6 (f32), 2e-4 (f16), 2e-3 (bf16); gradients take twice it.
+double two_x_floor(DType dtype);
+
 // Unit roundoff of a dtype: 2^-24 (f32), 2^-11 (f16), 2^-8 (bf16).
 double unit_roundoff(DType dtype);
 
