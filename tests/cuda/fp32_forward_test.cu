@@ -87,6 +87,16 @@ std::vector<Case> cases() {
     c.push_back({"gqa_d64_long_keys", s});
   }
   {
+    // Long key ranges: on Hopper, exact mode's fresh P V accumulators per 32 keys add up over
+    // 64 tiles; the tail tile is partial.
+    auto s = base(130, 4100, 64);
+    c.push_back({"long_keys_d64", s});
+    auto t = base(2000, 2000, 32);
+    t.batch = 1;
+    t.causal = true;
+    c.push_back({"long_causal_d32", t});
+  }
+  {
     auto s = base(90, 90, 64);
     s.layout = Layout::bhsd;
     s.window_left = 0;
@@ -125,8 +135,8 @@ std::vector<Case> cases() {
     s.layout = Layout::bhsd;
     c.push_back({"odd_dims", s});
   }
-  // ALiBi (exact mode: the portable kernel; fast mode on Hopper: the TF32 kernel's ALiBi
-  // instance): both L forms, GQA, sq != sk both ways, softcap underneath, a window, varlen per
+  // ALiBi (on Hopper the ALiBi instances of the TF32 and split-TF32 kernels; exact mode at head
+  // dim 128 the portable kernel): both L forms, GQA, sq != sk both ways, softcap underneath, a window, varlen per
   // sequence, both slope shapes, and head dim 128 (one raw V stage on Hopper).
   {
     using A = ProblemShape::Alibi;

@@ -3,8 +3,9 @@
 //
 // exact mode multiplies in fp64 (DMMA): a product of two fp32 values is exact in fp64 and the
 // sums keep 53 bits, so each 8-wide product tile is rounded to fp32 once, where a plain fp32
-// loop rounds after every FMA. (Split TF32, 3 products of 11-bit halves, keeps only 22 of the
-// 24 mantissa bits per operand: it measured 3-5x the error of a naive fp32 loop.)
+// loop rounds after every FMA. (Split TF32 with truncated halves, 3 products, keeps only 22 of
+// the 24 mantissa bits per operand: it measured 3-5x the error of a naive fp32 loop. The Hopper
+// exact kernels split with both halves rounded to nearest, split_tf32.)
 // fast mode is one TF32 product (mma m16n8k8 .tf32): about 2^-11 relative per operand.
 //
 // Fragment layout used throughout (g = lane / 4, t = lane % 4). The k index inside an 8-wide
@@ -23,6 +24,21 @@ __device__ __forceinline__ uint32_t to_tf32(float x) {
   uint32_t r;
   asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
   return r;
+}
+
+// x rounded to TF32 (ties away from zero) as fp32 bits, low 13 bits zero: what cvt.rna.tf32.f32
+// computes, in two integer operations instead of its four (it also guards inf and NaN, which
+// here may come out as inf or zero: every caller either forms the remainder x - hi, which then
+// carries the NaN, or has the NaN in its row sum as well).
+__device__ __forceinline__ uint32_t tf32_bits(float x) { return (__float_as_uint(x) + 0x1000u) & 0xffffe000u; }
+__device__ __forceinline__ float tf32_rn(float x) { return __uint_as_float(tf32_bits(x)); }
+
+// x = hi + lo for split TF32 products (a b ~ a_lo b_hi + a_hi b_lo + a_hi b_hi): hi is x rounded
+// to TF32 and lo the remainder rounded, both to nearest, so that about 2^-22 of x is left over
+// and unbiased; the tensor core would truncate fp32 bits, which biases every product one way.
+__device__ __forceinline__ void split_tf32(float x, float& hi, float& lo) {
+  hi = tf32_rn(x);
+  lo = tf32_rn(x - hi);
 }
 
 // c += a * b, TF32 operands (as rounded by to_tf32), fp32 accumulation.

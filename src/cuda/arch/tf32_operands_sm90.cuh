@@ -48,6 +48,25 @@ struct Tf32Transposed {
   // (pg % 8) ^ 4 (nc % 2) ^ c, each a permutation of l. (Eight lanes reading one chunk of
   // consecutive pg hit two groups only: 16 wavefronts a load instead of 4.)
   __device__ __forceinline__ static void write(const unsigned char* src, unsigned char* dst, int tid, int threads) {
+    rewrite(src, tid, threads, [=](int at, float4 v) { *reinterpret_cast<float4*>(dst + at) = v; });
+  }
+
+  // write() as two tiles: hi = x rounded to TF32 and lo = the remainder rounded (split_tf32).
+  __device__ __forceinline__ static void write_split(const unsigned char* src, unsigned char* hi, unsigned char* lo,
+                                                     int tid, int threads) {
+    rewrite(src, tid, threads, [=](int at, float4 v) {
+      float4 h, l;
+      fp32::split_tf32(v.x, h.x, l.x), fp32::split_tf32(v.y, h.y, l.y);
+      fp32::split_tf32(v.z, h.z, l.z), fp32::split_tf32(v.w, h.w, l.w);
+      *reinterpret_cast<float4*>(hi + at) = h;
+      *reinterpret_cast<float4*>(lo + at) = l;
+    });
+  }
+
+ private:
+  // The unit walk of write(): store(byte offset in the rewritten tile, its 16 bytes).
+  template <class Store>
+  __device__ __forceinline__ static void rewrite(const unsigned char* src, int tid, int threads, Store store) {
     constexpr int kPgBlocks = kRows / 32;  // blocks of 8 position groups
     const int l = tid % 8;                  // the same in every unit of this thread
 #pragma unroll 1
@@ -62,11 +81,11 @@ struct Tf32Transposed {
         in[i] = *reinterpret_cast<const float4*>(src + panel * kSourcePanelBytes + row * 128 +
                                                  ((chunk ^ (row % 8)) * 16));
       }
-      unsigned char* trow = dst + (pg / 8) * kPanelBytes;
+      const int trow = (pg / 8) * kPanelBytes;
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const int n = 4 * nc + c;
-        *reinterpret_cast<float4*>(trow + n * 128 + (((pg % 8) ^ (n % 8)) * 16)) = column_of(in, c);
+        store(trow + n * 128 + (((pg % 8) ^ (n % 8)) * 16), column_of(in, c));
       }
     }
   }

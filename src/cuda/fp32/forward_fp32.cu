@@ -64,10 +64,10 @@ void forward_fp32(const AttentionProblem& pr) {
 
   const int d = int(std::max(pr.headdim_qk, pr.headdim_v));
   const auto stream = static_cast<cudaStream_t>(pr.stream);
-  // Fast mode runs the Hopper kernel where it can; exact mode (fp64 products) and everything the
-  // Hopper kernel declines run the portable kernel.
+  // The Hopper kernel runs where it can (TF32, or split TF32 in exact mode up to head dim 64);
+  // everything it declines runs the portable kernel (fp64 products in exact mode).
   bool done = false;
-  if (pr.fp32_mode == Fp32Mode::fast && !pr.has_kv_cache() && sm90::hopper_kernels_enabled())
+  if (!pr.has_kv_cache() && sm90::hopper_kernels_enabled())
     with_bucket(FwdFp32Sm90HeadDims{}, d,
                 [&](auto b) { done = fp32::FwdFp32Sm90<decltype(b)::value>::run(pr, p, stream); });
   if (done) return;

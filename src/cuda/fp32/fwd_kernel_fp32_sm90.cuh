@@ -1,6 +1,6 @@
 #pragma once
-// fp32 attention forward, fast mode (TF32), on Hopper: one block per (128 query rows, head,
-// sequence), three warpgroups, the shape of the 16-bit sm90 forward.
+// fp32 attention forward on Hopper, fast mode (TF32) and exact mode (split TF32): one block per
+// (128 query rows, head, sequence), three warpgroups, the shape of the 16-bit sm90 forward.
 //
 //   warpgroup 0      producer: one thread loads Q once and K(j), V(j) with TMA (K through two
 //                    stages, V through two or, at head dim 128, one); all four warps rewrite each
@@ -11,6 +11,15 @@
 //
 // P goes to the A fragment without moving between lanes: the transposed V holds its keys in the
 // order that fragment wants (Tf32Transposed, tf32_operands_sm90.cuh).
+//
+// Exact mode (kExact, head dims up to 64) splits every operand, x = hi + lo (split_tf32, both
+// halves rounded to nearest), and forms each product as a_lo b_hi + a_hi b_lo + a_hi b_hi. Q_hi
+// lives in registers and Q_lo over Q in shared memory; the producer writes K_hi over K, and K_lo,
+// V_hi^T and V_lo^T into the transposed buffer. The tensor core's own sums drop bits toward zero,
+// so no accumulator sees more than 32 terms of hi products: S sums the head dim in two halves, and
+// each 32 keys of P V go into a fresh accumulator that is added to O with fp32 adds (softmax(X)V's
+// exact kernel measured one tile of 32 keys per accumulator at 0.6-0.7 of the 2x bound, four tiles
+// failing it: docs/perf-log.md). The exponential is exp2f, as in the portable exact kernel.
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -34,7 +43,7 @@ struct FwdSm90Params {
   CUtensorMap q, k, v;  // (dim, rows, heads, batch); varlen: (dim, total rows, heads, 1)
 };
 
-template <int kD>
+template <int kD, bool kExact = false>
 struct FwdSm90Tile {
   // The transpose's unit indices spill at 40 producer registers (head dim 128's four column
   // panels at 48).
@@ -44,7 +53,8 @@ struct FwdSm90Tile {
   static constexpr int kBlockM = 64 * kConsumers;
   // Head dim 128 takes 64-key tiles and one raw V stage: Q alone is 64 KB there, and two K
   // stages, one V stage and two transposed buffers fill the rest of shared memory.
-  static constexpr int kBlockN = kD <= 64 ? 128 : 64;
+  // Exact mode: 64-key tiles, for its registers (P in two halves, two P V accumulators).
+  static constexpr int kBlockN = kD <= 64 && !kExact ? 128 : 64;
   static constexpr int kVStages = kD <= 64 ? 2 : 1;
   // Q's A fragments in the consumers' registers up to head dim 64 (32 a thread).
   static constexpr bool kQInRegisters = kD <= 64;
@@ -53,7 +63,9 @@ struct FwdSm90Tile {
   static constexpr int kKVPanelBytes = kBlockN * 128;
   static constexpr int kKVBytes = kPanels * kKVPanelBytes;
   using VT = sm90::Tf32Transposed<kBlockN, kD>;  // V rewritten K-major
-  static constexpr int kTBytes = VT::kBytes;
+  // A transposed buffer: V^T; exact mode: K_lo, V_hi^T, V_lo^T.
+  static constexpr int kKLoOffset = 0, kVHiOffset = kExact ? kKVBytes : 0, kVLoOffset = kVHiOffset + VT::kBytes;
+  static constexpr int kTBytes = kExact ? kKVBytes + 2 * VT::kBytes : VT::kBytes;
   // K through two stages; raw V through kVStages (the producer warpgroup frees a stage itself,
   // behind a named barrier, so its empty barriers go unused); V transposed through two.
   using KRing = sm90::StageRing<2>;
@@ -65,15 +77,16 @@ struct FwdSm90Tile {
   static constexpr int kSmemBytes = Smem::kBytes;
   static_assert(kD == 32 || kD == 64 || kD == 128, "fp32 sm90 forward: head dims 32, 64 or 128");
   static_assert(kSmemBytes <= 227 * 1024, "fp32 sm90 forward: stages exceed shared memory");
+  static_assert(!kExact || kD <= 64, "fp32 sm90 forward: exact mode takes head dims up to 64 (Q_hi in registers)");
 };
 
 // kAlibi: ALiBi's bias joins the scores after the cap and the mask, as in the portable fp32
 // kernel; an instance of its own, so that the kernel without it keeps its machine code.
-template <int kD, bool kAlibi>
-__global__ void __launch_bounds__(FwdSm90Tile<kD>::kThreads, 1)
+template <int kD, bool kExact, bool kAlibi>
+__global__ void __launch_bounds__(FwdSm90Tile<kD, kExact>::kThreads, 1)
     forward_fp32_kernel_sm90(const __grid_constant__ FwdSm90Params params) {
 #if defined(TILEATTN_SM90_ENABLED)
-  using Tile = FwdSm90Tile<kD>;
+  using Tile = FwdSm90Tile<kD, kExact>;
   using Roles = typename Tile::Roles;
   constexpr int kBM = Tile::kBlockM, kBN = Tile::kBlockN;
   const FwdParams& p = params.fwd;
@@ -161,10 +174,26 @@ __global__ void __launch_bounds__(FwdSm90Tile<kD>::kThreads, 1)
         if constexpr (kVSt == 2) issue_v(j + 1);
       }
       t_ring.acquire(j);
+      unsigned char* dst = sT + t_ring.slot(j) * Tile::kTBytes;
+      if constexpr (kExact) {
+        // K_hi over K, K_lo beside V^T: the consumers read K(j) only once this buffer is published.
+        k_ring.wait(j);
+        float4* k = reinterpret_cast<float4*>(sK + k_ring.slot(j) * Tile::kKVBytes);
+        float4* k_lo = reinterpret_cast<float4*>(dst + Tile::kKLoOffset);
+#pragma unroll 4
+        for (int idx = tid; idx < Tile::kKVBytes / 16; idx += 128) {
+          const float4 x = k[idx];
+          float4 hi, lo;
+          split_tf32(x.x, hi.x, lo.x), split_tf32(x.y, hi.y, lo.y);
+          split_tf32(x.z, hi.z, lo.z), split_tf32(x.w, hi.w, lo.w);
+          k[idx] = hi;
+          k_lo[idx] = lo;
+        }
+      }
       v_ring.wait(j);
       const unsigned char* src = sV + v_ring.slot(j) * Tile::kKVBytes;
-      unsigned char* dst = sT + t_ring.slot(j) * Tile::kTBytes;
-      Tile::VT::write(src, dst, tid, 128);
+      if constexpr (kExact) Tile::VT::write_split(src, dst + Tile::kVHiOffset, dst + Tile::kVLoOffset, tid, 128);
+      else Tile::VT::write(src, dst, tid, 128);
       sm90::fence_shared_to_async();
       t_ring.publish_warp(j, lane);
       sm90::named_barrier_sync(sm90::kFp32VStageRead, 128);
@@ -193,7 +222,26 @@ __global__ void __launch_bounds__(FwdSm90Tile<kD>::kThreads, 1)
     // else in place. K and V go in as fp32 bits, which the tensor core truncates.
     sm90::barrier_wait(q_full, 0);
     [[maybe_unused]] uint32_t qa[Tile::kQInRegisters ? kD / 8 : 1][4];
-    if constexpr (Tile::kQInRegisters) {
+    if constexpr (kExact) {
+      // Q_hi into registers, then Q_lo over Q (each consumer its own rows, each element by one
+      // thread, once every warp of the consumer has read its Q_hi).
+      sm90::tf32_a_fragments<kD>(qa, sQ, kBM, 64 * consumer + 16 * warp, lane);
+      sm90::named_barrier_sync(sm90::kFp32QRoundedConsumer0 + consumer, 128);
+      const int ctid = int(threadIdx.x) % 128;
+#pragma unroll
+      for (int c = 0; c < Tile::kPanels; ++c) {
+        float4* rows = reinterpret_cast<float4*>(sQ + c * kBM * 128 + consumer * 64 * 128);
+#pragma unroll
+        for (int idx = ctid; idx < 64 * 8; idx += 128) {
+          float4 v = rows[idx], hi;
+          split_tf32(v.x, hi.x, v.x), split_tf32(v.y, hi.y, v.y);
+          split_tf32(v.z, hi.z, v.z), split_tf32(v.w, hi.w, v.w);
+          rows[idx] = v;
+        }
+      }
+      sm90::fence_shared_to_async();
+      sm90::named_barrier_sync(sm90::kFp32QRoundedConsumer0 + consumer, 128);
+    } else if constexpr (Tile::kQInRegisters) {
       sm90::tf32_a_fragments<kD>(qa, sQ, kBM, 64 * consumer + 16 * warp, lane);
     } else {
       const int ctid = int(threadIdx.x) % 128;
@@ -221,21 +269,53 @@ __global__ void __launch_bounds__(FwdSm90Tile<kD>::kThreads, 1)
       // S = Q K^T; a k-step of 8 columns is 32 bytes along a 128-byte row of one panel.
       float acc_s[kBN / 8][4];
       const uint32_t k_base = smem_address(sK + k_ring.slot(j) * Tile::kKVBytes);
-      k_ring.wait(j);
-      sm90::wgmma_fence();
+      const uint32_t t_base = smem_address(sT + t_ring.slot(j) * Tile::kTBytes);
+      auto k_desc_at = [&](uint32_t base, int ks) {
+        return sm90::k_major_descriptor(base + (ks / 4) * Tile::kKVPanelBytes + (ks % 4) * 32);
+      };
+      if constexpr (kExact) {
+        // Q_lo K_hi + Q_hi K_lo + Q_hi K_hi, the last in two accumulators of half the head dim each.
+        constexpr int kHalf = kD / 16;
+        float acc_s2[kBN / 8][4];
+        t_ring.wait(j);
+        sm90::wgmma_fence();
 #pragma unroll
-      for (int ks = 0; ks < kD / 8; ++ks) {
-        const uint32_t offset = (ks % 4) * 32;
-        const uint64_t k_desc = sm90::k_major_descriptor(k_base + (ks / 4) * Tile::kKVPanelBytes + offset);
-        if constexpr (Tile::kQInRegisters)
-          sm90::Wgmma<float, kBN>::rs(acc_s, qa[ks], k_desc, ks > 0);
-        else
-          sm90::Wgmma<float, kBN>::ss(acc_s, sm90::k_major_descriptor(q_base + (ks / 4) * kBM * 128 + offset), k_desc,
-                                      ks > 0);
+        for (int ks = 0; ks < kD / 8; ++ks)
+          sm90::Wgmma<float, kBN>::ss(acc_s, sm90::k_major_descriptor(q_base + (ks / 4) * kBM * 128 + (ks % 4) * 32),
+                                      k_desc_at(k_base, ks), ks > 0);
+#pragma unroll
+        for (int ks = 0; ks < kD / 8; ++ks)
+          sm90::Wgmma<float, kBN>::rs(acc_s, qa[ks], k_desc_at(t_base + Tile::kKLoOffset, ks), 1);
+#pragma unroll
+        for (int ks = 0; ks < kHalf; ++ks) sm90::Wgmma<float, kBN>::rs(acc_s, qa[ks], k_desc_at(k_base, ks), 1);
+#pragma unroll
+        for (int ks = kHalf; ks < kD / 8; ++ks)
+          sm90::Wgmma<float, kBN>::rs(acc_s2, qa[ks], k_desc_at(k_base, ks), ks > kHalf);
+        sm90::wgmma_commit();
+        sm90::wgmma_wait<0>();
+        sm90::fence_registers(acc_s);
+        sm90::fence_registers(acc_s2);
+#pragma unroll
+        for (int nt = 0; nt < kBN / 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc_s[nt][e] += acc_s2[nt][e];
+      } else {
+        k_ring.wait(j);
+        sm90::wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < kD / 8; ++ks) {
+          const uint32_t offset = (ks % 4) * 32;
+          const uint64_t k_desc = sm90::k_major_descriptor(k_base + (ks / 4) * Tile::kKVPanelBytes + offset);
+          if constexpr (Tile::kQInRegisters)
+            sm90::Wgmma<float, kBN>::rs(acc_s, qa[ks], k_desc, ks > 0);
+          else
+            sm90::Wgmma<float, kBN>::ss(acc_s, sm90::k_major_descriptor(q_base + (ks / 4) * kBM * 128 + offset), k_desc,
+                                        ks > 0);
+        }
+        sm90::wgmma_commit();
+        sm90::wgmma_wait<0>();
+        sm90::fence_registers(acc_s);
       }
-      sm90::wgmma_commit();
-      sm90::wgmma_wait<0>();
-      sm90::fence_registers(acc_s);
       k_ring.release_warp(j, lane);
 
       const bool need_mask = n0 < full_begin || n0 + kBN > full_end;
@@ -257,34 +337,73 @@ __global__ void __launch_bounds__(FwdSm90Tile<kD>::kThreads, 1)
         for (int nt = 0; nt < kBN / 8; ++nt)
 #pragma unroll
           for (int e = 2 * hf; e < 2 * hf + 2; ++e) {
-            acc_s[nt][e] = exp2_fast(fmaf(acc_s[nt][e], to_log2, -base));
+            const float arg = fmaf(acc_s[nt][e], to_log2, -base);
+            acc_s[nt][e] = kExact ? exp2f(arg) : exp2_fast(arg);
             sum += acc_s[nt][e];
           }
         row_sum[hf] = row_sum[hf] * factor[hf] + sum;
       }
+      if constexpr (kExact) {
+        // P_lo V_hi + P_hi V_lo + P_hi V_hi, keys 0-31 and 32-63 in fresh accumulators of their own.
+        uint32_t pa[kBN / 8][4], pl[kBN / 8][4];
+#pragma unroll
+        for (int kk = 0; kk < kBN / 8; ++kk)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const float x = acc_s[kk][(i % 2) * 2 + i / 2];  // A fragment i: (row, k) of C element 2(i%2) + i/2
+            float hi, lo;
+            split_tf32(x, hi, lo);
+            pa[kk][i] = __float_as_uint(hi), pl[kk][i] = __float_as_uint(lo);
+          }
+        constexpr int kHalf = kBN / 16;
+        float o_part[2][kD / 8][4];
+        sm90::wgmma_fence();
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2) {
+#pragma unroll
+          for (int kk = h2 * kHalf; kk < (h2 + 1) * kHalf; ++kk)
+            sm90::Wgmma<float, kD>::rs(o_part[h2], pl[kk], Tile::VT::k_major(t_base + Tile::kVHiOffset, kk),
+                                       kk > h2 * kHalf);
+#pragma unroll
+          for (int kk = h2 * kHalf; kk < (h2 + 1) * kHalf; ++kk)
+            sm90::Wgmma<float, kD>::rs(o_part[h2], pa[kk], Tile::VT::k_major(t_base + Tile::kVLoOffset, kk), 1);
+#pragma unroll
+          for (int kk = h2 * kHalf; kk < (h2 + 1) * kHalf; ++kk)
+            sm90::Wgmma<float, kD>::rs(o_part[h2], pa[kk], Tile::VT::k_major(t_base + Tile::kVHiOffset, kk), 1);
+        }
+        sm90::wgmma_commit();
+        sm90::wgmma_wait<0>();
+        sm90::fence_registers(o_part[0]);
+        sm90::fence_registers(o_part[1]);
+#pragma unroll
+        for (int dt = 0; dt < kD / 8; ++dt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            acc_o[dt][e] = fmaf(acc_o[dt][e], factor[e / 2], o_part[0][dt][e] + o_part[1][dt][e]);
+      } else {
 #pragma unroll
       for (int dt = 0; dt < kD / 8; ++dt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc_o[dt][e] *= factor[e / 2];
+          for (int e = 0; e < 4; ++e) acc_o[dt][e] *= factor[e / 2];
 
-      uint32_t pa[kBN / 8][4];
+        uint32_t pa[kBN / 8][4];
 #pragma unroll
-      for (int kk = 0; kk < kBN / 8; ++kk) {
-        pa[kk][0] = to_tf32(acc_s[kk][0]), pa[kk][1] = to_tf32(acc_s[kk][2]);
-        pa[kk][2] = to_tf32(acc_s[kk][1]), pa[kk][3] = to_tf32(acc_s[kk][3]);
+        for (int kk = 0; kk < kBN / 8; ++kk) {
+          pa[kk][0] = to_tf32(acc_s[kk][0]), pa[kk][1] = to_tf32(acc_s[kk][2]);
+          pa[kk][2] = to_tf32(acc_s[kk][1]), pa[kk][3] = to_tf32(acc_s[kk][3]);
+        }
+
+        // O += P V; k-step kk is 32 bytes along the rows of transposed panel kk / 4.
+        t_ring.wait(j);
+        sm90::fence_registers(acc_o);
+        sm90::wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBN / 8; ++kk)
+          sm90::Wgmma<float, kD>::rs(acc_o, pa[kk], Tile::VT::k_major(t_base, kk), 1);
+        sm90::wgmma_commit();
+        sm90::wgmma_wait<0>();
+        sm90::fence_registers(acc_o);
       }
-
-      // O += P V; k-step kk is 32 bytes along the rows of transposed panel kk / 4.
-      const uint32_t t_base = smem_address(sT + t_ring.slot(j) * Tile::kTBytes);
-      t_ring.wait(j);
-      sm90::fence_registers(acc_o);
-      sm90::wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kBN / 8; ++kk)
-        sm90::Wgmma<float, kD>::rs(acc_o, pa[kk], Tile::VT::k_major(t_base, kk), 1);
-      sm90::wgmma_commit();
-      sm90::wgmma_wait<0>();
-      sm90::fence_registers(acc_o);
       t_ring.release_warp(j, lane);
     }
   }

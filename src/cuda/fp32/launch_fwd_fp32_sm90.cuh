@@ -1,5 +1,5 @@
 #pragma once
-// Launch side of the Hopper fp32 forward (fast mode). Included only by the generated
+// Launch side of the Hopper fp32 forward (fast and exact mode). Included only by the generated
 // instantiation units.
 #include <cuda_runtime.h>
 
@@ -12,17 +12,14 @@
 
 namespace tileattn::cuda::fp32 {
 
-template <int kD>
-bool FwdFp32Sm90<kD>::run(const AttentionProblem& pr, const FwdParams& params, cudaStream_t stream) {
+namespace detail {
+
+template <int kD, bool kExact>
+bool launch_sm90(const AttentionProblem& pr, const FwdParams& params, cudaStream_t stream) {
   using sm90::attention_map_shape;
-  using Tile = FwdSm90Tile<kD>;
-  const auto kernel =
-      pr.alibi_slopes != nullptr ? forward_fp32_kernel_sm90<kD, true> : forward_fp32_kernel_sm90<kD, false>;
-  // No dropout in this kernel: the portable fp32 forward takes those problems. Dropout here would
-  // need the Philox draws in consumers whose registers are already fixed by setmaxnreg (232 at
-  // head dim 64); as in the 16-bit Hopper forward, it is left to the portable kernel (TF32 there
-  // too in fast mode).
-  if (pr.dropout_p > 0.0f) return false;
+  using Tile = FwdSm90Tile<kD, kExact>;
+  const auto kernel = pr.alibi_slopes != nullptr ? forward_fp32_kernel_sm90<kD, kExact, true>
+                                                 : forward_fp32_kernel_sm90<kD, kExact, false>;
   if (!sm90::has_sm90a_code(reinterpret_cast<const void*>(kernel))) return false;
   FwdSm90Params p{};
   p.fwd = params;
@@ -39,6 +36,20 @@ bool FwdFp32Sm90<kD>::run(const AttentionProblem& pr, const FwdParams& params, c
   kernel<<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(p);
   TA_CUDA_CHECK_LAUNCH("forward_fp32_kernel_sm90");
   return true;
+}
+
+}  // namespace detail
+
+template <int kD>
+bool FwdFp32Sm90<kD>::run(const AttentionProblem& pr, const FwdParams& params, cudaStream_t stream) {
+  // No dropout in this kernel: the portable fp32 forward takes those problems. Dropout here would
+  // need the Philox draws in consumers whose registers are already fixed by setmaxnreg (232 at
+  // head dim 64); as in the 16-bit Hopper forward, it is left to the portable kernel (TF32 there
+  // too in fast mode).
+  if (pr.dropout_p > 0.0f) return false;
+  if (pr.fp32_mode == Fp32Mode::fast) return detail::launch_sm90<kD, false>(pr, params, stream);
+  if constexpr (kD <= 64) return detail::launch_sm90<kD, true>(pr, params, stream);
+  return false;  // exact mode above head dim 64: the portable kernel's fp64 products
 }
 
 }  // namespace tileattn::cuda::fp32

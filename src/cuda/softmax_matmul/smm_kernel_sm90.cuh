@@ -32,6 +32,7 @@
 #include <type_traits>
 
 #include "common/online_softmax.hpp"
+#include "cuda/arch/mma_fp32.cuh"
 #include "cuda/arch/pipeline_sm90.cuh"
 #include "cuda/arch/ptx_sm80.cuh"
 #include "cuda/arch/ptx_sm90.cuh"
@@ -106,12 +107,8 @@ __device__ __forceinline__ float tree_reduce(const float (&v)[kN], Op op) {
   }
 }
 
-// x rounded to TF32 (ties away from zero) as fp32 bits, low 13 bits zero: what cvt.rna.tf32.f32
-// computes, in two integer operations instead of its four (it also guards inf and NaN, which
-// here may come out as inf or zero: every caller either forms the remainder x - hi, which then
-// carries the NaN, or has the NaN in its row sum as well).
-__device__ __forceinline__ uint32_t tf32_bits(float x) { return (__float_as_uint(x) + 0x1000u) & 0xffffe000u; }
-__device__ __forceinline__ float tf32_rn(float x) { return __uint_as_float(tf32_bits(x)); }
+using fp32::tf32_bits;
+using fp32::tf32_rn;
 
 template <class T, int N, bool kExact = false>
 __global__ void __launch_bounds__(Sm90Tile<T, N, kExact>::kThreads, 1)
