@@ -264,5 +264,24 @@ TEST(Fp32ForwardMasked, EmptyRowsAreZeroWithMinusInfLse) {
   }
 }
 
+// A row that sees one key has P = 1 and O = V. Exact mode gives V bit for bit there, as a
+// naive fp32 kernel does (Hopper: V in three TF32 parts holds every fp32 value exactly).
+TEST(Fp32ForwardOneKey, ExactModeGivesVExactly) {
+  TA_SKIP_WITHOUT_GPU();
+  for (int64_t d : {32, 64, 128}) {
+    auto s = base(300, 300, d);
+    s.window_left = 0;
+    s.window_right = 0;
+    HostProblem hp(s);
+    DeviceProblem dp(hp);
+    if (!run(dp, Fp32Mode::exact)) continue;  // a head dim this build lacks
+    const auto o = hp.o.gather(), v = hp.v.gather();
+    ASSERT_EQ(o.size(), v.size());
+    int64_t bad = 0;
+    for (size_t i = 0; i < o.size(); ++i) bad += o[i] != v[i];
+    EXPECT_EQ(bad, 0) << "head dim " << d << ": " << bad << " of " << o.size() << " outputs differ from V";
+  }
+}
+
 }  // namespace
 }  // namespace tileattn::test

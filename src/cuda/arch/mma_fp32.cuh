@@ -33,12 +33,13 @@ __device__ __forceinline__ uint32_t to_tf32(float x) {
 __device__ __forceinline__ uint32_t tf32_bits(float x) { return (__float_as_uint(x) + 0x1000u) & 0xffffe000u; }
 __device__ __forceinline__ float tf32_rn(float x) { return __uint_as_float(tf32_bits(x)); }
 
-// x = hi + lo for split TF32 products (a b ~ a_lo b_hi + a_hi b_lo + a_hi b_hi): hi is x rounded
-// to TF32 and lo the remainder rounded, both to nearest, so that about 2^-22 of x is left over
-// and unbiased; the tensor core would truncate fp32 bits, which biases every product one way.
-__device__ __forceinline__ void split_tf32(float x, float& hi, float& lo) {
+// x = hi + rest for split TF32 products (a b ~ a_lo b_hi + a_hi b_lo + a_hi b_hi, with lo the
+// rest rounded the same way): hi is x rounded to TF32, to nearest, and rest = x - hi exactly, so
+// that hi + lo leaves about 2^-22 of x over, unbiased (the tensor core would truncate fp32 bits,
+// which biases every product one way).
+__device__ __forceinline__ void split_tf32(float x, float& hi, float& rest) {
   hi = tf32_rn(x);
-  lo = tf32_rn(x - hi);
+  rest = x - hi;
 }
 
 // c += a * b, TF32 operands (as rounded by to_tf32), fp32 accumulation.

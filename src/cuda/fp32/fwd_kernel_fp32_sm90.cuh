@@ -13,13 +13,15 @@
 // order that fragment wants (Tf32Transposed, tf32_operands_sm90.cuh).
 //
 // Exact mode (kExact, head dims up to 64) splits every operand, x = hi + lo (split_tf32, both
-// halves rounded to nearest), and forms each product as a_lo b_hi + a_hi b_lo + a_hi b_hi. Q_hi
-// lives in registers and Q_lo over Q in shared memory; the producer writes K_hi over K, and K_lo,
-// V_hi^T and V_lo^T into the transposed buffer. The tensor core's own sums drop bits toward zero,
-// so no accumulator sees more than 32 terms of hi products: S sums the head dim in two halves, and
-// each 32 keys of P V go into a fresh accumulator that is added to O with fp32 adds (softmax(X)V's
-// exact kernel measured one tile of 32 keys per accumulator at 0.6-0.7 of the 2x bound, four tiles
-// failing it: docs/perf-log.md). The exponential is exp2f, as in the portable exact kernel.
+// halves rounded to nearest), and forms each product as a_lo b_hi + a_hi b_lo + a_hi b_hi; V
+// takes a third part, so that a row that sees one key gets O = V exactly, as a naive kernel's
+// does. Q_hi lives in registers and Q_lo over Q in shared memory; the producer writes K_hi over
+// K, and K_lo and V^T's three parts into the transposed buffer. The tensor core's own sums drop
+// bits toward zero, so few hi products meet in one accumulator: S sums the head dim in two halves
+// of at most 32, and each tile's 64 keys of P V go into fresh accumulators that are added to O
+// with fp32 adds (softmax(X)V's exact kernel measured 32 and 64 keys per accumulator at 0.6-0.7
+// of the 2x bound, 128 failing it: docs/perf-log.md). The exponential is exp2f, as in the
+// portable exact kernel.
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -63,9 +65,9 @@ struct FwdSm90Tile {
   static constexpr int kKVPanelBytes = kBlockN * 128;
   static constexpr int kKVBytes = kPanels * kKVPanelBytes;
   using VT = sm90::Tf32Transposed<kBlockN, kD>;  // V rewritten K-major
-  // A transposed buffer: V^T; exact mode: K_lo, V_hi^T, V_lo^T.
-  static constexpr int kKLoOffset = 0, kVHiOffset = kExact ? kKVBytes : 0, kVLoOffset = kVHiOffset + VT::kBytes;
-  static constexpr int kTBytes = kExact ? kKVBytes + 2 * VT::kBytes : VT::kBytes;
+  // A transposed buffer: V^T; exact mode: K_lo, then V^T in three parts (V_hi, V_lo, V_lo2).
+  static constexpr int kKLoOffset = 0, kVOffset = kExact ? kKVBytes : 0;
+  static constexpr int kTBytes = kExact ? kKVBytes + 3 * VT::kBytes : VT::kBytes;
   // K through two stages; raw V through kVStages (the producer warpgroup frees a stage itself,
   // behind a named barrier, so its empty barriers go unused); V transposed through two.
   using KRing = sm90::StageRing<2>;
@@ -187,12 +189,12 @@ __global__ void __launch_bounds__(FwdSm90Tile<kD, kExact>::kThreads, 1)
           split_tf32(x.x, hi.x, lo.x), split_tf32(x.y, hi.y, lo.y);
           split_tf32(x.z, hi.z, lo.z), split_tf32(x.w, hi.w, lo.w);
           k[idx] = hi;
-          k_lo[idx] = lo;
+          k_lo[idx] = make_float4(tf32_rn(lo.x), tf32_rn(lo.y), tf32_rn(lo.z), tf32_rn(lo.w));
         }
       }
       v_ring.wait(j);
       const unsigned char* src = sV + v_ring.slot(j) * Tile::kKVBytes;
-      if constexpr (kExact) Tile::VT::write_split(src, dst + Tile::kVHiOffset, dst + Tile::kVLoOffset, tid, 128);
+      if constexpr (kExact) Tile::VT::template write_split<3>(src, dst + Tile::kVOffset, tid, 128);
       else Tile::VT::write(src, dst, tid, 128);
       sm90::fence_shared_to_async();
       t_ring.publish_warp(j, lane);
@@ -236,7 +238,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<kD, kExact>::kThreads, 1)
           float4 v = rows[idx], hi;
           split_tf32(v.x, hi.x, v.x), split_tf32(v.y, hi.y, v.y);
           split_tf32(v.z, hi.z, v.z), split_tf32(v.w, hi.w, v.w);
-          rows[idx] = v;
+          rows[idx] = make_float4(tf32_rn(v.x), tf32_rn(v.y), tf32_rn(v.z), tf32_rn(v.w));
         }
       }
       sm90::fence_shared_to_async();
@@ -344,7 +346,9 @@ __global__ void __launch_bounds__(FwdSm90Tile<kD, kExact>::kThreads, 1)
         row_sum[hf] = row_sum[hf] * factor[hf] + sum;
       }
       if constexpr (kExact) {
-        // P_lo V_hi + P_hi V_lo + P_hi V_hi, keys 0-31 and 32-63 in fresh accumulators of their own.
+        // O += P_hi V_hi + (P_hi V_lo2 + P_lo V_hi + P_hi V_lo), the two sums in fresh accumulators
+        // added in fp32: a row that sees one key gets V_hi + (V_lo2 + V_lo) = V exactly (the three
+        // parts of V, each sum exact in the tensor core), as a naive kernel's O = 1 * V.
         uint32_t pa[kBN / 8][4], pl[kBN / 8][4];
 #pragma unroll
         for (int kk = 0; kk < kBN / 8; ++kk)
@@ -353,36 +357,31 @@ __global__ void __launch_bounds__(FwdSm90Tile<kD, kExact>::kThreads, 1)
             const float x = acc_s[kk][(i % 2) * 2 + i / 2];  // A fragment i: (row, k) of C element 2(i%2) + i/2
             float hi, lo;
             split_tf32(x, hi, lo);
-            pa[kk][i] = __float_as_uint(hi), pl[kk][i] = __float_as_uint(lo);
+            pa[kk][i] = __float_as_uint(hi), pl[kk][i] = tf32_bits(lo);
           }
-        constexpr int kHalf = kBN / 16;
-        float o_part[2][kD / 8][4];
+        const uint32_t v_hi = t_base + Tile::kVOffset, v_lo = v_hi + Tile::VT::kBytes, v_lo2 = v_lo + Tile::VT::kBytes;
+        using Mma = sm90::Wgmma<float, kD>;
+        float o_hi[kD / 8][4], o_lo[kD / 8][4];
         sm90::wgmma_fence();
 #pragma unroll
-        for (int h2 = 0; h2 < 2; ++h2) {
+        for (int kk = 0; kk < kBN / 8; ++kk) Mma::rs(o_lo, pa[kk], Tile::VT::k_major(v_lo2, kk), kk > 0);
 #pragma unroll
-          for (int kk = h2 * kHalf; kk < (h2 + 1) * kHalf; ++kk)
-            sm90::Wgmma<float, kD>::rs(o_part[h2], pl[kk], Tile::VT::k_major(t_base + Tile::kVHiOffset, kk),
-                                       kk > h2 * kHalf);
+        for (int kk = 0; kk < kBN / 8; ++kk) Mma::rs(o_lo, pl[kk], Tile::VT::k_major(v_hi, kk), 1);
 #pragma unroll
-          for (int kk = h2 * kHalf; kk < (h2 + 1) * kHalf; ++kk)
-            sm90::Wgmma<float, kD>::rs(o_part[h2], pa[kk], Tile::VT::k_major(t_base + Tile::kVLoOffset, kk), 1);
+        for (int kk = 0; kk < kBN / 8; ++kk) Mma::rs(o_lo, pa[kk], Tile::VT::k_major(v_lo, kk), 1);
 #pragma unroll
-          for (int kk = h2 * kHalf; kk < (h2 + 1) * kHalf; ++kk)
-            sm90::Wgmma<float, kD>::rs(o_part[h2], pa[kk], Tile::VT::k_major(t_base + Tile::kVHiOffset, kk), 1);
-        }
+        for (int kk = 0; kk < kBN / 8; ++kk) Mma::rs(o_hi, pa[kk], Tile::VT::k_major(v_hi, kk), kk > 0);
         sm90::wgmma_commit();
         sm90::wgmma_wait<0>();
-        sm90::fence_registers(o_part[0]);
-        sm90::fence_registers(o_part[1]);
+        sm90::fence_registers(o_hi);
+        sm90::fence_registers(o_lo);
 #pragma unroll
         for (int dt = 0; dt < kD / 8; ++dt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e)
-            acc_o[dt][e] = fmaf(acc_o[dt][e], factor[e / 2], o_part[0][dt][e] + o_part[1][dt][e]);
+          for (int e = 0; e < 4; ++e) acc_o[dt][e] = fmaf(acc_o[dt][e], factor[e / 2], o_hi[dt][e] + o_lo[dt][e]);
       } else {
 #pragma unroll
-      for (int dt = 0; dt < kD / 8; ++dt)
+        for (int dt = 0; dt < kD / 8; ++dt)
 #pragma unroll
           for (int e = 0; e < 4; ++e) acc_o[dt][e] *= factor[e / 2];
 
