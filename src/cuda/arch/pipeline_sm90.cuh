@@ -163,12 +163,10 @@ enum NamedBarrier : int {
   kTurnConsumer0 = 1,
   kStoreConsumer0 = 4,
   // The fp32 forward: the producer warpgroup has read a raw V stage (the next V load may
-  // overwrite it); each consumer's Q rows are rounded to TF32, 2 + consumer; the consumers' turns,
-  // 4 + consumer.
+  // overwrite it), and each consumer's Q rows are rounded to TF32, 2 + consumer.
   kFp32VStageRead = 1,
   kFp32QRoundedConsumer0 = 2,
   kFp32QRoundedConsumer1 = 3,
-  kFp32TurnConsumer0 = 4,
   // The Hopper backward (backward/*_sm90.cuh). Fused dQ: consumer c's part of a dQ tile is
   // written (it arrives, the dQ warp waits), 1 + c; that part's shared memory is read (the dQ warp
   // arrives), 3 + c. Wide head dims: the step's P^T and dS^T are written; the whole dQ tile is

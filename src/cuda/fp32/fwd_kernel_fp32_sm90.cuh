@@ -33,7 +33,6 @@
 #include "cuda/arch/ptx_sm80.cuh"
 #include "cuda/fp32/forward_fp32_kernel.cuh"
 #include "cuda/arch/mma_fp32.cuh"
-#include "cuda/arch/pingpong_sm90.cuh"
 #include "cuda/arch/pipeline_sm90.cuh"
 #include "cuda/arch/ptx_sm90.cuh"
 #include "cuda/arch/tf32_operands_sm90.cuh"
@@ -265,10 +264,6 @@ __global__ void __launch_bounds__(FwdSm90Tile<kD, kExact>::kThreads, 1)
     const uint32_t q_base = smem_address(sQ) + consumer * 64 * 128;
     const bool capped = p.softcap > 0.0f;
     const float to_log2 = capped ? 1.0f : p.scale_log2;
-    // The consumers issue their products in turn (pingpong_sm90.cuh), two turns a tile: one's
-    // softmax runs while the other's products hold the tensor cores.
-    const sm90::PingPong<Tile::kConsumers, sm90::kFp32TurnConsumer0> turns{consumer};
-    turns.start();
 
     for (int j = 0; j < n_tiles; ++j) {
       const int n0 = n_begin + j * kBN;
@@ -285,7 +280,6 @@ __global__ void __launch_bounds__(FwdSm90Tile<kD, kExact>::kThreads, 1)
         constexpr int kHalf = kD / 16;
         float acc_s2[kBN / 8][4];
         t_ring.wait(j);
-        turns.take();
         sm90::wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < kD / 8; ++ks)
@@ -300,7 +294,6 @@ __global__ void __launch_bounds__(FwdSm90Tile<kD, kExact>::kThreads, 1)
         for (int ks = kHalf; ks < kD / 8; ++ks)
           sm90::Wgmma<float, kBN>::rs(acc_s2, qa[ks], k_desc_at(k_base, ks), ks > kHalf);
         sm90::wgmma_commit();
-        turns.hand_over();
         sm90::wgmma_wait<0>();
         sm90::fence_registers(acc_s);
         sm90::fence_registers(acc_s2);
@@ -310,7 +303,6 @@ __global__ void __launch_bounds__(FwdSm90Tile<kD, kExact>::kThreads, 1)
           for (int e = 0; e < 4; ++e) acc_s[nt][e] += acc_s2[nt][e];
       } else {
         k_ring.wait(j);
-        turns.take();
         sm90::wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < kD / 8; ++ks) {
@@ -323,7 +315,6 @@ __global__ void __launch_bounds__(FwdSm90Tile<kD, kExact>::kThreads, 1)
                                         ks > 0);
         }
         sm90::wgmma_commit();
-        turns.hand_over();
         sm90::wgmma_wait<0>();
         sm90::fence_registers(acc_s);
       }
@@ -371,7 +362,6 @@ __global__ void __launch_bounds__(FwdSm90Tile<kD, kExact>::kThreads, 1)
         const uint32_t v_hi = t_base + Tile::kVOffset, v_lo = v_hi + Tile::VT::kBytes, v_lo2 = v_lo + Tile::VT::kBytes;
         using Mma = sm90::Wgmma<float, kD>;
         float o_hi[kD / 8][4], o_lo[kD / 8][4];
-        turns.take();
         sm90::wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kBN / 8; ++kk) Mma::rs(o_lo, pa[kk], Tile::VT::k_major(v_lo2, kk), kk > 0);
@@ -382,7 +372,6 @@ __global__ void __launch_bounds__(FwdSm90Tile<kD, kExact>::kThreads, 1)
 #pragma unroll
         for (int kk = 0; kk < kBN / 8; ++kk) Mma::rs(o_hi, pa[kk], Tile::VT::k_major(v_hi, kk), kk > 0);
         sm90::wgmma_commit();
-        turns.hand_over();
         sm90::wgmma_wait<0>();
         sm90::fence_registers(o_hi);
         sm90::fence_registers(o_lo);
@@ -406,19 +395,16 @@ __global__ void __launch_bounds__(FwdSm90Tile<kD, kExact>::kThreads, 1)
         // O += P V; k-step kk is 32 bytes along the rows of transposed panel kk / 4.
         t_ring.wait(j);
         sm90::fence_registers(acc_o);
-        turns.take();
         sm90::wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kBN / 8; ++kk)
           sm90::Wgmma<float, kD>::rs(acc_o, pa[kk], Tile::VT::k_major(t_base, kk), 1);
         sm90::wgmma_commit();
-        turns.hand_over();
         sm90::wgmma_wait<0>();
         sm90::fence_registers(acc_o);
       }
       t_ring.release_warp(j, lane);
     }
-    turns.finish();
   }
 
   // Epilogue: O / sum and L; rows that saw no key get O = 0 and L = -inf.
