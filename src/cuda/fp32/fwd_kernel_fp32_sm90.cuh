@@ -55,7 +55,7 @@ struct FwdSm90Tile {
   static constexpr int kBlockM = 64 * kConsumers;
   // Head dim 128 takes 64-key tiles and one raw V stage: Q alone is 64 KB there, and two K
   // stages, one V stage and two transposed buffers fill the rest of shared memory.
-  // Exact mode: 64-key tiles, for its registers (P in two halves, two P V accumulators).
+  // Exact mode: 64-key tiles, for its registers (P in two parts, two P V accumulators).
   static constexpr int kBlockN = kD <= 64 && !kExact ? 128 : 64;
   static constexpr int kVStages = kD <= 64 ? 2 : 1;
   // Q's A fragments in the consumers' registers up to head dim 64 (32 a thread).
