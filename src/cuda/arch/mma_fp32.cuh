@@ -42,6 +42,15 @@ __device__ __forceinline__ void split_tf32(float x, float& hi, float& rest) {
   rest = x - hi;
 }
 
+// The same on the four values of a 16-byte chunk.
+__device__ __forceinline__ float4 tf32_rn(float4 x) {
+  return make_float4(tf32_rn(x.x), tf32_rn(x.y), tf32_rn(x.z), tf32_rn(x.w));
+}
+__device__ __forceinline__ void split_tf32(float4 x, float4& hi, float4& rest) {
+  split_tf32(x.x, hi.x, rest.x), split_tf32(x.y, hi.y, rest.y);
+  split_tf32(x.z, hi.z, rest.z), split_tf32(x.w, hi.w, rest.w);
+}
+
 // c += a * b, TF32 operands (as rounded by to_tf32), fp32 accumulation.
 __device__ __forceinline__ void mma_16x8x8_tf32(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
   asm volatile(

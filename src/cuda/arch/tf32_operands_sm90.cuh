@@ -61,8 +61,7 @@ struct Tf32Transposed {
 #pragma unroll
       for (int i = 0; i < kParts; ++i) {
         float4 part;
-        fp32::split_tf32(v.x, part.x, v.x), fp32::split_tf32(v.y, part.y, v.y);
-        fp32::split_tf32(v.z, part.z, v.z), fp32::split_tf32(v.w, part.w, v.w);
+        fp32::split_tf32(v, part, v);
         *reinterpret_cast<float4*>(dst + i * kBytes + at) = part;
       }
     });

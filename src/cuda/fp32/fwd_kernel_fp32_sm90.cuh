@@ -184,12 +184,10 @@ __global__ void __launch_bounds__(FwdSm90Tile<kD, kExact>::kThreads, 1)
         float4* k_lo = reinterpret_cast<float4*>(dst + Tile::kKLoOffset);
 #pragma unroll 4
         for (int idx = tid; idx < Tile::kKVBytes / 16; idx += 128) {
-          const float4 x = k[idx];
           float4 hi, lo;
-          split_tf32(x.x, hi.x, lo.x), split_tf32(x.y, hi.y, lo.y);
-          split_tf32(x.z, hi.z, lo.z), split_tf32(x.w, hi.w, lo.w);
+          split_tf32(k[idx], hi, lo);
           k[idx] = hi;
-          k_lo[idx] = make_float4(tf32_rn(lo.x), tf32_rn(lo.y), tf32_rn(lo.z), tf32_rn(lo.w));
+          k_lo[idx] = tf32_rn(lo);
         }
       }
       v_ring.wait(j);
@@ -235,10 +233,9 @@ __global__ void __launch_bounds__(FwdSm90Tile<kD, kExact>::kThreads, 1)
         float4* rows = reinterpret_cast<float4*>(sQ + c * kBM * 128 + consumer * 64 * 128);
 #pragma unroll
         for (int idx = ctid; idx < 64 * 8; idx += 128) {
-          float4 v = rows[idx], hi;
-          split_tf32(v.x, hi.x, v.x), split_tf32(v.y, hi.y, v.y);
-          split_tf32(v.z, hi.z, v.z), split_tf32(v.w, hi.w, v.w);
-          rows[idx] = make_float4(tf32_rn(v.x), tf32_rn(v.y), tf32_rn(v.z), tf32_rn(v.w));
+          float4 hi, lo;
+          split_tf32(rows[idx], hi, lo);
+          rows[idx] = tf32_rn(lo);
         }
       }
       sm90::fence_shared_to_async();
@@ -275,6 +272,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<kD, kExact>::kThreads, 1)
       auto k_desc_at = [&](uint32_t base, int ks) {
         return sm90::k_major_descriptor(base + (ks / 4) * Tile::kKVPanelBytes + (ks % 4) * 32);
       };
+      auto q_desc_at = [&](int ks) { return sm90::k_major_descriptor(q_base + (ks / 4) * kBM * 128 + (ks % 4) * 32); };
       if constexpr (kExact) {
         // Q_lo K_hi + Q_hi K_lo + Q_hi K_hi, the last in two accumulators of half the head dim each.
         constexpr int kHalf = kD / 16;
@@ -283,8 +281,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<kD, kExact>::kThreads, 1)
         sm90::wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < kD / 8; ++ks)
-          sm90::Wgmma<float, kBN>::ss(acc_s, sm90::k_major_descriptor(q_base + (ks / 4) * kBM * 128 + (ks % 4) * 32),
-                                      k_desc_at(k_base, ks), ks > 0);
+          sm90::Wgmma<float, kBN>::ss(acc_s, q_desc_at(ks), k_desc_at(k_base, ks), ks > 0);
 #pragma unroll
         for (int ks = 0; ks < kD / 8; ++ks)
           sm90::Wgmma<float, kBN>::rs(acc_s, qa[ks], k_desc_at(t_base + Tile::kKLoOffset, ks), 1);
@@ -306,13 +303,10 @@ __global__ void __launch_bounds__(FwdSm90Tile<kD, kExact>::kThreads, 1)
         sm90::wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < kD / 8; ++ks) {
-          const uint32_t offset = (ks % 4) * 32;
-          const uint64_t k_desc = sm90::k_major_descriptor(k_base + (ks / 4) * Tile::kKVPanelBytes + offset);
           if constexpr (Tile::kQInRegisters)
-            sm90::Wgmma<float, kBN>::rs(acc_s, qa[ks], k_desc, ks > 0);
+            sm90::Wgmma<float, kBN>::rs(acc_s, qa[ks], k_desc_at(k_base, ks), ks > 0);
           else
-            sm90::Wgmma<float, kBN>::ss(acc_s, sm90::k_major_descriptor(q_base + (ks / 4) * kBM * 128 + offset), k_desc,
-                                        ks > 0);
+            sm90::Wgmma<float, kBN>::ss(acc_s, q_desc_at(ks), k_desc_at(k_base, ks), ks > 0);
         }
         sm90::wgmma_commit();
         sm90::wgmma_wait<0>();

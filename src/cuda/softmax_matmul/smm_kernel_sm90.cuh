@@ -210,10 +210,10 @@ __global__ void __launch_bounds__(Sm90Tile<T, N, kExact>::kThreads, 1)
               const float4 o = sm90::column_of(in[uu], j);
               unsigned char* at = dst + store0[j] + (it + uu) * kStoreStep;
               if constexpr (kSplit) {
-                const float4 hi = make_float4(tf32_rn(o.x), tf32_rn(o.y), tf32_rn(o.z), tf32_rn(o.w));
+                float4 hi, lo;
+                fp32::split_tf32(o, hi, lo);
                 *reinterpret_cast<float4*>(at) = hi;
-                *reinterpret_cast<float4*>(at + Tile::kTBytes) =
-                    make_float4(tf32_rn(o.x - hi.x), tf32_rn(o.y - hi.y), tf32_rn(o.z - hi.z), tf32_rn(o.w - hi.w));
+                *reinterpret_cast<float4*>(at + Tile::kTBytes) = tf32_rn(lo);
               } else {
                 *reinterpret_cast<float4*>(at) = o;
               }
