@@ -47,6 +47,7 @@ int headdim_bucket(const AttentionProblem& p) {
 struct BwdKernelSm90 {
   void (*run)(const BwdSm90Params&, cudaStream_t);
   bool dq_own_pass = false;  // dQ always in a pass of its own (no accumulator), whatever the mode
+  int box_rows = kBwdBoxRows;  // of its tensor maps
 };
 
 // The Hopper backward for this bucket, when the build has it and the device runs it.
@@ -60,13 +61,17 @@ std::optional<BwdKernelSm90> pick_backward_sm90(int bucket) {
   return kernel;
 }
 
-// fp32 on Hopper: the TF32 kernels in fast mode, for their buckets; exact mode stays on the
-// portable kernels' fp64 tensor-core products.
+// fp32 on Hopper, for the TF32 kernels' buckets: TF32 products in fast mode, split TF32 in exact
+// mode. partial_keys stays on the portable kernels in exact mode: its P and D come from the given
+// L and O (bwd_row_stats.cuh), which the split passes do not take.
 std::optional<BwdKernelSm90> pick_backward_tf32_sm90(const AttentionProblem& p, int bucket) {
   std::optional<BwdKernelSm90> kernel;
-  if (p.fp32_mode != Fp32Mode::fast || bucket_of(BwdTf32Sm90HeadDims{}, bucket) != bucket) return kernel;
+  if (bucket_of(BwdTf32Sm90HeadDims{}, bucket) != bucket) return kernel;
+  const bool fast = p.fp32_mode == Fp32Mode::fast;
+  if (!fast && p.partial_keys) return kernel;
   with_bucket(BwdTf32Sm90HeadDims{}, bucket, [&](auto d) {
-    kernel = BwdKernelSm90{&BwdTf32Sm90<decltype(d)::value>::run, true};
+    using K = BwdTf32Sm90<decltype(d)::value>;
+    kernel = fast ? BwdKernelSm90{&K::run, true} : BwdKernelSm90{&K::run_exact, true, kBwdExactBoxRows};
   });
   return kernel;
 }
@@ -91,7 +96,7 @@ BwdPlan pick_kernels(const AttentionProblem& p) {
   const int bucket = headdim_bucket(p);
   if (p.dropout_p == 0.0f && !(p.deterministic && bucket > 128))
     plan.sm90 = pick_backward_sm90(p, bucket);
-  if (plan.sm90 && !make_bwd_sm90_maps(p, plan.params)) plan.sm90.reset();
+  if (plan.sm90 && !make_bwd_sm90_maps(p, plan.params, plan.sm90->box_rows)) plan.sm90.reset();
   return plan;
 }
 

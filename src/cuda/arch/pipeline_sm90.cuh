@@ -177,6 +177,10 @@ enum NamedBarrier : int {
   kBwdPdsReady = 1,
   kBwdDqFull = 2,
   kBwdStepDone = 3,
+  // fp32's exact backward: the splitting warps have read a stage's raw tile (it may be split over
+  // itself); each consumer's rows are read (their lo parts may go over them), 2 + consumer.
+  kBwdExactRawRead = 1,
+  kBwdExactRowsSplit0 = 2,
 };
 
 }  // namespace tileattn::cuda::sm90

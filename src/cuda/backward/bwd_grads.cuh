@@ -16,6 +16,7 @@
 #include "common/online_softmax.hpp"
 #include "common/philox.hpp"
 #include "common/score_mod.hpp"
+#include "cuda/arch/mma_fp32.cuh"
 #include "cuda/arch/warp_mma_sm80.cuh"
 #include "cuda/common/bwd_params.hpp"
 
@@ -217,6 +218,9 @@ struct Fragment {
   int col0;  // sequence position (query or key) of column 0
   int row;   // sequence position (key or query) of this thread's row g
   Mask mask;
+  // fp32's exact mode: the row sums beside the row maxima that lse2 then holds.
+  const float* col_sum = nullptr;
+  float row_sum[2] = {1.0f, 1.0f};
 };
 
 // Accumulator column tiles (8 columns) per k-step of the next product: 16-bit k-steps are 16
@@ -297,6 +301,54 @@ __device__ __forceinline__ void grads_to_fragments(bool masked, const float (&s)
   } else {
     if (masked) grads_to_fragments<T, kRowsAreKeys, false, true, kAlibi>(s, dp, f, p, pa, da, slope);
     else grads_to_fragments<T, kRowsAreKeys, false, false, kAlibi>(s, dp, f, p, pa, da, slope);
+  }
+}
+
+// The exact mode's (split TF32) form of grads_to_fragments: P (kWantP) or dS of the tile as the
+// A fragments of the next product in two parts, x = hi + lo (fp32::split_tf32, both rounded to
+// nearest). P is the portable exact kernels' exp(s * scale - max) / sum (prob_of_score<float>),
+// from the statistics the exact statistics pass wrote, so that a row's largest score gives
+// exp(0) = 1 exactly and one visible key gives P = 1, dS = 0.
+template <bool kRowsAreKeys, bool kWantP, bool kCapped, bool kMasked, bool kAlibi, int NT>
+__device__ __forceinline__ void exact_grad_fragments(const float (&s)[NT][4], const float (&dp)[NT][4],
+                                                     const Fragment& f, const BwdParams& p, uint32_t (&hi)[NT][4],
+                                                     uint32_t (&lo)[NT][4], [[maybe_unused]] float slope) {
+  const int t = threadIdx.x % 4;
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int c = j * 8 + 2 * t + e;
+        const int query = kRowsAreKeys ? f.col0 + c : f.row + 8 * half;
+        const int key = kRowsAreKeys ? f.row + 8 * half : f.col0 + c;
+        const float m = kRowsAreKeys ? f.col_lse2[c] : f.row_lse2[half];
+        const float sum = kRowsAreKeys ? f.col_sum[c] : f.row_sum[half];
+        float cap, bias = 0.0f;
+        if constexpr (kAlibi) bias = ScoreMod::alibi_bias(slope, query, key, f.mask.seqlen_q, f.mask.seqlen_k);
+        float x = prob_of_score<float, kCapped, kAlibi>(s[j][2 * half + e], m, sum, p, cap, bias);
+        if constexpr (kMasked)
+          if (!f.mask.visible(query, key)) x = 0.0f;
+        if constexpr (!kWantP) x = grad_of_prob<kCapped>(x, dp[j][2 * half + e], kRowsAreKeys ? f.col_dsum[c] : f.row_dsum[half], cap, p);
+        float h, r;
+        fp32::split_tf32(x, h, r);
+        hi[j][half + 2 * e] = __float_as_uint(h);
+        lo[j][half + 2 * e] = fp32::tf32_bits(r);
+      }
+}
+
+// The variant for this tile, as grads_to_fragments picks it.
+template <bool kRowsAreKeys, bool kWantP, bool kAlibi, int NT>
+__device__ __forceinline__ void exact_grad_fragments(bool masked, const float (&s)[NT][4], const float (&dp)[NT][4],
+                                                     const Fragment& f, const BwdParams& p, uint32_t (&hi)[NT][4],
+                                                     uint32_t (&lo)[NT][4], float slope) {
+  if (p.softcap > 0.0f) {
+    if (masked) exact_grad_fragments<kRowsAreKeys, kWantP, true, true, kAlibi>(s, dp, f, p, hi, lo, slope);
+    else exact_grad_fragments<kRowsAreKeys, kWantP, true, false, kAlibi>(s, dp, f, p, hi, lo, slope);
+  } else {
+    if (masked) exact_grad_fragments<kRowsAreKeys, kWantP, false, true, kAlibi>(s, dp, f, p, hi, lo, slope);
+    else exact_grad_fragments<kRowsAreKeys, kWantP, false, false, kAlibi>(s, dp, f, p, hi, lo, slope);
   }
 }
 

@@ -7,20 +7,20 @@
 
 namespace tileattn::cuda {
 
-bool make_bwd_sm90_maps(const AttentionProblem& pr, BwdSm90Params& params) {
+bool make_bwd_sm90_maps(const AttentionProblem& pr, BwdSm90Params& params, int box_rows) {
   using sm90::attention_map_shape;
   return sm90::make_tile_map(&params.q, pr.dtype, pr.q.data,
                              attention_map_shape(pr, pr.q, pr.headdim_qk, pr.seqlen_q, pr.total_q, pr.heads_q,
-                                                 kBwdBoxRows)) &&
+                                                 box_rows)) &&
          sm90::make_tile_map(&params.k, pr.dtype, pr.k.data,
                              attention_map_shape(pr, pr.k, pr.headdim_qk, pr.seqlen_k, pr.total_k, pr.heads_kv,
-                                                 kBwdBoxRows)) &&
+                                                 box_rows)) &&
          sm90::make_tile_map(&params.v, pr.dtype, pr.v.data,
                              attention_map_shape(pr, pr.v, pr.headdim_v, pr.seqlen_k, pr.total_k, pr.heads_kv,
-                                                 kBwdBoxRows)) &&
+                                                 box_rows)) &&
          sm90::make_tile_map(&params.dout, pr.dtype, pr.dout.data,
                              attention_map_shape(pr, pr.dout, pr.headdim_v, pr.seqlen_q, pr.total_q, pr.heads_q,
-                                                 kBwdBoxRows));
+                                                 box_rows));
 }
 
 bool bwd_sm90_has_work(const bwd::BwdParams& p) {

@@ -11,9 +11,9 @@
 
 namespace tileattn::cuda {
 
-// Tensor maps of Q, K, V and dO in the problem's dtype (boxes of kBwdBoxRows rows); false when TMA
+// Tensor maps of Q, K, V and dO in the problem's dtype (boxes of box_rows rows); false when TMA
 // cannot describe one (the sm80 kernels run).
-bool make_bwd_sm90_maps(const AttentionProblem& problem, BwdSm90Params& params);
+bool make_bwd_sm90_maps(const AttentionProblem& problem, BwdSm90Params& params, int box_rows = kBwdBoxRows);
 
 // False when the problem has nothing to compute; throws where the kernels' grids cannot hold it.
 bool bwd_sm90_has_work(const bwd::BwdParams& params);
@@ -24,10 +24,13 @@ struct BwdSm90 {
   static void run(const BwdSm90Params& params, cudaStream_t stream);
 };
 
-// fp32 in fast mode: TF32 products, dQ always in its own pass (no dQ accumulator).
+// fp32: fast mode's TF32 products (run) and exact mode's split TF32 (run_exact: statistics, dK,
+// dV and dQ passes, tensor maps with boxes of kBwdExactBoxRows rows); dQ always in its own pass
+// (no dQ accumulator).
 template <int kHeadDim>
 struct BwdTf32Sm90 {
   static void run(const BwdSm90Params& params, cudaStream_t stream);
+  static void run_exact(const BwdSm90Params& params, cudaStream_t stream);
 };
 
 }  // namespace tileattn::cuda

@@ -1,9 +1,10 @@
 #pragma once
-// Launch side of the TF32 sm90 backward (fp32, fast mode). Included only by the generated
-// instantiation units.
+// Launch side of the TF32 sm90 backward (fp32: fast mode, and exact mode's split TF32). Included
+// only by the generated instantiation units.
 #include <cuda_runtime.h>
 
 #include "cuda/backward/bwd_dq_kernel_tf32_sm90.cuh"
+#include "cuda/backward/bwd_kernel_exact_sm90.cuh"
 #include "cuda/backward/bwd_kernel_tf32_sm90.cuh"
 #include "cuda/backward/bwd_preprocess.cuh"
 #include "cuda/backward/launch_bwd_sm90.hpp"
@@ -33,6 +34,32 @@ void launch_tf32_sm90(const BwdSm90Params& params, cudaStream_t stream) {
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
   TA_CUDA_CHECK_LAUNCH("backward dQ (TF32, sm90)");
 }
+
+// One exact pass: over (query tiles, heads, batch) or, rows being keys, (key tiles, batch, kv heads).
+template <int kHeadDim, ExactPass kPass, bool kAlibi>
+void launch_exact_pass_sm90(const BwdSm90Params& params, cudaStream_t stream) {
+  using Traits = BwdExactSm90Traits<kHeadDim, kPass>;
+  const bwd::BwdParams& p = params.bwd;
+  const auto kernel = bwd_exact_kernel_sm90<kHeadDim, kPass, kAlibi>;
+  allow_dynamic_smem(kernel, Traits::kSmemBytes);
+  constexpr int R = Traits::kBlockRows;
+  const dim3 grid = Traits::kRowsAreKeys ? dim3((p.seqlen_k + R - 1) / R, p.batch, p.heads_kv)
+                                         : dim3((p.seqlen_q + R - 1) / R, p.heads_q, p.batch);
+  if (grid.x == 0) return;
+  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
+}
+
+template <int kHeadDim, bool kAlibi>
+void launch_exact_sm90(const BwdSm90Params& params, cudaStream_t stream) {
+  launch_exact_pass_sm90<kHeadDim, ExactPass::stats, kAlibi>(params, stream);
+  TA_CUDA_CHECK_LAUNCH("backward row statistics (exact, sm90)");
+  launch_exact_pass_sm90<kHeadDim, ExactPass::dk, kAlibi>(params, stream);
+  TA_CUDA_CHECK_LAUNCH("backward dK (exact, sm90)");
+  launch_exact_pass_sm90<kHeadDim, ExactPass::dv, kAlibi>(params, stream);
+  TA_CUDA_CHECK_LAUNCH("backward dV (exact, sm90)");
+  launch_exact_pass_sm90<kHeadDim, ExactPass::dq, kAlibi>(params, stream);
+  TA_CUDA_CHECK_LAUNCH("backward dQ (exact, sm90)");
+}
 }  // namespace detail
 
 template <int kHeadDim>
@@ -43,6 +70,16 @@ void BwdTf32Sm90<kHeadDim>::run(const BwdSm90Params& params, cudaStream_t stream
   TA_CUDA_CHECK_LAUNCH("backward preprocess");
   if (p.mod.has_alibi()) detail::launch_tf32_sm90<kHeadDim, true>(params, stream);
   else detail::launch_tf32_sm90<kHeadDim, false>(params, stream);
+}
+
+template <int kHeadDim>
+void BwdTf32Sm90<kHeadDim>::run_exact(const BwdSm90Params& params, cudaStream_t stream) {
+  const bwd::BwdParams& p = params.bwd;
+  if (!bwd_sm90_has_work(p)) return;
+  bwd::launch_preprocess<float>(p, stream);  // L (or +inf), row sum 1 and D 0 per row: the statistics pass's start
+  TA_CUDA_CHECK_LAUNCH("backward preprocess");
+  if (p.mod.has_alibi()) detail::launch_exact_sm90<kHeadDim, true>(params, stream);
+  else detail::launch_exact_sm90<kHeadDim, false>(params, stream);
 }
 
 }  // namespace tileattn::cuda

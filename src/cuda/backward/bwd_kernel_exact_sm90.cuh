@@ -1,0 +1,483 @@
+#pragma once
+// The Hopper backward of fp32 attention in exact mode (split TF32): four passes of one kernel
+// shape, run in this order after the preprocess:
+//   stats  (128 queries a block) each row's max and sum of the scaled scores and
+//          D = rowsum(P dP) / rowsum(P), online over the row's key tiles, into the workspace
+//   dK     (128 keys a block)    S^T, dP^T, dS^T, dK += dS^T Q
+//   dV     (128 keys a block)    S^T, P^T, dV += P^T dO
+//   dQ     (128 queries a block) S, dP, dS, dQ += dS K
+// the portable exact kernels' sequence (bwd_row_stats.cuh says why the statistics are rebuilt and
+// D taken from the passes' own P and dP) with every product on the tensor core. Each pass streams
+// 32 rows of the other side a step:
+//   producer warp 0     one thread loads the block's rows once and each step's two tiles (and,
+//                       rows being keys, the step's query statistics) with TMA
+//   producer warps 1-3  split each step's tiles in place, x = hi + lo (fp32::split_tf32, both
+//                       rounded to nearest), and write the gradient product's B operand K-major
+//                       in two parts (TF32 wgmma reads no N-major operand)
+//   consumers           64 rows each: the rows' hi parts in registers (A of every product), their
+//                       lo parts over the loaded rows in shared memory
+// A split product a b ~ a_lo b_hi + a_hi b_lo + a_hi b_hi, whatever the pass, in one order
+// (q_lo k_hi, q_hi k_lo, then q_hi k_hi, 32 products an accumulator: the tensor core's sums drop
+// bits toward zero, so few hi products meet in one), so that the passes' S and dP are the same
+// sums term for term. A gradient step (32 products a dot) goes into two fresh accumulators of 16
+// hi products, then is added to the gradient in fp32.
+// dV has its own pass so that no consumer holds two gradients and two fresh sums: registers, not
+// products, bound this shape (docs/perf-log.md).
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/mask.hpp"
+#include "common/online_softmax.hpp"
+#include "common/score_mod.hpp"
+#include "cuda/arch/mma_fp32.cuh"
+#include "cuda/arch/panel_tile_sm90.cuh"
+#include "cuda/arch/pipeline_sm90.cuh"
+#include "cuda/arch/ptx_sm90.cuh"
+#include "cuda/arch/tf32_operands_sm90.cuh"
+#include "cuda/arch/wgmma_ops.cuh"
+#include "cuda/backward/bwd_grads.cuh"
+#include "cuda/backward/bwd_params_sm90.hpp"
+#include "cuda/backward/bwd_stream_sm90.cuh"
+#include "cuda/backward/bwd_tile_io.cuh"
+#include "cuda/common/bwd_params.hpp"
+
+namespace tileattn::cuda {
+
+enum class ExactPass { stats, dk, dv, dq };
+
+template <int kHeadDim, ExactPass kPass>
+struct BwdExactSm90Traits {
+  static constexpr bool kRowsAreKeys = kPass == ExactPass::dk || kPass == ExactPass::dv;
+  static constexpr bool kHasDp = kPass != ExactPass::dv;      // dP = dO V^T is formed
+  static constexpr bool kHasGrad = kPass != ExactPass::stats;  // a gradient product follows
+  using Roles = sm90::WarpRoles<2, 56, 224>;
+  static constexpr int kConsumers = Roles::kConsumers;
+  static constexpr int kThreads = Roles::kThreads;
+  static constexpr int kSplitThreads = 96;  // producer warps 1-3
+  static constexpr int kBlockRows = 64 * kConsumers;
+  static constexpr int kStep = kBwdExactBoxRows;
+  static constexpr int kStages = 3;
+  using RowTile = sm90::PanelTile<kBlockRows, kHeadDim, 4>;
+  using StepTile = sm90::PanelTile<kStep, kHeadDim, 4>;
+  using StepT = sm90::Tf32Transposed<kStep, kHeadDim>;
+  static_assert(StepT::kBytes == StepTile::kBytes, "a step's tiles and their transposes take the same bytes");
+  static constexpr int kTile = StepTile::kBytes;
+  // The rows: Q, dO (queries) or K, V (keys); dV's pass holds K alone.
+  static constexpr int kRowTiles = kHasDp ? 2 : 1;
+  // A stage: X (K or Q: the score product's B) and its lo part; Y (V or dO) and its lo part for
+  // dP (dV's pass: the raw dO, read only to transpose); the gradient product's B (K^T, Q^T or
+  // dO^T) in two parts; rows being keys, the step's queries' max, sum and D.
+  static constexpr int kX = 0, kXLo = kTile, kY = 2 * kTile, kYLo = 3 * kTile;
+  static constexpr int kZT = (kHasDp ? 4 : 3) * kTile;
+  static constexpr int kStats = kZT + (kHasGrad ? 2 * kTile : 0);
+  static constexpr int kStatsBytes = kRowsAreKeys ? 3 * kStep * 4 : 0;
+  static constexpr int kLoadBytes = 2 * kTile + kStatsBytes;
+  static constexpr int kStageBytes = (kStats + kStatsBytes + 1023) / 1024 * 1024;
+  using Barriers = BwdBarriers<kStages>;
+  using Ready = sm90::StageRing<kStages>;  // a stage's parts are written (its full barriers only)
+  enum Region { kRows, kStagesRegion, kBarriers };
+  using Smem = sm90::SmemRegions<kRowTiles * RowTile::kBytes, kStages * kStageBytes,
+                                 Barriers::kBytes + Ready::kBarrierBytes>;
+  static constexpr int kSmemBytes = Smem::kBytes;
+  static_assert(kHeadDim == 32 || kHeadDim == 64, "exact sm90 backward: head dims 32 and 64");
+  static_assert(bwd::kWorkspaceRowTile % kStep == 0 && bwd::kWorkspaceRowTile % kBlockRows == 0,
+                "query tiles never reach past the workspace padding");
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory");
+};
+
+#if defined(TILEATTN_SM90_ENABLED)
+namespace exact {
+
+// x over itself as its hi part, its lo part at `lo` (same layout): threads [0, threads).
+template <int kBytes>
+__device__ __forceinline__ void split_in_place(unsigned char* x, unsigned char* lo, int tid, int threads) {
+  float4* v = reinterpret_cast<float4*>(x);
+  float4* l = reinterpret_cast<float4*>(lo);
+#pragma unroll 2
+  for (int i = tid; i < kBytes / 16; i += threads) {
+    float4 hi, rest;
+    fp32::split_tf32(v[i], hi, rest);
+    v[i] = hi;
+    l[i] = fp32::tf32_rn(rest);
+  }
+}
+
+// S (or dP) of a step, the split product of the rows (a_hi in registers, a_lo the consumer's rows
+// at smem address a_lo) and the step's tile (b_hi, b_lo), issued into kAccs accumulators and
+// committed (split_sum waits and adds them). The terms go in the order (query lo, key hi), (query
+// hi, key lo), (hi, hi) whichever side the rows are, the hi products kHiSteps k-steps (32
+// products) an accumulator.
+constexpr int kHiSteps = 4;
+template <int kD>
+constexpr int kSplitAccs = kD / 8 / kHiSteps;
+
+template <class RowTile, class StepTile, bool kRowsAreKeys, int kD, int kN>
+__device__ __forceinline__ void split_scores(float (&acc)[kSplitAccs<kD>][kN / 8][4], const uint32_t (&a_hi)[kD / 8][4],
+                                             uint32_t a_lo, uint32_t b_hi, uint32_t b_lo) {
+  using Mma = sm90::Wgmma<float, kN>;
+  sm90::wgmma_fence();
+  if constexpr (!kRowsAreKeys) {
+#pragma unroll
+    for (int ks = 0; ks < kD / 8; ++ks)
+      Mma::ss(acc[0], RowTile::k_major(a_lo, ks), StepTile::k_major(b_hi, ks), ks > 0);
+#pragma unroll
+    for (int ks = 0; ks < kD / 8; ++ks) Mma::rs(acc[0], a_hi[ks], StepTile::k_major(b_lo, ks), 1);
+  } else {
+#pragma unroll
+    for (int ks = 0; ks < kD / 8; ++ks) Mma::rs(acc[0], a_hi[ks], StepTile::k_major(b_lo, ks), ks > 0);
+#pragma unroll
+    for (int ks = 0; ks < kD / 8; ++ks)
+      Mma::ss(acc[0], RowTile::k_major(a_lo, ks), StepTile::k_major(b_hi, ks), 1);
+  }
+#pragma unroll
+  for (int ks = 0; ks < kD / 8; ++ks)
+    Mma::rs(acc[ks / kHiSteps], a_hi[ks], StepTile::k_major(b_hi, ks), ks >= kHiSteps && ks % kHiSteps == 0 ? 0 : 1);
+  sm90::wgmma_commit();
+}
+
+template <int kAccs, int kN>
+__device__ __forceinline__ void split_sum(float (&acc)[kAccs][kN / 8][4], float (&s)[kN / 8][4]) {
+  sm90::wgmma_wait<0>();
+#pragma unroll
+  for (int a = 0; a < kAccs; ++a) sm90::fence_registers(acc[a]);
+#pragma unroll
+  for (int j = 0; j < kN / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float x = acc[0][j][e];
+#pragma unroll
+      for (int a = 1; a < kAccs; ++a) x += acc[a][j][e];
+      s[j][e] = x;
+    }
+}
+
+// A query row's running statistics over its key tiles: max m and sum l of exp(score - m), and
+// dn = sum of exp(score - m) dP, the sums in double (rescaled as m grows), as the portable pass
+// sums P dP. Each of this thread's two rows (g, g + 8) has its own.
+struct OnlineRowStats {
+  float m[2] = {-INFINITY, -INFINITY};
+  double l[2] = {0.0, 0.0}, dn[2] = {0.0, 0.0};
+
+  // One step's scores s (raw q.k) and dP of this thread's fragment, columns from key col0.
+  template <bool kCapped, bool kMasked, bool kAlibi, int NT>
+  __device__ __forceinline__ void add(const float (&s)[NT][4], const float (&dp)[NT][4], const bwd::Fragment& f,
+                                      const bwd::BwdParams& p, float slope) {
+    const int t = threadIdx.x % 4;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float v[NT][2];
+      float tile_max = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int query = f.row + 8 * half, key = f.col0 + j * 8 + 2 * t + e;
+          float sc = bwd::scaled_score<kCapped>(s[j][2 * half + e], p);
+          if constexpr (kAlibi)
+            sc = __fadd_rn(sc, ScoreMod::alibi_bias(slope, query, key, f.mask.seqlen_q, f.mask.seqlen_k));
+          if constexpr (kMasked)
+            if (!f.mask.visible(query, key)) sc = -INFINITY;
+          v[j][e] = sc;
+          tile_max = fmaxf(tile_max, sc);
+        }
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+      const float mn = fmaxf(m[half], tile_max);
+      if (mn == -INFINITY) continue;  // nothing visible yet (the same in the whole quad)
+      if (mn != m[half]) {
+        const double factor = m[half] == -INFINITY ? 0.0 : double(expf(m[half] - mn));
+        l[half] *= factor;
+        dn[half] *= factor;
+        m[half] = mn;
+      }
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float x = expf(v[j][e] - mn);
+          l[half] += double(x);
+          dn[half] += double(x) * double(dp[j][2 * half + e]);
+        }
+    }
+  }
+
+  template <bool kAlibi, int NT>
+  __device__ __forceinline__ void add(bool masked, const float (&s)[NT][4], const float (&dp)[NT][4],
+                                      const bwd::Fragment& f, const bwd::BwdParams& p, float slope) {
+    if (p.softcap > 0.0f) {
+      if (masked) add<true, true, kAlibi>(s, dp, f, p, slope);
+      else add<true, false, kAlibi>(s, dp, f, p, slope);
+    } else {
+      if (masked) add<false, true, kAlibi>(s, dp, f, p, slope);
+      else add<false, false, kAlibi>(s, dp, f, p, slope);
+    }
+  }
+
+  // The quad's sums merged (its lanes share m); lane t = 0 writes rows that saw a key: lse2 := m,
+  // row_sum and D. Others keep the preprocess's (+inf, 1, 0), which make P zero.
+  __device__ __forceinline__ void store(const bwd::BwdParams& p, int64_t w, int row, int sq) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+#pragma unroll
+      for (int off = 1; off < 4; off <<= 1) {
+        l[half] += __shfl_xor_sync(0xffffffffu, l[half], off);
+        dn[half] += __shfl_xor_sync(0xffffffffu, dn[half], off);
+      }
+      if (threadIdx.x % 4 == 0 && row + 8 * half < sq && l[half] > 0.0) {
+        p.lse2[w + 8 * half] = m[half];
+        p.row_sum[w + 8 * half] = float(l[half]);
+        p.dsum[w + 8 * half] = float(dn[half] / l[half]);
+      }
+    }
+  }
+};
+
+}  // namespace exact
+#endif
+
+template <int kHeadDim, ExactPass kPass, bool kAlibi>
+__global__ void __launch_bounds__(BwdExactSm90Traits<kHeadDim, kPass>::kThreads, 1)
+    bwd_exact_kernel_sm90(const __grid_constant__ BwdSm90Params params) {
+#if defined(TILEATTN_SM90_ENABLED)
+  using Traits = BwdExactSm90Traits<kHeadDim, kPass>;
+  using Roles = typename Traits::Roles;
+  using RowTile = typename Traits::RowTile;
+  using StepTile = typename Traits::StepTile;
+  using StepT = typename Traits::StepT;
+  constexpr bool kRowsAreKeys = Traits::kRowsAreKeys, kHasDp = Traits::kHasDp, kHasGrad = Traits::kHasGrad;
+  constexpr int D = kHeadDim, BR = Traits::kBlockRows, BS = Traits::kStep, kStages = Traits::kStages;
+  const bwd::BwdParams& p = params.bwd;
+
+  extern __shared__ unsigned char smem_raw[];
+  const typename Traits::Smem smem(smem_raw);
+  auto rows = [&](int r) { return smem.template at<Traits::kRows>() + r * RowTile::kBytes; };
+  auto stage = [&](int s) { return smem.template at<Traits::kStagesRegion>() + s * Traits::kStageBytes; };
+  const typename Traits::Barriers bars(smem.template at<Traits::kBarriers, uint64_t>());
+  const auto& ring = bars.ring;
+  const typename Traits::Ready ready{ring.end()};
+
+  // The block: its rows [r0, r1) of sequence b under head h (queries) or kv head h (keys), and
+  // its steps: key tiles of BS (rows are queries), or query tiles of BS for every query head of
+  // the group (rows are keys, BwdKeyBlock).
+  int b, h, r0, r1, n_steps;
+  bwd::SeqInfo seq;
+  Mask mask;
+  bwd::TileSpan keys{0, 0};
+  if constexpr (kRowsAreKeys) {
+    const BwdKeyBlock<BR, BS> kb(p);
+    b = kb.b, h = kb.hk, r0 = kb.k0, r1 = kb.k1, seq = kb.seq, mask = kb.mask, n_steps = kb.n_iter;
+    keys = kb.queries;  // query tiles, for the head walk below
+  } else {
+    h = int(blockIdx.y), b = int(blockIdx.z);
+    seq = bwd::seq_info(p, b);
+    mask = bwd::seq_mask(p, seq);
+    r0 = (int(gridDim.x) - 1 - int(blockIdx.x)) * BR;  // late causal rows (most keys) first
+    r1 = min(r0 + BR, seq.sq);
+    keys = r0 < seq.sq ? bwd::tile_span(mask.tile_begin_key(r0), mask.tile_end_key(r1), BS) : bwd::TileSpan{0, 0};
+    n_steps = keys.count;
+  }
+  if (r0 >= (kRowsAreKeys ? seq.sk : seq.sq)) return;
+  // Step i's first column (key or query) and, rows being keys, its query head.
+  auto col0 = [&](int i) { return (keys.first + (kRowsAreKeys ? i % keys.count : i)) * BS; };
+  auto step_head = [&](int i) { return kRowsAreKeys ? h * p.group + i / keys.count : h; };
+
+  if (threadIdx.x == 0) ready.init(Traits::kSplitThreads / 32, 1);
+  bars.init(4 * Traits::kConsumers);
+
+  const Roles roles;
+  if (roles.warpgroup == 0) {
+    Roles::enter_producer();
+    const int warp = Roles::warp(), lane = Roles::lane();
+    const int batch = p.cu_seqlens_q != nullptr ? 0 : b;
+    if (warp == 0) {
+      if (lane != 0 || n_steps == 0) return;
+      const CUtensorMap* row_maps[2] = {kRowsAreKeys ? &params.k : &params.q, kRowsAreKeys ? &params.v : &params.dout};
+      const CUtensorMap* step_maps[2] = {kRowsAreKeys ? &params.q : &params.k, kRowsAreKeys ? &params.dout : &params.v};
+      const int row_base = int(kRowsAreKeys ? seq.row_k : seq.row_q), step_base = int(kRowsAreKeys ? seq.row_q : seq.row_k);
+      sm90::barrier_arrive_expect_bytes(bars.once, Traits::kRowTiles * RowTile::kBytes);
+#pragma unroll
+      for (int r = 0; r < Traits::kRowTiles; ++r)
+        RowTile::template load<kBwdExactBoxRows>(rows(r), row_maps[r], bars.once, row_base + r0, h, batch);
+      for (int i = 0; i < n_steps; ++i) {
+        const int s = i % kStages;  // in the loop's own words: see StageRing::acquire_bytes_slot
+        unsigned char* st = stage(s);
+        uint64_t* full = ring.acquire_bytes_slot(i, s, Traits::kLoadBytes);
+        const int c0 = col0(i), hs = step_head(i);
+        const int map_head = kRowsAreKeys ? hs : h / p.group;
+        StepTile::template load<kBwdExactBoxRows>(st + Traits::kX, step_maps[0], full, step_base + c0, map_head, batch);
+        StepTile::template load<kBwdExactBoxRows>(st + Traits::kY, step_maps[1], full, step_base + c0, map_head, batch);
+        if constexpr (kRowsAreKeys) {
+          const int64_t w = bwd::ws_row(p, b, hs) + c0;
+          float* stats = reinterpret_cast<float*>(st + Traits::kStats);
+          sm90::bulk_load(stats, p.lse2 + w, BS * 4, full);
+          sm90::bulk_load(stats + BS, p.row_sum + w, BS * 4, full);
+          sm90::bulk_load(stats + 2 * BS, p.dsum + w, BS * 4, full);
+        }
+      }
+      return;
+    }
+    // Warps 1-3: each stage's parts, published once the three warps wrote them.
+    const int tid = int(threadIdx.x) - 32;
+    for (int i = 0; i < n_steps; ++i) {
+      const int s = i % kStages;
+      unsigned char* st = stage(s);
+      ring.wait_slot(i, s);
+      if constexpr (kHasGrad) {
+        // dQ, dK: the transpose of X (K or Q) before X is split over itself; dV: of the raw dO.
+        StepT::template write_split<2>(st + (kPass == ExactPass::dv ? Traits::kY : Traits::kX), st + Traits::kZT,
+                                       tid, Traits::kSplitThreads);
+        if constexpr (kPass != ExactPass::dv) sm90::named_barrier_sync(sm90::kBwdExactRawRead, Traits::kSplitThreads);
+      }
+      exact::split_in_place<Traits::kTile>(st + Traits::kX, st + Traits::kXLo, tid, Traits::kSplitThreads);
+      if constexpr (kHasDp)
+        exact::split_in_place<Traits::kTile>(st + Traits::kY, st + Traits::kYLo, tid, Traits::kSplitThreads);
+      sm90::fence_shared_to_async();
+      ready.publish_warp(i, lane);
+    }
+    return;
+  }
+
+  Roles::enter_consumer();
+  const int consumer = roles.consumer();
+  const int warp = Roles::warp(), lane = Roles::lane();
+  const int row0 = 64 * consumer + 16 * warp;  // this warp's first row of the block
+
+  [[maybe_unused]] float grad[1][D / 8][4];
+  if constexpr (kHasGrad) {
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) grad[0][j][e] = 0.0f;
+  }
+  [[maybe_unused]] exact::OnlineRowStats stats;
+  bwd::Fragment frag{nullptr, nullptr, {0.0f, 0.0f}, {0.0f, 0.0f}, 0, r0 + row0 + lane / 4, mask};
+  const int64_t w_rows = kRowsAreKeys ? 0 : bwd::ws_row(p, b, h) + r0 + row0 + lane / 4;  // past the end: padding
+
+  if (n_steps > 0) {
+    if constexpr (kPass == ExactPass::dq) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        frag.row_lse2[half] = p.lse2[w_rows + 8 * half];
+        frag.row_sum[half] = p.row_sum[w_rows + 8 * half];
+        frag.row_dsum[half] = p.dsum[w_rows + 8 * half];
+      }
+    }
+    bars.wait_once();
+    // The rows' hi parts into registers, then their lo parts over them (each consumer its own 64
+    // rows, once all four of its warps have read theirs).
+    uint32_t a0[D / 8][4];
+    [[maybe_unused]] uint32_t a1[kHasDp ? D / 8 : 1][4];
+    sm90::tf32_a_fragments<D>(a0, rows(0), BR, row0, lane);
+    if constexpr (kHasDp) sm90::tf32_a_fragments<D>(a1, rows(1), BR, row0, lane);
+    sm90::named_barrier_sync(sm90::kBwdExactRowsSplit0 + consumer, 128);
+    {
+      const int ctid = int(threadIdx.x) % 128;
+#pragma unroll
+      for (int r = 0; r < Traits::kRowTiles; ++r)
+#pragma unroll
+        for (int c = 0; c < RowTile::kPanels; ++c) {
+          float4* at = reinterpret_cast<float4*>(rows(r) + c * RowTile::kPanelBytes + consumer * 64 * 128);
+#pragma unroll 2
+          for (int idx = ctid; idx < 64 * 8; idx += 128) {
+            float4 hi, lo;
+            fp32::split_tf32(at[idx], hi, lo);
+            at[idx] = fp32::tf32_rn(lo);
+          }
+        }
+    }
+    sm90::fence_shared_to_async();
+    sm90::named_barrier_sync(sm90::kBwdExactRowsSplit0 + consumer, 128);
+    const uint32_t lo0 = smem_address(rows(0)) + consumer * 64 * 128;
+    const uint32_t lo1 = smem_address(rows(Traits::kRowTiles - 1)) + consumer * 64 * 128;
+    // Rows every column of a step sees in full need no mask arithmetic (rows are queries).
+    const int full_begin = kRowsAreKeys ? 0 : mask.full_begin_key(r1), full_end = kRowsAreKeys ? 0 : mask.full_end_key(r0);
+
+    for (int i = 0; i < n_steps; ++i) {
+      const int s = i % kStages;  // in the loop's own words: see StageRing::wait_slot
+      const unsigned char* st = stage(s);
+      const uint32_t st_addr = smem_address(st);
+      const int c0 = col0(i);
+      const float slope = kAlibi ? p.mod.slope(b, step_head(i)) : 0.0f;
+      ready.wait_slot(i, s);
+
+      constexpr int kAccs = exact::kSplitAccs<D>;
+      float sc[BS / 8][4];
+      [[maybe_unused]] float dp[BS / 8][4];
+      {
+        float acc[kAccs][BS / 8][4];
+        exact::split_scores<RowTile, StepTile, kRowsAreKeys, D, BS>(acc, a0, lo0, st_addr + Traits::kX,
+                                                                    st_addr + Traits::kXLo);
+        exact::split_sum<kAccs, BS>(acc, sc);
+      }
+      if constexpr (kHasDp) {
+        float acc[kAccs][BS / 8][4];
+        exact::split_scores<RowTile, StepTile, kRowsAreKeys, D, BS>(acc, a1, lo1, st_addr + Traits::kY,
+                                                                    st_addr + Traits::kYLo);
+        exact::split_sum<kAccs, BS>(acc, dp);
+      }
+
+      frag.col0 = c0;
+      bool masked;
+      if constexpr (kRowsAreKeys) {
+        const float* col_stats = reinterpret_cast<const float*>(st + Traits::kStats);
+        frag.col_lse2 = col_stats;
+        frag.col_sum = col_stats + BS;
+        frag.col_dsum = col_stats + 2 * BS;
+        masked = !(mask.full_begin_key(min(c0 + BS, seq.sq)) <= r0 && mask.full_end_key(c0) >= r0 + BR);
+      } else {
+        masked = !(c0 >= full_begin && c0 + BS <= full_end);
+      }
+
+      if constexpr (kPass == ExactPass::stats) {
+        stats.template add<kAlibi>(masked, sc, dp, frag, p, slope);
+      } else {
+        uint32_t g_hi[BS / 8][4], g_lo[BS / 8][4];
+        if constexpr (kPass == ExactPass::dv)
+          bwd::exact_grad_fragments<true, true, kAlibi>(masked, sc, sc, frag, p, g_hi, g_lo, slope);
+        else
+          bwd::exact_grad_fragments<kRowsAreKeys, false, kAlibi>(masked, sc, dp, frag, p, g_hi, g_lo, slope);
+
+        // This step's gradient terms in two fresh accumulators, two hi k-steps each (the lo terms
+        // first, in the first), added to the gradient in fp32.
+        const uint32_t zt_hi = st_addr + Traits::kZT, zt_lo = zt_hi + StepT::kBytes;
+        using Mma = sm90::Wgmma<float, D>;
+        float fresh[2][D / 8][4];
+        sm90::wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BS / 8; ++kk) Mma::rs(fresh[0], g_lo[kk], StepT::k_major(zt_hi, kk), kk > 0);
+#pragma unroll
+        for (int kk = 0; kk < BS / 8; ++kk) Mma::rs(fresh[0], g_hi[kk], StepT::k_major(zt_lo, kk), 1);
+#pragma unroll
+        for (int kk = 0; kk < BS / 8; ++kk)
+          Mma::rs(fresh[kk / 2], g_hi[kk], StepT::k_major(zt_hi, kk), kk == 2 ? 0 : 1);
+        sm90::wgmma_commit();
+        sm90::wgmma_wait<0>();
+        sm90::fence_registers(fresh[0]);
+        sm90::fence_registers(fresh[1]);
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) grad[0][j][e] += fresh[0][j][e] + fresh[1][j][e];
+      }
+      ring.release_warp(i, lane);  // the stage is read
+    }
+  }
+
+  if constexpr (kPass == ExactPass::stats) {
+    stats.store(p, w_rows, r0 + row0 + lane / 4, seq.sq);
+  } else if constexpr (kPass == ExactPass::dq) {
+    float* g = static_cast<float*>(p.dq.ptr) + bwd::seq_base(p, p.dq, b, true) + int64_t(h) * p.dq.head +
+               int64_t(r0 + row0) * p.dq.seq;
+    bwd::store_grad_frag<float>(false, grad, p.scale, g, p.dq.seq, r1 - r0 - row0, p.headdim_qk);
+  } else {
+    const bwd::Strided& t = kPass == ExactPass::dk ? p.dk : p.dv;
+    float* g = static_cast<float*>(t.ptr) + bwd::seq_base(p, t, b, false) + int64_t(h) * t.head +
+               int64_t(r0 + row0) * t.seq;
+    bwd::store_grad_frag<float>(false, grad, kPass == ExactPass::dk ? p.scale : 1.0f, g, t.seq, r1 - r0 - row0,
+                                kPass == ExactPass::dk ? p.headdim_qk : p.headdim_v);
+  }
+#endif
+}
+
+}  // namespace tileattn::cuda
