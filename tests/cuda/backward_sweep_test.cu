@@ -298,7 +298,7 @@ void add_half_cases(std::vector<Case>& c, DType t) {
 
 // ALiBi: both L forms (causal carries the offset the backward removes), GQA, sq != sk both ways,
 // softcap underneath, a window, varlen per sequence, both slope shapes. fp16/bf16 run on the
-// Hopper kernels there, fp32 on the portable ones.
+// Hopper kernels there, fp32 where its head-dim bucket has them (the test works that out).
 void add_alibi_cases(std::vector<Case>& c, DType t) {
   using A = ProblemShape::Alibi;
   const std::string n = dtype_name(t) + "_alibi_";
@@ -518,8 +518,13 @@ TEST_P(Backward, GradientsWithin2xOfNaive) {
     const int bucket = tileattn::cuda::bucket_of(tileattn::cuda::BwdSm80HeadDims{},
                                                  int(std::max(hp.problem.headdim_qk, hp.problem.headdim_v)));
     const bool wide = bucket > 128;
+    // fp32 (exact mode here) runs the split-TF32 Hopper kernels in their buckets (32 and 64).
+    const bool expect_sm90 =
+        hp.problem.dtype == DType::f32
+            ? bucket != 0 && tileattn::cuda::bucket_of(tileattn::cuda::BwdTf32Sm90HeadDims{}, bucket) == bucket
+            : GetParam().expect_sm90;
     try {
-      if (GetParam().expect_sm90 && !(deterministic && wide) && hopper_kernels_run())
+      if (expect_sm90 && !(deterministic && wide) && hopper_kernels_run())
         EXPECT_STREQ(tileattn::plan_backward(dp.problem).kernel_name(), "sm90");
       run_forward_backward(dp);
     } catch (const Error& e) {
@@ -586,6 +591,32 @@ TEST_P(BackwardFp32Fast, GradientsWithinTf32Bound) {
 
 INSTANTIATE_TEST_SUITE_P(Sweep, BackwardFp32Fast, testing::ValuesIn(fp32_cases()),
                          [](const testing::TestParamInfo<Case>& info) { return info.param.name; });
+
+// fp32 exact mode: every query that sees one key has P = 1 and D = dP, so dS = P (dP - D) is 0 and
+// dQ and dK are exactly zero, as a naive backward's are. On Hopper this pins that the statistics,
+// dK and dQ passes form the same S and dP bit for bit (the split products' one term order, the
+// dK pass's S^T included).
+TEST(BackwardFp32Exact, OneVisibleKeyGivesZeroDqAndDk) {
+  TA_SKIP_WITHOUT_GPU();
+  for (int64_t d : {32, 64}) {
+    SCOPED_TRACE("head dim " + std::to_string(d));
+    auto s = base(DType::f32, 300, 1, d);
+    s.heads_q = 4;
+    s.heads_kv = 2;
+    s.softcap = d == 64 ? 2.0f : 0.0f;
+    HostProblem hp(s);
+    DeviceProblem dp(hp);
+    try {
+      run_forward_backward(dp);
+    } catch (const Error& e) {
+      if (e.kind() == ErrorKind::unsupported) continue;  // a narrowed build lacks the bucket
+      throw;
+    }
+    const auto dq = hp.dq.gather(), dk = hp.dk.gather();
+    EXPECT_EQ(std::count_if(dq.begin(), dq.end(), [](double x) { return x != 0.0; }), 0);
+    EXPECT_EQ(std::count_if(dk.begin(), dk.end(), [](double x) { return x != 0.0; }), 0);
+  }
+}
 
 // 16-bit with headdim_qk <= 8 (common/delta_rule.hpp): scores are few-term sums and a row's weight
 // sits on a few keys, where D = rowsum(O dO) from the 16-bit O broke the 2x rule in a few percent

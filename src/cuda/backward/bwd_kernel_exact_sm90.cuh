@@ -104,7 +104,7 @@ __device__ __forceinline__ void split_in_place(unsigned char* x, unsigned char* 
 }
 
 // S (or dP) of a step, the split product of the rows (a_hi in registers, a_lo the consumer's rows
-// at smem address a_lo) and the step's tile (b_hi, b_lo), issued into kAccs accumulators and
+// at descriptor a_lo) and the step's tile (descriptors b_hi, b_lo), issued into kAccs accumulators and
 // committed (split_sum waits and adds them). The terms go in the order (query lo, key hi), (query
 // hi, key lo), (hi, hi) whichever side the rows are, the hi products kHiSteps k-steps (32
 // products) an accumulator.
@@ -114,25 +114,25 @@ constexpr int kSplitAccs = kD / 8 / kHiSteps;
 
 template <class RowTile, class StepTile, bool kRowsAreKeys, int kD, int kN>
 __device__ __forceinline__ void split_scores(float (&acc)[kSplitAccs<kD>][kN / 8][4], const uint32_t (&a_hi)[kD / 8][4],
-                                             uint32_t a_lo, uint32_t b_hi, uint32_t b_lo) {
+                                             uint64_t a_lo, uint64_t b_hi, uint64_t b_lo) {
   using Mma = sm90::Wgmma<float, kN>;
   sm90::wgmma_fence();
   if constexpr (!kRowsAreKeys) {
 #pragma unroll
     for (int ks = 0; ks < kD / 8; ++ks)
-      Mma::ss(acc[0], RowTile::k_major(a_lo, ks), StepTile::k_major(b_hi, ks), ks > 0);
+      Mma::ss(acc[0], RowTile::k_step(a_lo, ks), StepTile::k_step(b_hi, ks), ks > 0);
 #pragma unroll
-    for (int ks = 0; ks < kD / 8; ++ks) Mma::rs(acc[0], a_hi[ks], StepTile::k_major(b_lo, ks), 1);
+    for (int ks = 0; ks < kD / 8; ++ks) Mma::rs(acc[0], a_hi[ks], StepTile::k_step(b_lo, ks), 1);
   } else {
 #pragma unroll
-    for (int ks = 0; ks < kD / 8; ++ks) Mma::rs(acc[0], a_hi[ks], StepTile::k_major(b_lo, ks), ks > 0);
+    for (int ks = 0; ks < kD / 8; ++ks) Mma::rs(acc[0], a_hi[ks], StepTile::k_step(b_lo, ks), ks > 0);
 #pragma unroll
     for (int ks = 0; ks < kD / 8; ++ks)
-      Mma::ss(acc[0], RowTile::k_major(a_lo, ks), StepTile::k_major(b_hi, ks), 1);
+      Mma::ss(acc[0], RowTile::k_step(a_lo, ks), StepTile::k_step(b_hi, ks), 1);
   }
 #pragma unroll
   for (int ks = 0; ks < kD / 8; ++ks)
-    Mma::rs(acc[ks / kHiSteps], a_hi[ks], StepTile::k_major(b_hi, ks), ks >= kHiSteps && ks % kHiSteps == 0 ? 0 : 1);
+    Mma::rs(acc[ks / kHiSteps], a_hi[ks], StepTile::k_step(b_hi, ks), ks >= kHiSteps && ks % kHiSteps == 0 ? 0 : 1);
   sm90::wgmma_commit();
 }
 
@@ -388,33 +388,33 @@ __global__ void __launch_bounds__(BwdExactSm90Traits<kHeadDim, kPass>::kThreads,
     }
     sm90::fence_shared_to_async();
     sm90::named_barrier_sync(sm90::kBwdExactRowsSplit0 + consumer, 128);
-    const uint32_t lo0 = smem_address(rows(0)) + consumer * 64 * 128;
-    const uint32_t lo1 = smem_address(rows(Traits::kRowTiles - 1)) + consumer * 64 * 128;
+    const uint64_t lo0 = sm90::k_major_descriptor(smem_address(rows(0)) + consumer * 64 * 128);
+    const uint64_t lo1 = sm90::k_major_descriptor(smem_address(rows(Traits::kRowTiles - 1)) + consumer * 64 * 128);
     // Rows every column of a step sees in full need no mask arithmetic (rows are queries).
     const int full_begin = kRowsAreKeys ? 0 : mask.full_begin_key(r1), full_end = kRowsAreKeys ? 0 : mask.full_end_key(r0);
 
     for (int i = 0; i < n_steps; ++i) {
       const int s = i % kStages;  // in the loop's own words: see StageRing::wait_slot
       const unsigned char* st = stage(s);
-      const uint32_t st_addr = smem_address(st);
+      const uint64_t st_desc = sm90::k_major_descriptor(smem_address(st));  // every operand's, plus its offset
       const int c0 = col0(i);
       const float slope = kAlibi ? p.mod.slope(b, step_head(i)) : 0.0f;
       ready.wait_slot(i, s);
 
+      // S and dP issued together, then summed.
       constexpr int kAccs = exact::kSplitAccs<D>;
       float sc[BS / 8][4];
       [[maybe_unused]] float dp[BS / 8][4];
       {
-        float acc[kAccs][BS / 8][4];
-        exact::split_scores<RowTile, StepTile, kRowsAreKeys, D, BS>(acc, a0, lo0, st_addr + Traits::kX,
-                                                                    st_addr + Traits::kXLo);
-        exact::split_sum<kAccs, BS>(acc, sc);
-      }
-      if constexpr (kHasDp) {
-        float acc[kAccs][BS / 8][4];
-        exact::split_scores<RowTile, StepTile, kRowsAreKeys, D, BS>(acc, a1, lo1, st_addr + Traits::kY,
-                                                                    st_addr + Traits::kYLo);
-        exact::split_sum<kAccs, BS>(acc, dp);
+        float acc_s[kAccs][BS / 8][4];
+        [[maybe_unused]] float acc_dp[kAccs][BS / 8][4];
+        exact::split_scores<RowTile, StepTile, kRowsAreKeys, D, BS>(
+            acc_s, a0, lo0, sm90::descriptor_plus(st_desc, Traits::kX), sm90::descriptor_plus(st_desc, Traits::kXLo));
+        if constexpr (kHasDp)
+          exact::split_scores<RowTile, StepTile, kRowsAreKeys, D, BS>(
+              acc_dp, a1, lo1, sm90::descriptor_plus(st_desc, Traits::kY), sm90::descriptor_plus(st_desc, Traits::kYLo));
+        exact::split_sum<kAccs, BS>(acc_s, sc);
+        if constexpr (kHasDp) exact::split_sum<kAccs, BS>(acc_dp, dp);
       }
 
       frag.col0 = c0;
@@ -440,17 +440,18 @@ __global__ void __launch_bounds__(BwdExactSm90Traits<kHeadDim, kPass>::kThreads,
 
         // This step's gradient terms in two fresh accumulators, two hi k-steps each (the lo terms
         // first, in the first), added to the gradient in fp32.
-        const uint32_t zt_hi = st_addr + Traits::kZT, zt_lo = zt_hi + StepT::kBytes;
+        const uint64_t zt_hi = sm90::descriptor_plus(st_desc, Traits::kZT);
+        const uint64_t zt_lo = sm90::descriptor_plus(st_desc, Traits::kZT + StepT::kBytes);
         using Mma = sm90::Wgmma<float, D>;
         float fresh[2][D / 8][4];
         sm90::wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < BS / 8; ++kk) Mma::rs(fresh[0], g_lo[kk], StepT::k_major(zt_hi, kk), kk > 0);
+        for (int kk = 0; kk < BS / 8; ++kk) Mma::rs(fresh[0], g_lo[kk], StepT::k_step(zt_hi, kk), kk > 0);
 #pragma unroll
-        for (int kk = 0; kk < BS / 8; ++kk) Mma::rs(fresh[0], g_hi[kk], StepT::k_major(zt_lo, kk), 1);
+        for (int kk = 0; kk < BS / 8; ++kk) Mma::rs(fresh[0], g_hi[kk], StepT::k_step(zt_lo, kk), 1);
 #pragma unroll
         for (int kk = 0; kk < BS / 8; ++kk)
-          Mma::rs(fresh[kk / 2], g_hi[kk], StepT::k_major(zt_hi, kk), kk == 2 ? 0 : 1);
+          Mma::rs(fresh[kk / 2], g_hi[kk], StepT::k_step(zt_hi, kk), kk == 2 ? 0 : 1);
         sm90::wgmma_commit();
         sm90::wgmma_wait<0>();
         sm90::fence_registers(fresh[0]);
