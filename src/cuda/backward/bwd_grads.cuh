@@ -5,7 +5,7 @@
 //
 // fp16/bf16 recompute P from the saved log-sum-exp: P = exp2(s * scale * log2(e) - L * log2(e));
 // fp32 forms P = exp(s * scale - max) / sum from per-row statistics recomputed for accuracy
-// (src/cuda/fp32/bwd_row_stats.cuh). Rows that see no key and padding rows carry +inf in place of
+// (bwd_row_stats.cuh; on Hopper the statistics pass of bwd_kernel_exact_sm90.cuh). Rows that see no key and padding rows carry +inf in place of
 // L * log2(e) (resp. max), which makes P exactly 0 there: no mask arithmetic is needed for them,
 // and no NaN can arise.
 #include <math.h>

@@ -1,6 +1,6 @@
 #pragma once
-// The sm90 backward: the 16-bit kernels (head-dim buckets up to 256) and the TF32 ones for fp32 in
-// fast mode (buckets 32 and 64), each preprocess, dK/dV and dQ. Instantiated per (dtype, bucket)
+// The sm90 backward: the 16-bit kernels (head-dim buckets up to 256) and the fp32 ones (buckets 32
+// and 64: TF32 in fast mode, split TF32 in exact mode), each preprocess, dK/dV and dQ. Instantiated per (dtype, bucket)
 // by generated translation units (see src/cuda/CMakeLists.txt); the host pieces they share are in
 // launch_bwd_sm90.cpp.
 #include <cuda_runtime.h>

@@ -55,7 +55,8 @@ struct BwdParams {
   int seqlen_q_rounded;
   int dq_accum_dim;  // row length of dq_accum (the kernel's head-dim bucket)
   // fp16/bf16: L * log2(e). fp32: the row max of the scaled scores, natural domain (recomputed by
-  // src/cuda/fp32/bwd_row_stats.cuh). +inf for padding and for rows that see no key, so P = 0.
+  // the statistics pass: backward/bwd_row_stats.cuh, on Hopper bwd_kernel_exact_sm90.cuh), or L
+  // itself with given_stats. +inf for padding and for rows that see no key, so P = 0.
   float* lse2;
   float* row_sum;   // fp32 only: sum of exp(score - row max); 1 where P = 0; null otherwise
   float* dsum;      // D = rowsum(O * dO); 0 for padding
