@@ -31,6 +31,17 @@ __device__ __forceinline__ float scaled_score(float x, const BwdParams& p) {
   return kCapped ? __fmul_rn(p.softcap, tanhf(x * p.scale_over_cap)) : __fmul_rn(x, p.scale);
 }
 
+// The score that fp32's row statistics take for raw score x (q.k) of (query, key): scaled (and
+// capped) as scaled_score, ALiBi's bias added after the cap as prob_of_score adds it, -inf where
+// `masked` and the key is not visible; so that a row's statistics are those of the P formed later.
+template <bool kCapped, bool kAlibi>
+__device__ __forceinline__ float stats_score(float x, int query, int key, bool masked, float slope, const Mask& mask,
+                                             const BwdParams& p) {
+  float sc = scaled_score<kCapped>(x, p);
+  if constexpr (kAlibi) sc = __fadd_rn(sc, ScoreMod::alibi_bias(slope, query, key, mask.seqlen_q, mask.seqlen_k));
+  return masked && !mask.visible(query, key) ? -INFINITY : sc;
+}
+
 // P of one raw score x (q.k) in the log2 domain, from l = L * log2(e) of its query: the 16-bit
 // kernels' form, and the TF32 kernels' (fp32 fast mode), whose products are the accuracy limit.
 // `cap` receives the capped score that grad_of_prob needs; with kAlibi, `bias` is ALiBi's bias in

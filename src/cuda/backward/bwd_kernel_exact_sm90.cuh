@@ -172,14 +172,9 @@ struct OnlineRowStats {
       for (int j = 0; j < NT; ++j)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const int query = f.row + 8 * half, key = f.col0 + j * 8 + 2 * t + e;
-          float sc = bwd::scaled_score<kCapped>(s[j][2 * half + e], p);
-          if constexpr (kAlibi)
-            sc = __fadd_rn(sc, ScoreMod::alibi_bias(slope, query, key, f.mask.seqlen_q, f.mask.seqlen_k));
-          if constexpr (kMasked)
-            if (!f.mask.visible(query, key)) sc = -INFINITY;
-          v[j][e] = sc;
-          tile_max = fmaxf(tile_max, sc);
+          v[j][e] = bwd::stats_score<kCapped, kAlibi>(s[j][2 * half + e], f.row + 8 * half, f.col0 + j * 8 + 2 * t + e,
+                                                      kMasked, slope, f.mask, p);
+          tile_max = fmaxf(tile_max, v[j][e]);
         }
       tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
       tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));

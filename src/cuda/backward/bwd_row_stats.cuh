@@ -150,9 +150,7 @@ __global__ void __launch_bounds__(kThreads, 1) row_stats_kernel(const BwdParams 
 #pragma unroll
               for (int e = 0; e < 2; ++e) {
                 const int c = s_col + j * 8 + (lane & 3) * 2 + e;
-                float sc = scaled_score<kCapped>(st[i][j][2 * hh + e], p);
-                if constexpr (kAlibi) sc = __fadd_rn(sc, ScoreMod::alibi_bias(slope, q0 + r, k0 + c, s.sq, s.sk));
-                v[j][e] = (masked && !mask.visible(q0 + r, k0 + c)) ? -INFINITY : sc;
+                v[j][e] = stats_score<kCapped, kAlibi>(st[i][j][2 * hh + e], q0 + r, k0 + c, masked, slope, mask, p);
                 tile_max = fmaxf(tile_max, v[j][e]);
               }
             float tile_sum = 0.0f;
