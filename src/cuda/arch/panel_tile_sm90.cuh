@@ -19,9 +19,15 @@ struct PanelTile {
 
   // Operand read along its 128-byte rows (K-major): k-step ks (32 bytes of each row), from the
   // tile's address or from its descriptor (k_major_descriptor(base)).
-  __device__ __forceinline__ static constexpr uint32_t k_offset(int ks) { return (ks / 4) * kPanelBytes + (ks % 4) * 32; }
-  __device__ __forceinline__ static uint64_t k_major(uint32_t base, int ks) { return k_major_descriptor(base + k_offset(ks)); }
-  __device__ __forceinline__ static uint64_t k_step(uint64_t desc, int ks) { return descriptor_plus(desc, k_offset(ks)); }
+  __device__ __forceinline__ static constexpr uint32_t k_offset(int ks) {
+    return (ks / 4) * kPanelBytes + (ks % 4) * 32;
+  }
+  __device__ __forceinline__ static uint64_t k_major(uint32_t base, int ks) {
+    return k_major_descriptor(base + k_offset(ks));
+  }
+  __device__ __forceinline__ static uint64_t k_step(uint64_t desc, int ks) {
+    return descriptor_plus(desc, k_offset(ks));
+  }
   // Operand read across its rows (N-major, rows are the K dimension): k-step ks of 16 rows
   // (16-bit types only: TF32 wgmma reads K-major operands alone).
   __device__ __forceinline__ static uint64_t n_major(uint32_t base, int ks) {

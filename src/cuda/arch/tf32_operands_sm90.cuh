@@ -32,9 +32,15 @@ struct Tf32Transposed {
   static constexpr int kSourcePanelBytes = kRows * 128;  // PanelTile<kRows, kDim, 4>
 
   // k-step kk (8 positions) of the rewritten tile at `base`, or from its descriptor.
-  __device__ __forceinline__ static constexpr uint32_t k_offset(int kk) { return (kk / 4) * kPanelBytes + (kk % 4) * 32; }
-  __device__ __forceinline__ static uint64_t k_major(uint32_t base, int kk) { return k_major_descriptor(base + k_offset(kk)); }
-  __device__ __forceinline__ static uint64_t k_step(uint64_t desc, int kk) { return descriptor_plus(desc, k_offset(kk)); }
+  __device__ __forceinline__ static constexpr uint32_t k_offset(int kk) {
+    return (kk / 4) * kPanelBytes + (kk % 4) * 32;
+  }
+  __device__ __forceinline__ static uint64_t k_major(uint32_t base, int kk) {
+    return k_major_descriptor(base + k_offset(kk));
+  }
+  __device__ __forceinline__ static uint64_t k_step(uint64_t desc, int kk) {
+    return descriptor_plus(desc, k_offset(kk));
+  }
 
   // The rewrite of `src` into `dst` by threads [0, threads) (tid = this thread's index among them;
   // threads a multiple of 32, warps aligned). Unit (position group pg, column chunk nc): positions

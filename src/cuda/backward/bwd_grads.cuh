@@ -5,9 +5,9 @@
 //
 // fp16/bf16 recompute P from the saved log-sum-exp: P = exp2(s * scale * log2(e) - L * log2(e));
 // fp32 forms P = exp(s * scale - max) / sum from per-row statistics recomputed for accuracy
-// (bwd_row_stats.cuh; on Hopper the statistics pass of bwd_kernel_exact_sm90.cuh). Rows that see no key and padding rows carry +inf in place of
-// L * log2(e) (resp. max), which makes P exactly 0 there: no mask arithmetic is needed for them,
-// and no NaN can arise.
+// (bwd_row_stats.cuh; on Hopper the statistics pass of bwd_kernel_exact_sm90.cuh). Rows that see
+// no key and padding rows carry +inf in place of L * log2(e) (resp. max), which makes P exactly 0
+// there: no mask arithmetic is needed for them, and no NaN can arise.
 #include <math.h>
 
 #include <type_traits>
@@ -341,7 +341,10 @@ __device__ __forceinline__ void exact_grad_fragments(const float (&s)[NT][4], co
         float x = prob_of_score<float, kCapped, kAlibi>(s[j][2 * half + e], m, sum, p, cap, bias);
         if constexpr (kMasked)
           if (!f.mask.visible(query, key)) x = 0.0f;
-        if constexpr (!kWantP) x = grad_of_prob<kCapped>(x, dp[j][2 * half + e], kRowsAreKeys ? f.col_dsum[c] : f.row_dsum[half], cap, p);
+        if constexpr (!kWantP) {
+          const float d = kRowsAreKeys ? f.col_dsum[c] : f.row_dsum[half];
+          x = grad_of_prob<kCapped>(x, dp[j][2 * half + e], d, cap, p);
+        }
         float h, r;
         fp32::split_tf32(x, h, r);
         hi[j][half + 2 * e] = __float_as_uint(h);

@@ -104,10 +104,10 @@ __device__ __forceinline__ void split_in_place(unsigned char* x, unsigned char* 
 }
 
 // S (or dP) of a step, the split product of the rows (a_hi in registers, a_lo the consumer's rows
-// at descriptor a_lo) and the step's tile (descriptors b_hi, b_lo), issued into kAccs accumulators and
-// committed (split_sum waits and adds them). The terms go in the order (query lo, key hi), (query
-// hi, key lo), (hi, hi) whichever side the rows are, the hi products kHiSteps k-steps (32
-// products) an accumulator.
+// at descriptor a_lo) and the step's tile (descriptors b_hi, b_lo), issued into kSplitAccs
+// accumulators and committed (split_sum waits and adds them). The terms go in the order (query lo,
+// key hi), (query hi, key lo), (hi, hi) whichever side the rows are, the hi products kHiSteps
+// k-steps (32 products) an accumulator.
 constexpr int kHiSteps = 4;
 template <int kD>
 constexpr int kSplitAccs = kD / 8 / kHiSteps;
@@ -289,7 +289,8 @@ __global__ void __launch_bounds__(BwdExactSm90Traits<kHeadDim, kPass>::kThreads,
       if (lane != 0 || n_steps == 0) return;
       const CUtensorMap* row_maps[2] = {kRowsAreKeys ? &params.k : &params.q, kRowsAreKeys ? &params.v : &params.dout};
       const CUtensorMap* step_maps[2] = {kRowsAreKeys ? &params.q : &params.k, kRowsAreKeys ? &params.dout : &params.v};
-      const int row_base = int(kRowsAreKeys ? seq.row_k : seq.row_q), step_base = int(kRowsAreKeys ? seq.row_q : seq.row_k);
+      const int row_base = int(kRowsAreKeys ? seq.row_k : seq.row_q);
+      const int step_base = int(kRowsAreKeys ? seq.row_q : seq.row_k);
       sm90::barrier_arrive_expect_bytes(bars.once, Traits::kRowTiles * RowTile::kBytes);
 #pragma unroll
       for (int r = 0; r < Traits::kRowTiles; ++r)
@@ -386,7 +387,8 @@ __global__ void __launch_bounds__(BwdExactSm90Traits<kHeadDim, kPass>::kThreads,
     const uint64_t lo0 = sm90::k_major_descriptor(smem_address(rows(0)) + consumer * 64 * 128);
     const uint64_t lo1 = sm90::k_major_descriptor(smem_address(rows(Traits::kRowTiles - 1)) + consumer * 64 * 128);
     // Rows every column of a step sees in full need no mask arithmetic (rows are queries).
-    const int full_begin = kRowsAreKeys ? 0 : mask.full_begin_key(r1), full_end = kRowsAreKeys ? 0 : mask.full_end_key(r0);
+    const int full_begin = kRowsAreKeys ? 0 : mask.full_begin_key(r1);
+    const int full_end = kRowsAreKeys ? 0 : mask.full_end_key(r0);
 
     for (int i = 0; i < n_steps; ++i) {
       const int s = i % kStages;  // in the loop's own words: see StageRing::wait_slot
@@ -403,11 +405,11 @@ __global__ void __launch_bounds__(BwdExactSm90Traits<kHeadDim, kPass>::kThreads,
       {
         float acc_s[kAccs][BS / 8][4];
         [[maybe_unused]] float acc_dp[kAccs][BS / 8][4];
-        exact::split_scores<RowTile, StepTile, kRowsAreKeys, D, BS>(
-            acc_s, a0, lo0, sm90::descriptor_plus(st_desc, Traits::kX), sm90::descriptor_plus(st_desc, Traits::kXLo));
+        auto at = [&](int offset) { return sm90::descriptor_plus(st_desc, offset); };
+        exact::split_scores<RowTile, StepTile, kRowsAreKeys, D, BS>(acc_s, a0, lo0, at(Traits::kX), at(Traits::kXLo));
         if constexpr (kHasDp)
-          exact::split_scores<RowTile, StepTile, kRowsAreKeys, D, BS>(
-              acc_dp, a1, lo1, sm90::descriptor_plus(st_desc, Traits::kY), sm90::descriptor_plus(st_desc, Traits::kYLo));
+          exact::split_scores<RowTile, StepTile, kRowsAreKeys, D, BS>(acc_dp, a1, lo1, at(Traits::kY),
+                                                                      at(Traits::kYLo));
         exact::split_sum<kAccs, BS>(acc_s, sc);
         if constexpr (kHasDp) exact::split_sum<kAccs, BS>(acc_dp, dp);
       }
@@ -433,11 +435,12 @@ __global__ void __launch_bounds__(BwdExactSm90Traits<kHeadDim, kPass>::kThreads,
         else
           bwd::exact_grad_fragments<kRowsAreKeys, false, kAlibi>(masked, sc, dp, frag, p, g_hi, g_lo, slope);
 
-        // This step's gradient terms in two fresh accumulators, two hi k-steps each (the lo terms
-        // first, in the first), added to the gradient in fp32.
+        // This step's gradient terms in two fresh accumulators, half the hi k-steps each (the lo
+        // terms first, in the first), added to the gradient in fp32.
         const uint64_t zt_hi = sm90::descriptor_plus(st_desc, Traits::kZT);
         const uint64_t zt_lo = sm90::descriptor_plus(st_desc, Traits::kZT + StepT::kBytes);
         using Mma = sm90::Wgmma<float, D>;
+        constexpr int kHalf = BS / 16;
         float fresh[2][D / 8][4];
         sm90::wgmma_fence();
 #pragma unroll
@@ -446,7 +449,7 @@ __global__ void __launch_bounds__(BwdExactSm90Traits<kHeadDim, kPass>::kThreads,
         for (int kk = 0; kk < BS / 8; ++kk) Mma::rs(fresh[0], g_hi[kk], StepT::k_step(zt_lo, kk), 1);
 #pragma unroll
         for (int kk = 0; kk < BS / 8; ++kk)
-          Mma::rs(fresh[kk / 2], g_hi[kk], StepT::k_step(zt_hi, kk), kk == 2 ? 0 : 1);
+          Mma::rs(fresh[kk / kHalf], g_hi[kk], StepT::k_step(zt_hi, kk), kk == kHalf ? 0 : 1);
         sm90::wgmma_commit();
         sm90::wgmma_wait<0>();
         sm90::fence_registers(fresh[0]);

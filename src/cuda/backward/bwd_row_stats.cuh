@@ -1,8 +1,9 @@
 #pragma once
 // Each query row's softmax statistics and D, recomputed from Q, K, V and dO: the portable exact
 // fp32 backward's (both passes below; the Hopper one has its own statistics pass,
-// bwd_kernel_exact_sm90.cuh, which forms the same sums online), and the 16-bit backward's D where rowsum(O dO) is not accurate
-// enough (consistent_delta: the second pass only, P from the forward's L).
+// bwd_kernel_exact_sm90.cuh, which forms the same sums online), and the 16-bit backward's D where
+// rowsum(O dO) is not accurate enough (consistent_delta: the second pass only, P from the
+// forward's L).
 //
 // Recomputing P as exp(s - L) from the forward's L costs fp32 about |L| units in the last place
 // of relative error in every P (L is a sum of a max and a log, each rounded at its magnitude),
