@@ -333,7 +333,10 @@ __global__ void __launch_bounds__(FwdSm90Tile<kD, kExact>::kThreads, 1)
         for (int nt = 0; nt < kBN / 8; ++nt)
 #pragma unroll
           for (int e = 2 * hf; e < 2 * hf + 2; ++e) {
-            const float arg = fmaf(acc_s[nt][e], to_log2, -base);
+            // Exact mode rounds the product on its own, as the row max was rounded: contracted
+            // into the subtraction, the row's largest score kept its rounding residual in the
+            // exponent, so a row's only visible key could get P = 1 - 2^-24 and O a unit off V.
+            const float arg = kExact ? __fmul_rn(acc_s[nt][e], to_log2) - base : fmaf(acc_s[nt][e], to_log2, -base);
             acc_s[nt][e] = kExact ? exp2f(arg) : exp2_fast(arg);
             sum += acc_s[nt][e];
           }
