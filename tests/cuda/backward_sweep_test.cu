@@ -448,6 +448,17 @@ std::vector<Case> cases() {
     s.causal = true;
     c.push_back({"f32_varlen_causal_d64", s});
   }
+  // headdim_v below headdim_qk in one bucket (V's and dO's tiles end in zero columns), four query
+  // heads a kv head, a window on both sides.
+  {
+    auto s = base(DType::f32, 200, 333, 64);
+    s.headdim_v = 24;
+    s.heads_q = 4;
+    s.heads_kv = 1;
+    s.window_left = 90;
+    s.window_right = 40;
+    c.push_back({"f32_dv24_mqa_window_d64", s});
+  }
   return c;
 }
 
