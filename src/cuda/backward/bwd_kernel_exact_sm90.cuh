@@ -393,7 +393,9 @@ __global__ void __launch_bounds__(BwdExactSm90Traits<kHeadDim, kPass>::kThreads,
     for (int i = 0; i < n_steps; ++i) {
       const int s = i % kStages;  // in the loop's own words: see StageRing::wait_slot
       const unsigned char* st = stage(s);
-      const uint64_t st_desc = sm90::k_major_descriptor(smem_address(st));  // every operand's, plus its offset
+      // Every operand's descriptor: the stage's plus the operand's offset in it.
+      const uint64_t st_desc = sm90::k_major_descriptor(smem_address(st));
+      auto at = [&](int offset) { return sm90::descriptor_plus(st_desc, offset); };
       const int c0 = col0(i);
       const float slope = kAlibi ? p.mod.slope(b, step_head(i)) : 0.0f;
       ready.wait_slot(i, s);
@@ -405,7 +407,6 @@ __global__ void __launch_bounds__(BwdExactSm90Traits<kHeadDim, kPass>::kThreads,
       {
         float acc_s[kAccs][BS / 8][4];
         [[maybe_unused]] float acc_dp[kAccs][BS / 8][4];
-        auto at = [&](int offset) { return sm90::descriptor_plus(st_desc, offset); };
         exact::split_scores<RowTile, StepTile, kRowsAreKeys, D, BS>(acc_s, a0, lo0, at(Traits::kX), at(Traits::kXLo));
         if constexpr (kHasDp)
           exact::split_scores<RowTile, StepTile, kRowsAreKeys, D, BS>(acc_dp, a1, lo1, at(Traits::kY),
@@ -437,8 +438,7 @@ __global__ void __launch_bounds__(BwdExactSm90Traits<kHeadDim, kPass>::kThreads,
 
         // This step's gradient terms in two fresh accumulators, half the hi k-steps each (the lo
         // terms first, in the first), added to the gradient in fp32.
-        const uint64_t zt_hi = sm90::descriptor_plus(st_desc, Traits::kZT);
-        const uint64_t zt_lo = sm90::descriptor_plus(st_desc, Traits::kZT + StepT::kBytes);
+        const uint64_t zt_hi = at(Traits::kZT), zt_lo = at(Traits::kZT + StepT::kBytes);
         using Mma = sm90::Wgmma<float, D>;
         constexpr int kHalf = BS / 16;
         float fresh[2][D / 8][4];

@@ -1,8 +1,8 @@
 #pragma once
 // The sm90 backward: the 16-bit kernels (head-dim buckets up to 256) and the fp32 ones (buckets 32
-// and 64: TF32 in fast mode, split TF32 in exact mode), each preprocess, dK/dV and dQ. Instantiated per (dtype, bucket)
-// by generated translation units (see src/cuda/CMakeLists.txt); the host pieces they share are in
-// launch_bwd_sm90.cpp.
+// and 64: TF32 in fast mode, split TF32 in exact mode), each preprocess, dK/dV and dQ.
+// Instantiated per (dtype, bucket) by generated translation units (see src/cuda/CMakeLists.txt);
+// the host pieces they share are in launch_bwd_sm90.cpp.
 #include <cuda_runtime.h>
 
 #include "cuda/backward/bwd_params_sm90.hpp"
