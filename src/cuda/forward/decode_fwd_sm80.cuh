@@ -24,6 +24,18 @@
 
 namespace tileattn::cuda {
 
+// How a block finds its key rows; each is an instance of its own, so that one path's copies do
+// not shape the others' code (the loop is sensitive to it: docs/perf-log.md).
+//  - tiles: contiguous, or pages holding whole tiles (one base a tile);
+//  - warps: pages of a multiple of 16 keys, each warp copying its 16 keys from their one page;
+//  - rows:  shorter pages, gathered row by row.
+enum class DecodeGather { tiles, warps, rows };
+
+inline DecodeGather decode_gather(const KeyLayout& keys, int block_n) {
+  if (!keys.paged() || keys.page_size % block_n == 0) return DecodeGather::tiles;
+  return keys.page_size % 16 == 0 ? DecodeGather::warps : DecodeGather::rows;
+}
+
 template <class T, int kHeadDim>
 struct DecodeTraits {
   static constexpr int kWarps = 4;
@@ -47,7 +59,7 @@ struct DecodeTraits {
                 "the exchange reuses the K/V ring");
 };
 
-template <class T, int kHeadDim>
+template <class T, int kHeadDim, DecodeGather kGather>
 __global__ void __launch_bounds__(DecodeTraits<T, kHeadDim>::kThreads)
     fwd_decode_kernel_sm80(const __grid_constant__ FwdParams p) {
   // The split-KV combine may start its blocks now; they wait for this grid's end before reading.
@@ -97,26 +109,26 @@ __global__ void __launch_bounds__(DecodeTraits<T, kHeadDim>::kThreads)
 
     const T* gK = static_cast<const T*>(p.k) + kv_head * p.k_head_stride;
     const T* gV = static_cast<const T*>(p.v) + kv_head * p.v_head_stride;
-    // Pages of a multiple of the tile hold whole tiles (one page id per tile); with pages of a
-    // multiple of 16 keys each warp copies its own 16 keys from their one page (one id per warp
-    // and tile); shorter pages are gathered row by row. Every id (one fetch for K and V) is read a
-    // tile ahead, so a copy never waits on the page table: with few blocks per SM (split-KV) a
-    // table read in front of each tile's copies left the ring short of bytes in flight.
-    const bool gather = blk.key.pages && p.keys.page_size % kBlockN != 0;
-    const bool by_warp = gather && p.keys.page_size % 16 == 0;
+    // Every page id (one fetch for K and V) is read a tile ahead, so a copy never waits on the
+    // page table: with few blocks per SM (split-KV) a table read in front of each tile's copies
+    // left the ring short of bytes in flight.
+    constexpr bool by_warp = kGather == DecodeGather::warps, by_row = kGather == DecodeGather::rows;
     PagedRows<KVTile, kThreads> ids;
     int warp_page = 0;  // the next tile's page (whole-tile pages) or this warp's page of it
     auto fetch_ids = [&](int i) {
       if (!blk.key.pages || i >= n_tiles) return;
       const int key0 = (tiles.begin + i) * kBlockN;
-      if (gather && !by_warp) return ids.fetch(p.keys, blk.key.pages, key0, blk.seqlen_k - key0);
-      const int key = key0 + (by_warp ? warp * 16 : 0);
-      warp_page = key < blk.seqlen_k ? load_page_id(blk.key.pages + p.keys.page_of(key)) : 0;
+      if constexpr (by_row) {
+        ids.fetch(p.keys, blk.key.pages, key0, blk.seqlen_k - key0);
+      } else {
+        const int key = key0 + (by_warp ? warp * 16 : 0);
+        warp_page = key < blk.seqlen_k ? load_page_id(blk.key.pages + p.keys.page_of(key)) : 0;
+      }
     };
     auto load_stage = [&](int i) {  // key tile tiles.begin + i into stage i % kStages
       T* stage = sKV + (i % kStages) * Tr::kStageElements;
       const int key0 = (tiles.begin + i) * kBlockN, rows = blk.seqlen_k - key0;
-      if (by_warp) {
+      if constexpr (by_warp) {
         const int key = key0 + warp * 16;
         const int64_t page = clamp_to(warp_page, 0, p.keys.num_pages - 1), row = p.keys.row_in_page(key);
         load_warp_rows<KVTile, 16>(stage, warp * 16, gK + page * p.k_batch_stride + row * p.k_row_stride,
@@ -124,7 +136,7 @@ __global__ void __launch_bounds__(DecodeTraits<T, kHeadDim>::kThreads)
         load_warp_rows<KVTile, 16>(stage + KVTile::kElements, warp * 16,
                                    gV + page * p.v_batch_stride + row * p.v_row_stride, p.v_row_stride,
                                    blk.seqlen_k - key, p.headdim_v, p.vec_v);
-      } else if (!gather) {
+      } else if constexpr (!by_row) {
         int64_t k_off, v_off;
         if (blk.key.pages) {
           const int64_t page = clamp_to(warp_page, 0, p.keys.num_pages - 1), row = p.keys.row_in_page(key0);

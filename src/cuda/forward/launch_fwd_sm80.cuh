@@ -20,7 +20,23 @@ namespace fwd_sm80_detail {
 struct Kernel {
   const void* fn;
   int threads, smem_bytes, block_m, block_n;
+  bool decode;
 };
+
+template <class T, int kHeadDim, DecodeGather kGather>
+const void* decode_fn() {
+  return reinterpret_cast<const void*>(fwd_decode_kernel_sm80<T, kHeadDim, kGather>);
+}
+
+template <class T, int kHeadDim>
+const void* decode_kernel(DecodeGather gather) {
+  switch (gather) {
+    case DecodeGather::tiles: return decode_fn<T, kHeadDim, DecodeGather::tiles>();
+    case DecodeGather::warps: return decode_fn<T, kHeadDim, DecodeGather::warps>();
+    case DecodeGather::rows: break;
+  }
+  return decode_fn<T, kHeadDim, DecodeGather::rows>();
+}
 
 template <class T, int kHeadDim>
 Kernel pick(const FwdParams& p) {
@@ -29,12 +45,12 @@ Kernel pick(const FwdParams& p) {
   // At most 16 (packed) query rows: the decode kernel, where its ring fits the device.
   if (int64_t(p.seqlen_q) * p.pack <= Decode::kBlockM) {
     if (Decode::kSmemBytes <= device_props().smem_optin)
-      return {reinterpret_cast<const void*>(fwd_decode_kernel_sm80<T, kHeadDim>), Decode::kThreads,
-              Decode::kSmemBytes, Decode::kBlockM, Decode::kBlockN};
+      return {decode_kernel<T, kHeadDim>(decode_gather(p.keys, Decode::kBlockN)), Decode::kThreads,
+              Decode::kSmemBytes, Decode::kBlockM, Decode::kBlockN, true};
   }
   const void* fn = p.dropout.on ? reinterpret_cast<const void*>(fwd_kernel_sm80<T, kHeadDim, true>)
                                 : reinterpret_cast<const void*>(fwd_kernel_sm80<T, kHeadDim, false>);
-  return {fn, Traits::kThreads, Traits::kSmemBytes, Traits::kBlockM, Traits::kBlockN};
+  return {fn, Traits::kThreads, Traits::kSmemBytes, Traits::kBlockM, Traits::kBlockN, false};
 }
 
 inline void prepare(const Kernel& k) {
@@ -53,7 +69,7 @@ int FwdSm80<T, kHeadDim>::num_splits(const FwdParams& p) {
   TA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k.fn, k.threads, k.smem_bytes));
   const int64_t tiles = int64_t(p.batch) * (p.heads_q / p.pack) * fwd_query_tiles(p, k.block_m);
   const int key_blocks = (p.seqlen_k + k.block_n - 1) / k.block_n;
-  if (k.fn == reinterpret_cast<const void*>(fwd_decode_kernel_sm80<T, kHeadDim>)) {
+  if (k.decode) {
     // A paged cache costs each block more latency per byte (a page-table read per tile or row,
     // pages scattered over the address space), which one block per SM does not hide: two blocks
     // per SM where they fit. A contiguous cache reads the same with one or two (docs/perf-log.md).
