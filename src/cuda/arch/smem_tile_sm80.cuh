@@ -117,9 +117,10 @@ __device__ __forceinline__ void load_tile_rows(T* tile, RowAddress row_address, 
   }
 }
 
-// One warp's share of a tile: rows [first_row, first_row + kRows) from one strided block (e.g.
-// one page), zero-filled past rows_valid / cols_valid like load_tile. The warp's lanes form
-// (32 / kSlots) rows x kSlots chunk slots and walk the rows with a running pointer.
+// One warp's share of a tile: rows [first_row, first_row + kRows) (first_row a multiple of 8)
+// from one strided block (e.g. one page), zero-filled past rows_valid / cols_valid like
+// load_tile. The warp's lanes form (32 / kSlots) rows x kSlots chunk slots and walk the rows
+// with a running pointer.
 template <class Tile, int kRows, class T>
 __device__ __forceinline__ void load_warp_rows(T* tile, int first_row, const T* global, int64_t row_stride,
                                                int rows_valid, int cols_valid, bool vectorized) {
@@ -131,6 +132,22 @@ __device__ __forceinline__ void load_warp_rows(T* tile, int first_row, const T* 
   const int col = slot * 8;
   const T* src = global + int64_t(row0) * row_stride + col;
   const int64_t pass_stride = int64_t(kRowsPerPass) * row_stride;
+  if (vectorized && rows_valid >= kRows && cols_valid >= Tile::kCols) {
+    // Whole pages take a loop without tests. The swizzle repeats every 8 rows (first_row leaves it
+    // as it is), so a pass's shared address is one of kPeriod registers plus a constant.
+    constexpr int kPasses = kRows / kRowsPerPass;
+    constexpr int kPeriod = kRowsPerPass >= 8 ? 1 : 8 / kRowsPerPass < kPasses ? 8 / kRowsPerPass : kPasses;
+    uint32_t base[kPeriod];
+#pragma unroll
+    for (int s = 0; s < kPeriod; ++s)
+      base[s] = smem_address(tile + first_row * Tile::kCols + Tile::offset(row0 + s * kRowsPerPass, col));
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {
+      cp_async_16(base[i % kPeriod] + 2 * (i / kPeriod) * kPeriod * kRowsPerPass * Tile::kCols, src, 16);
+      src += pass_stride;
+    }
+    return;
+  }
 #pragma unroll
   for (int i = 0; i < kRows / kRowsPerPass; ++i) {
     const int row = row0 + i * kRowsPerPass;
