@@ -34,6 +34,9 @@ struct PanelTile {
     static_assert(kElementBytes == 2, "N-major operands are 16-bit");
     return mn_major_descriptor(base + ks * 16 * 128, kPanelBytes);
   }
+  __device__ __forceinline__ static uint64_t n_step(uint64_t desc, int ks) {
+    return descriptor_plus(desc, ks * 16 * 128);
+  }
 
 #if defined(TILEATTN_SM90_ENABLED)
   // Rows [row, row + kRows) of a (dim, rows, heads, batch) tensor map whose boxes are

@@ -141,7 +141,10 @@ struct WarpRoles {
                 "WarpRoles: the register split exceeds the launch allocation");
 
   int warpgroup;  // 0: the producer
-  __device__ __forceinline__ WarpRoles() : warpgroup(int(threadIdx.x) / 128) {}
+  // Read through a shuffle so that the compiler knows it is the same across the warp: the roles'
+  // branches are then uniform, and values formed from it and from loop counters (shared-memory
+  // descriptors, stage indices) may live in uniform registers, as wgmma wants its descriptors.
+  __device__ __forceinline__ WarpRoles() : warpgroup(__shfl_sync(0xffffffffu, int(threadIdx.x) / 128, 0)) {}
 
   __device__ __forceinline__ int consumer() const { return warpgroup - 1; }
   // Warp within the warpgroup, lane within the warp.

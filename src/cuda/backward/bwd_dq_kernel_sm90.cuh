@@ -135,11 +135,12 @@ __global__ void __launch_bounds__(DqSm90Traits<T, kHeadDim>::kThreads, 1)
       const bool masked = !(key0 >= full_begin && key0 + BN <= full_end);
       bwd::grads_to_fragments<T, false, kAlibi>(masked, st, dpt, grads, p, pa, da, slope);
 
+      const uint64_t k_desc = KVTile::n_major(k_addr, 0);
       sm90::fence_registers(dq[0]);
       sm90::wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < BN / 16; ++ks)
-        sm90::Wgmma<T, kHeadDim>::template rs<1>(dq[0], da[ks], KVTile::n_major(k_addr, ks), 1);
+        sm90::Wgmma<T, kHeadDim>::template rs<1>(dq[0], da[ks], KVTile::n_step(k_desc, ks), 1);
       sm90::wgmma_commit();
       sm90::wgmma_wait<0>();
       sm90::fence_registers(dq[0]);

@@ -165,17 +165,17 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
     // queries and K's panel c.
     [[maybe_unused]] const int ds_panel = Traits::kDqSplitRows ? consumer : 0;
     const int k_panel = Traits::kDqSplitRows ? 0 : consumer;
-    const uint32_t k_dq = smem_address(sK) + k_panel * KVTile::kPanelBytes;
+    const uint64_t k_dq = KVTile::n_major(smem_address(sK) + k_panel * KVTile::kPanelBytes, 0);
     [[maybe_unused]] float* dq_part = sdq + consumer * Traits::DqOrder::kPartFloats + 4 * (int(threadIdx.x) % 128);
     [[maybe_unused]] float dq[1][kDqCols / 8][4];
     // dQ(t) = dS(t) K, issued once both consumers' halves of dS^T(t) are written.
     [[maybe_unused]] auto issue_dq = [&](int t) {
       ds_ring.wait(t);
-      const uint32_t ds_addr = smem_address(ds_buffer(t)) + ds_panel * DsTile::kPanelBytes;
+      const uint64_t ds_desc = DsTile::n_major(smem_address(ds_buffer(t)) + ds_panel * DsTile::kPanelBytes, 0);
       sm90::wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < BN / 16; ++ks)
-        sm90::Wgmma<T, kDqCols>::template ss<1, 1>(dq[0], DsTile::n_major(ds_addr, ks), KVTile::n_major(k_dq, ks),
+        sm90::Wgmma<T, kDqCols>::template ss<1, 1>(dq[0], DsTile::n_step(ds_desc, ks), KVTile::n_step(k_dq, ks),
                                                     ks > 0);
       sm90::wgmma_commit();
     };
@@ -211,12 +211,13 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
       const bwd::Fragment grads{stages.lse2(s), stages.dsum(s), {0.0f, 0.0f}, {0.0f, 0.0f}, q0, kb.k0 + key_row, kb.mask};
       bwd::grads_to_fragments<T, true, kAlibi>(masked, st, dpt, grads, p, pa, da, slope);
 
+      const uint64_t do_desc = QTile::n_major(do_addr, 0), q_desc = QTile::n_major(q_addr, 0);
       sm90::fence_registers(dv[0]);
       sm90::fence_registers(dk[0]);
       sm90::wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < BM / 16; ++ks)
-        sm90::Wgmma<T, kHeadDim>::template rs<1>(dv[0], pa[ks], QTile::n_major(do_addr, ks), 1);
+        sm90::Wgmma<T, kHeadDim>::template rs<1>(dv[0], pa[ks], QTile::n_step(do_desc, ks), 1);
       sm90::wgmma_commit();
 
       if constexpr (kFusedDq) {
@@ -238,7 +239,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
       if constexpr (kWithDq) issue_dq(it - 1);
 #pragma unroll
       for (int ks = 0; ks < BM / 16; ++ks)
-        sm90::Wgmma<T, kHeadDim>::template rs<1>(dk[0], da[ks], QTile::n_major(q_addr, ks), 1);
+        sm90::Wgmma<T, kHeadDim>::template rs<1>(dk[0], da[ks], QTile::n_step(q_desc, ks), 1);
       sm90::wgmma_commit();
 
       if constexpr (kWithDq) {

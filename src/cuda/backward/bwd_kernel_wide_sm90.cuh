@@ -159,21 +159,21 @@ __global__ void __launch_bounds__(BwdWideSm90Traits<T, kHeadDim>::kThreads, 1)
         sm90::named_barrier_sync(sm90::kBwdPdsReady, Traits::kConsumerThreads);
 
         float dq[1][kCols / 8][4];
+        const uint64_t p_k = PTile::k_major(p_addr, 0), ds_k = PTile::k_major(ds_addr, 0);
+        const uint64_t ds_n = PTile::n_major(ds_addr, 0), k_n = KVTile::n_major(k_addr + panel0, 0);
+        const uint64_t do_n = QTile::n_major(do_addr + panel0, 0), q_n = QTile::n_major(q_addr + panel0, 0);
         sm90::fence_registers(dv[0]);
         sm90::fence_registers(dk[0]);
         sm90::wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < BM / 16; ++ks)
-          sm90::Wgmma<T, kCols>::template ss<0, 1>(dv[0], PTile::k_major(p_addr, ks),
-                                                   QTile::n_major(do_addr + panel0, ks), 1);
+          sm90::Wgmma<T, kCols>::template ss<0, 1>(dv[0], PTile::k_step(p_k, ks), QTile::n_step(do_n, ks), 1);
 #pragma unroll
         for (int ks = 0; ks < BM / 16; ++ks)
-          sm90::Wgmma<T, kCols>::template ss<0, 1>(dk[0], PTile::k_major(ds_addr, ks),
-                                                   QTile::n_major(q_addr + panel0, ks), 1);
+          sm90::Wgmma<T, kCols>::template ss<0, 1>(dk[0], PTile::k_step(ds_k, ks), QTile::n_step(q_n, ks), 1);
 #pragma unroll
         for (int ks = 0; ks < BN / 16; ++ks)
-          sm90::Wgmma<T, kCols>::template ss<1, 1>(dq[0], PTile::n_major(ds_addr, ks),
-                                                   KVTile::n_major(k_addr + panel0, ks), ks > 0);
+          sm90::Wgmma<T, kCols>::template ss<1, 1>(dq[0], PTile::n_step(ds_n, ks), KVTile::n_step(k_n, ks), ks > 0);
         sm90::wgmma_commit();
         sm90::wgmma_wait<0>();
         sm90::fence_registers(dv[0]);

@@ -173,13 +173,16 @@ template <class T, int kN, int kHeadDim, class ATile, class BTile>
 __device__ __forceinline__ void score_products(float (&s)[1][kN / 8][4], float (&dp)[1][kN / 8][4], uint32_t a_s,
                                                uint32_t b_s, uint32_t a_dp, uint32_t b_dp) {
   constexpr int kSteps = kHeadDim / sm90::Wgmma<T, kN>::kK;
+  // Each operand's descriptor is formed once and stepped by adds (sm90::descriptor_plus).
+  const uint64_t as = ATile::k_major(a_s, 0), bs = BTile::k_major(b_s, 0);
+  const uint64_t adp = ATile::k_major(a_dp, 0), bdp = BTile::k_major(b_dp, 0);
   sm90::wgmma_fence();
 #pragma unroll
   for (int ks = 0; ks < kSteps; ++ks)
-    sm90::Wgmma<T, kN>::ss(s[0], ATile::k_major(a_s, ks), BTile::k_major(b_s, ks), ks > 0);
+    sm90::Wgmma<T, kN>::ss(s[0], ATile::k_step(as, ks), BTile::k_step(bs, ks), ks > 0);
 #pragma unroll
   for (int ks = 0; ks < kSteps; ++ks)
-    sm90::Wgmma<T, kN>::ss(dp[0], ATile::k_major(a_dp, ks), BTile::k_major(b_dp, ks), ks > 0);
+    sm90::Wgmma<T, kN>::ss(dp[0], ATile::k_step(adp, ks), BTile::k_step(bdp, ks), ks > 0);
   sm90::wgmma_commit();
   sm90::wgmma_wait<0>();
   sm90::fence_registers(s[0]);

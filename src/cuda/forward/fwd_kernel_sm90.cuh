@@ -175,18 +175,20 @@ __global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim, kBlockN_, kPersiste
     if constexpr (kAlibi) slope_raw = p.mod.slope(blk.batch, blk.head) / p.mod.scale;
 
     if (tiles.begin < tiles.end) {
-      const uint32_t q_base = smem_address(sQ) + consumer * 64 * 128;
+      // Descriptors are formed once per tile and stepped by adds (forming one from an address
+      // takes a chain of four dependent instructions, on the way to each product).
+      const uint64_t q_desc = QTile::k_major(smem_address(sQ) + consumer * 64 * 128, 0);
       float acc_s[1][kBlockN / 8][4];
       uint32_t pa[kBlockN / 16][4];  // P of the previous tile, rounded to T, in the A-fragment layout
 
       // S = Q K^T of the i-th tile visited, issued (not waited for).
       auto issue_s = [&](int i) {
-        const uint32_t k_base = smem_address(sK + k_ring.slot(i0 + i) * kKVBytes);
+        const uint64_t k_desc = KVTile::k_major(smem_address(sK + k_ring.slot(i0 + i) * kKVBytes), 0);
         k_ring.wait(i0 + i);
         sm90::wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < kHeadDim / 16; ++ks)
-          sm90::Wgmma<T, kBlockN>::ss(acc_s[0], QTile::k_major(q_base, ks), KVTile::k_major(k_base, ks), ks > 0);
+          sm90::Wgmma<T, kBlockN>::ss(acc_s[0], QTile::k_step(q_desc, ks), KVTile::k_step(k_desc, ks), ks > 0);
         sm90::wgmma_commit();
       };
       // Once that S has completed: K's stage goes back, the scores are modified and folded into
@@ -197,7 +199,10 @@ __global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim, kBlockN_, kPersiste
         if (p.softcap_pre > 0.0f) softcap_scores(acc_s, p.softcap_pre, p.softcap_post);
         const int key0 = (tiles.end - 1 - i) * kBlockN;
         if constexpr (kAlibi) alibi_scores(acc_s, slope_raw, row0, key0, blk.seqlen_q, blk.seqlen_k);
-        if (!(key0 >= tiles.full_begin && key0 + kBlockN <= tiles.full_end)) mask_scores(acc_s, mask, row0, key0);
+        if (!(key0 >= tiles.full_begin && key0 + kBlockN <= tiles.full_end)) {
+          if (mask.has_left()) mask_scores<true>(acc_s, mask, row0, key0);
+          else mask_scores<false>(acc_s, mask, row0, key0);
+        }
         stats.fold(acc_s, p.scale_log2, alpha);
       };
       // An S column-tile pair is one k-step of 16 keys.
@@ -212,13 +217,13 @@ __global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim, kBlockN_, kPersiste
       };
       // O += P V of the i-th tile visited, issued.
       auto issue_pv = [&](int i) {
-        const uint32_t v_base = smem_address(sV + v_ring.slot(i0 + i) * kKVBytes);
+        const uint64_t v_desc = KVTile::n_major(smem_address(sV + v_ring.slot(i0 + i) * kKVBytes), 0);
         v_ring.wait(i0 + i);
         sm90::fence_registers(acc_o[0]);
         sm90::wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < kBlockN / 16; ++ks)
-          sm90::Wgmma<T, kHeadDim>::template rs<1>(acc_o[0], pa[ks], KVTile::n_major(v_base, ks), 1);
+          sm90::Wgmma<T, kHeadDim>::template rs<1>(acc_o[0], pa[ks], KVTile::n_step(v_desc, ks), 1);
         sm90::wgmma_commit();
       };
       auto release_v = [&](int i) {

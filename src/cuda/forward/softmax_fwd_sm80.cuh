@@ -25,23 +25,25 @@ __device__ __forceinline__ void softcap_scores(float (&s)[kMTiles][kNTiles][4], 
 
 // Sets the scores of keys a row does not see to -inf. row0: the query row of (m-tile 0, g);
 // key0: the key of column 0 of this tile. Only tiles on the mask's boundary come here. With GQA
-// packing (pack > 1) a tile row is position row / pack.
-template <int kMTiles, int kNTiles>
+// packing (pack > 1) a tile row is position row / pack. The row's limits are taken relative to
+// this thread's first column, so that each element is compared with constants: twice, or once
+// without kLeft (a mask with no left window, as a causal one).
+template <bool kLeft = true, int kMTiles, int kNTiles>
 __device__ __forceinline__ void mask_scores(float (&s)[kMTiles][kNTiles][4], const Mask& mask, int row0, int key0,
                                             int pack = 1) {
-  const int t = threadIdx.x % 4;
+  const int col0 = key0 + 2 * (int(threadIdx.x) % 4);
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int row = pack > 1 ? (row0 + mt * 16 + half * 8) / pack : row0 + mt * 16 + half * 8;
-      const int begin = mask.begin_key(row), end = mask.end_key(row);
+      const int lo = mask.begin_key(row) - col0, hi = mask.end_key(row) - col0;
 #pragma unroll
       for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const int key = key0 + nt * 8 + 2 * t + e;
-          if (key < begin || key >= end) s[mt][nt][half * 2 + e] = -INFINITY;
+          const int c = nt * 8 + e;
+          if ((kLeft && c < lo) || c >= hi) s[mt][nt][half * 2 + e] = -INFINITY;
         }
     }
 }
