@@ -168,9 +168,10 @@ __device__ __forceinline__ uint64_t smem_descriptor(uint32_t address, uint32_t l
          (uint64_t((stride_bytes & 0x3FFFF) >> 4) << 32) | (uint64_t(1) << 62);
 }
 __device__ __forceinline__ uint64_t k_major_descriptor(uint32_t address) { return smem_descriptor(address, 16, 1024); }
-// k_major_descriptor(a + bytes) from k_major_descriptor(a) in one 32-bit add: bytes a multiple of
-// 16 and a + bytes inside the 256 KiB that the 14-bit start field addresses, so that the add never
-// carries out of it (a descriptor a step computed from an address took four uniform instructions).
+// The descriptor of a + bytes from that of a (either major order: only the start field moves) in
+// one 32-bit add: bytes a multiple of 16 and a + bytes inside the 256 KiB that the 14-bit start
+// field addresses, so that the add never carries out of it (a descriptor a step computed from an
+// address took four uniform instructions).
 __device__ __forceinline__ uint64_t descriptor_plus(uint64_t desc, uint32_t bytes) {
   return (desc & ~uint64_t(0xFFFFFFFFu)) | uint32_t(uint32_t(desc) + (bytes >> 4));
 }

@@ -136,14 +136,14 @@ __device__ __forceinline__ void load_warp_rows(T* tile, int first_row, const T* 
     // Whole pages take a loop without tests. The swizzle repeats every 8 rows (first_row leaves it
     // as it is), so a pass's shared address is one of kPeriod registers plus a constant.
     constexpr int kPasses = kRows / kRowsPerPass;
-    constexpr int kPeriod = kRowsPerPass >= 8 ? 1 : 8 / kRowsPerPass < kPasses ? 8 / kRowsPerPass : kPasses;
+    constexpr int kPeriod = 8 / kRowsPerPass < kPasses ? 8 / kRowsPerPass : kPasses;
     uint32_t base[kPeriod];
 #pragma unroll
     for (int s = 0; s < kPeriod; ++s)
       base[s] = smem_address(tile + first_row * Tile::kCols + Tile::offset(row0 + s * kRowsPerPass, col));
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) {
-      cp_async_16(base[i % kPeriod] + 2 * (i / kPeriod) * kPeriod * kRowsPerPass * Tile::kCols, src, 16);
+      cp_async_16(base[i % kPeriod] + (i / kPeriod) * 8 * Tile::kCols * int(sizeof(T)), src, 16);
       src += pass_stride;
     }
     return;
