@@ -33,13 +33,13 @@ __device__ __forceinline__ float scaled_score(float x, const BwdParams& p) {
 
 // The score that fp32's row statistics take for raw score x (q.k) of (query, key): scaled (and
 // capped) as scaled_score, ALiBi's bias added after the cap as prob_of_score adds it, -inf where
-// `masked` and the key is not visible; so that a row's statistics are those of the P formed later.
+// the mask hides the key; so that a row's statistics are those of the P formed later.
 template <bool kCapped, bool kAlibi>
-__device__ __forceinline__ float stats_score(float x, int query, int key, bool masked, float slope, const Mask& mask,
+__device__ __forceinline__ float stats_score(float x, int query, int key, bool hidden, float slope, const Mask& mask,
                                              const BwdParams& p) {
   float sc = scaled_score<kCapped>(x, p);
   if constexpr (kAlibi) sc = __fadd_rn(sc, ScoreMod::alibi_bias(slope, query, key, mask.seqlen_q, mask.seqlen_k));
-  return masked && !mask.visible(query, key) ? -INFINITY : sc;
+  return hidden ? -INFINITY : sc;
 }
 
 // P of one raw score x (q.k) in the log2 domain, from l = L * log2(e) of its query: the 16-bit
@@ -234,6 +234,37 @@ struct Fragment {
   float row_sum[2] = {1.0f, 1.0f};
 };
 
+// The columns of this thread's rows g and g + 8 (sequence positions row, row + 8) that the mask
+// shows, relative to the thread's first column (col0 + 2t, col0 the tile's first column), so that
+// each element is compared with constants: column 8 j + e of row half h is visible iff
+// lo[h] <= 8 j + e < hi[h]. Rows are keys: the queries that see the key, none past the keys and
+// none past the queries (padding columns, whose P the workspace's +inf already zeroes); rows are
+// queries: the keys the query sees. (mask.visible per element compiled to about 25 instructions
+// and two branches: its clamps, one of them 64-bit.)
+template <bool kRowsAreKeys>
+struct VisibleSpan {
+  int lo[2], hi[2];
+  __device__ __forceinline__ VisibleSpan(const Mask& mask, int row, int col0) {
+    const int first = col0 + 2 * (int(threadIdx.x) % 4);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = row + 8 * h;
+      int begin, end;
+      if constexpr (kRowsAreKeys) {
+        const bool key = r < mask.seqlen_k;
+        begin = key ? mask.tile_begin_query(r) : 0;
+        end = key ? mask.tile_end_query(r + 1) : 0;
+      } else {
+        begin = mask.begin_key(r);
+        end = mask.end_key(r);
+      }
+      lo[h] = begin - first;
+      hi[h] = end - first;
+    }
+  }
+  __device__ __forceinline__ bool operator()(int h, int c) const { return c >= lo[h] && c < hi[h]; }
+};
+
 // Accumulator column tiles (8 columns) per k-step of the next product: 16-bit k-steps are 16
 // columns, TF32 ones 8.
 template <class T>
@@ -256,6 +287,7 @@ __device__ __forceinline__ void grads_to_fragments(const float (&s)[1][NT][4], c
                                                    [[maybe_unused]] float slope) {
   constexpr float kToLog2 = std::is_same_v<T, float> ? kLog2e : 1.0f;
   const int t = threadIdx.x % 4;
+  [[maybe_unused]] const VisibleSpan<kRowsAreKeys> shown(f.mask, f.row, f.col0);
 #pragma unroll
   for (int j = 0; j < NT; ++j)
 #pragma unroll
@@ -266,22 +298,19 @@ __device__ __forceinline__ void grads_to_fragments(const float (&s)[1][NT][4], c
         const int c = j * 8 + 2 * t + e;
         const float l = (kRowsAreKeys ? f.col_lse2[c] : f.row_lse2[half]) * kToLog2;
         const float d = kRowsAreKeys ? f.col_dsum[c] : f.row_dsum[half];
-        // The element's query and key (sequence positions).
-        auto query = [&] { return kRowsAreKeys ? f.col0 + c : f.row + 8 * half; };
-        auto key = [&] { return kRowsAreKeys ? f.row + 8 * half : f.col0 + c; };
-        // (Read once per element, where the bias needs them too: ptxas keeps each instance's code
-        // as it was before the two forms shared this function.)
         float cap, pe;
         if constexpr (kAlibi) {
-          const int qi = query(), kj = key();
+          const int qi = kRowsAreKeys ? f.col0 + c : f.row + 8 * half;  // the element's query and key
+          const int kj = kRowsAreKeys ? f.row + 8 * half : f.col0 + c;
           const float bias = ScoreMod::alibi_bias(slope, qi, kj, f.mask.seqlen_q, f.mask.seqlen_k);
           pe = prob_of_score_log2<kCapped, true>(s[0][j][2 * half + e], l, p, cap, bias);
+          // (The span's registers gave the Hopper backward's ALiBi instances a stack.)
           if constexpr (kMasked)
             if (!f.mask.visible(qi, kj)) pe = 0.0f;
         } else {
           pe = prob_of_score_log2<kCapped>(s[0][j][2 * half + e], l, p, cap);
           if constexpr (kMasked)
-            if (!f.mask.visible(query(), key())) pe = 0.0f;
+            if (!shown(half, j * 8 + e)) pe = 0.0f;
         }
         pv[e] = pe;
         ds[e] = grad_of_prob<kCapped>(pe, dp[0][j][2 * half + e], d, cap, p);
@@ -325,6 +354,7 @@ __device__ __forceinline__ void exact_grad_fragments(const float (&s)[NT][4], co
                                                      const Fragment& f, const BwdParams& p, uint32_t (&hi)[NT][4],
                                                      uint32_t (&lo)[NT][4], [[maybe_unused]] float slope) {
   const int t = threadIdx.x % 4;
+  [[maybe_unused]] const VisibleSpan<kRowsAreKeys> shown(f.mask, f.row, f.col0);
 #pragma unroll
   for (int j = 0; j < NT; ++j)
 #pragma unroll
@@ -340,7 +370,7 @@ __device__ __forceinline__ void exact_grad_fragments(const float (&s)[NT][4], co
         if constexpr (kAlibi) bias = ScoreMod::alibi_bias(slope, query, key, f.mask.seqlen_q, f.mask.seqlen_k);
         float x = prob_of_score<float, kCapped, kAlibi>(s[j][2 * half + e], m, sum, p, cap, bias);
         if constexpr (kMasked)
-          if (!f.mask.visible(query, key)) x = 0.0f;
+          if (!shown(half, j * 8 + e)) x = 0.0f;
         if constexpr (!kWantP) {
           const float d = kRowsAreKeys ? f.col_dsum[c] : f.row_dsum[half];
           x = grad_of_prob<kCapped>(x, dp[j][2 * half + e], d, cap, p);

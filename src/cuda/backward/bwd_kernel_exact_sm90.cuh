@@ -164,6 +164,7 @@ struct OnlineRowStats {
   __device__ __forceinline__ void add(const float (&s)[NT][4], const float (&dp)[NT][4], const bwd::Fragment& f,
                                       const bwd::BwdParams& p, float slope) {
     const int t = threadIdx.x % 4;
+    [[maybe_unused]] const bwd::VisibleSpan<false> shown(f.mask, f.row, f.col0);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       float v[NT][2];
@@ -173,7 +174,7 @@ struct OnlineRowStats {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           v[j][e] = bwd::stats_score<kCapped, kAlibi>(s[j][2 * half + e], f.row + 8 * half, f.col0 + j * 8 + 2 * t + e,
-                                                      kMasked, slope, f.mask, p);
+                                                      kMasked && !shown(half, j * 8 + e), slope, f.mask, p);
           tile_max = fmaxf(tile_max, v[j][e]);
         }
       tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));

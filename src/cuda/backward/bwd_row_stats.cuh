@@ -151,7 +151,8 @@ __global__ void __launch_bounds__(kThreads, 1) row_stats_kernel(const BwdParams 
 #pragma unroll
               for (int e = 0; e < 2; ++e) {
                 const int c = s_col + j * 8 + (lane & 3) * 2 + e;
-                v[j][e] = stats_score<kCapped, kAlibi>(st[i][j][2 * hh + e], q0 + r, k0 + c, masked, slope, mask, p);
+                v[j][e] = stats_score<kCapped, kAlibi>(st[i][j][2 * hh + e], q0 + r, k0 + c,
+                                                       masked && !mask.visible(q0 + r, k0 + c), slope, mask, p);
                 tile_max = fmaxf(tile_max, v[j][e]);
               }
             float tile_sum = 0.0f;
