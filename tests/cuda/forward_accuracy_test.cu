@@ -204,6 +204,22 @@ std::vector<ForwardCase> base_cases() {
     v.seqlens_k = {2000, 3000, 5, 1100};
     c.push_back({"three_consumers_varlen", v, false, true});
   }
+  // The same under the causal mask past the persistent walk's key limit: diagonal tiles of 192
+  // rows, more keys than queries (the diagonal shifted), rows that see no key (sq > sk), softcap.
+  {
+    ProblemShape a = shape(2100, 4500, 64, 4, 2);
+    a.causal = true;
+    c.push_back({"three_consumers_causal_sk_gt_sq", a, false, true});
+    ProblemShape s = shape(4200, 4200, 32, 2, 1);
+    s.causal = true;
+    s.softcap = 6.0f;
+    c.push_back({"three_consumers_causal_softcap_d32", s, false, true});
+    ProblemShape v = shape(0, 0, 64, 2, 2);
+    v.seqlens_q = {4400, 100, 2500};
+    v.seqlens_k = {4200, 5000, 4700};
+    v.causal = true;
+    c.push_back({"three_consumers_causal_varlen_rows_without_keys", v, false, true});
+  }
   // GQA packing (decoding, seqlen_q <= 64): the query heads of a group share a tile; positions
   // and heads come from packed rows in the mask, the loads and the stores.
   {

@@ -50,7 +50,7 @@ constexpr int fwd_sm90_block_n(int head_dim, bool long_keys) {
 constexpr int kFwdSm90LongKeys = 8192;
 
 // kConsumers warpgroups of 64 query rows each: two, or three at head dims up to 64 on long
-// unmasked problems (launch_fwd_sm90.cuh), where a step's products are short beside its softmax:
+// unmasked or causal problems (launch_fwd_sm90.cuh), where a step's products are short beside its softmax:
 // two warpgroups' softmax then runs beside the third's products. 24 x 128 + 240 x 256 or
 // 24 x 128 + 160 x 384 registers fit the 64K register file.
 template <class T, int kHeadDim, int kBlockN_ = fwd_sm90_block_n(kHeadDim, false), bool kPersistent = false,

@@ -52,16 +52,19 @@ inline bool fwd_sm90_persistent(const FwdSm90Params& params, int head_dim) {
          units.count > device_props().sms && units.count <= INT32_MAX;
 }
 
-// Three consumer warpgroups (192-row query tiles) pay off at head dims up to 64 where no mask
-// makes tiles unequal and the rows fill the tiles nearly: H100, bf16, D = 64: N = 2k and 4k +3%,
-// 16k +7% (D = 32: +9% and +6%); N = 1k 5-12% slower (six 192-row tiles for 1024 rows, the last
-// a third full), causal 4k 5% slower (docs/perf-log.md). Key ranges the persistent instance
-// takes stay with it.
+// Three consumer warpgroups (192-row query tiles) pay off at head dims up to 64 where the rows
+// fill the tiles nearly and no mask but the causal one makes tiles unequal: H100, bf16, D = 64:
+// N = 2k and 4k +3%, 16k +7% (D = 32: +9% and +6%); N = 1k 5-12% slower (six 192-row tiles for
+// 1024 rows, the last a third full). Causal problems take them past the persistent walk's key
+// limit (H200, D = 64, 16k: +10-12%; docs/perf-log.md). Key ranges the persistent instance takes
+// stay with it.
 constexpr int kFwdSm90ThreeConsumerMinRows = 2048;
 inline int fwd_sm90_consumers(const AttentionProblem& pr, int head_dim) {
   const bool unmasked = !pr.causal && pr.window_left < 0 && pr.window_right < 0;
+  const bool long_causal = (pr.causal || pr.window_right == 0) && pr.window_left < 0 &&
+                           pr.seqlen_k > kFwdSm90PersistentCausalMaxKeys;
   const bool long_rows = pr.seqlen_q >= kFwdSm90ThreeConsumerMinRows && pr.seqlen_k > kFwdSm90PersistentMaxKeys;
-  return head_dim <= 64 && unmasked && pr.alibi_slopes == nullptr && long_rows ? 3 : 2;
+  return head_dim <= 64 && (unmasked || long_causal) && pr.alibi_slopes == nullptr && long_rows ? 3 : 2;
 }
 
 }  // namespace fwd_sm90_detail
