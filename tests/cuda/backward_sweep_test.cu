@@ -393,8 +393,46 @@ void add_alibi_hopper_cases(std::vector<Case>& c, DType t) {
   }
 }
 
+// More units of key blocks than SMs, one length, no mask but the causal one: on Hopper one block
+// per SM walks the key blocks (the fused dQ; the deterministic mode keeps a block each). An odd
+// key-block count (the middle block alone), GQA, sq != sk both ways (rows without keys), softcap,
+// and the unpaired walk without a mask.
+void add_persistent_cases(std::vector<Case>& c, DType t) {
+  const std::string n = dtype_name(t) + "_walk_";
+  {
+    auto s = base(t, 300, 300, 64);
+    s.batch = 9;
+    s.heads_q = 16;
+    s.heads_kv = 8;
+    s.causal = true;
+    c.push_back({n + "causal_gqa_odd_blocks", s, true});
+  }
+  {
+    auto s = base(t, 200, 390, 128);
+    s.batch = 9;
+    s.heads_q = s.heads_kv = 8;
+    s.causal = true;
+    c.push_back({n + "causal_sk_gt_sq_d128", s, true});
+  }
+  {
+    auto s = base(t, 400, 260, 64);  // the first 140 rows see no key
+    s.batch = 12;
+    s.heads_q = s.heads_kv = 6;
+    s.causal = true;
+    s.softcap = 3.0f;
+    c.push_back({n + "causal_sq_gt_sk_softcap", s, true});
+  }
+  {
+    auto s = base(t, 333, 270, 96);
+    s.batch = 8;
+    s.heads_q = s.heads_kv = 6;
+    c.push_back({n + "d96", s, true});
+  }
+}
+
 std::vector<Case> cases() {
   std::vector<Case> c;
+  add_persistent_cases(c, DType::bf16);
   add_half_cases(c, DType::bf16);
   add_half_cases(c, DType::f16);
   for (DType t : {DType::bf16, DType::f16, DType::f32}) add_alibi_cases(c, t);

@@ -31,6 +31,11 @@
 // kAlibi: P carries ALiBi's bias (bwd::grads_to_fragments, bwd_grads.cuh); an instance of its own, so
 // that the kernels without it keep their registers.
 //
+// kPersistent (kFusedDq only): one block per SM walks key blocks (scheduler_bwd_sm90.cuh). The
+// stage ring, dS^T's ring and the dQ tile's hand-shakes run on across key blocks (their items
+// counted over the walk); K and V are refilled once the consumers release them (kv_free), after
+// the key block's last products and before its dK/dV stores.
+//
 // Named barriers (kFusedDq only; pipeline_sm90.cuh): kBwdDqPartFull0 + c consumer c's part of a dQ
 // tile written (it arrives, the dQ warp waits); kBwdDqPartEmpty0 + c that part's shared memory
 // read (the dQ warp arrives).
@@ -46,6 +51,7 @@
 #include "cuda/backward/bwd_params_sm90.hpp"
 #include "cuda/backward/bwd_stream_sm90.cuh"
 #include "cuda/backward/bwd_dq_tiles_sm90.cuh"
+#include "cuda/backward/scheduler_bwd_sm90.cuh"
 #include "cuda/arch/panel_tile_sm90.cuh"
 #include "cuda/arch/pipeline_sm90.cuh"
 #include "cuda/arch/ptx_sm90.cuh"
@@ -78,11 +84,11 @@ struct BwdSm90Traits {
   using Barriers = BwdBarriers<kStages>;
   // K, V, then per stage: Q, dO, L * log2(e), D (rounded up to 1024 bytes: dS^T's swizzle is on
   // address bits); then dS^T, the dQ tile (both only with kFusedDq) and the barriers (dS^T's ring
-  // after the stages').
+  // after the stages', then kv_free).
   enum Region { kK, kV, kStagesRegion, kDs, kDq, kBarriers };
   using Smem = sm90::SmemRegions<KVTile::kBytes, KVTile::kBytes, (kStages * Stages::kBytes + 1023) / 1024 * 1024,
                                  kFusedDq ? kDsBuffers * DsTile::kBytes : 0, kFusedDq ? kDqTileBytes : 0,
-                                 Barriers::kBytes + (kFusedDq ? DsRing::kBarrierBytes : 0)>;
+                                 Barriers::kBytes + (kFusedDq ? DsRing::kBarrierBytes + 8 : 0)>;
   static constexpr int kSmemBytes = Smem::kBytes;
   // bar.sync count: one consumer and the dQ warp.
   static constexpr int kDqPartBarrierThreads = 128 + 32;
@@ -92,10 +98,11 @@ struct BwdSm90Traits {
   static_assert(kSmemBytes <= 227 * 1024, "shared memory");
 };
 
-template <class T, int kHeadDim, bool kFusedDq, bool kAlibi>
+template <class T, int kHeadDim, bool kFusedDq, bool kAlibi, bool kPersistent = false>
 __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads, 1)
     bwd_kernel_sm90(const __grid_constant__ BwdSm90Params params) {
 #if defined(TILEATTN_SM90_ENABLED)
+  static_assert(kFusedDq || !kPersistent, "the walk carries the fused dQ's hand-shakes");
   using Traits = BwdSm90Traits<T, kHeadDim, kFusedDq>;
   using Roles = typename Traits::Roles;
   using KVTile = typename Traits::KVTile;
@@ -116,13 +123,20 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
   // dS^T's ring: each consumer warp fills its rows of a buffer, and each frees it once its dQ
   // product has read the buffer.
   const typename Traits::DsRing ds_ring{ring.end()};
+  // kPersistent: K and V's buffer read to the end (one release per consumer warp).
+  uint64_t* kv_free = ds_ring.end();
 
-  const BwdKeyBlock<BN, BM> kb(p);
-  if (kb.k0 >= kb.seq.sk) return;
-  const int n_iter = kb.n_iter;
+  const BwdSm90Schedule<kPersistent, BN, BM> schedule(p);
+  if constexpr (!kPersistent) {
+    const BwdKeyBlock<BN, BM> kb(p);
+    if (kb.k0 >= kb.seq.sk) return;
+  }
 
   if constexpr (kFusedDq)
-    if (threadIdx.x == 0) ds_ring.init(4 * Traits::kConsumers, 4 * Traits::kConsumers);
+    if (threadIdx.x == 0) {
+      ds_ring.init(4 * Traits::kConsumers, 4 * Traits::kConsumers);
+      if constexpr (kPersistent) sm90::barrier_init(kv_free, 4 * Traits::kConsumers);
+    }
   bars.init(4 * Traits::kConsumers);  // one release per consumer warp
 
   const Roles roles;
@@ -130,18 +144,35 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
     Roles::enter_producer();
     if constexpr (kFusedDq) {
       if (threadIdx.x / 32 == 1) {
-        // The dQ warp: a consumer's part of the one tile is free again once its reduction has read it.
-        reduce_dq_tiles<kHeadDim, Traits::kDqTileBytes, Traits::kConsumers, Traits::kDqPartBytes,
-                        sm90::kBwdDqPartFull0, Traits::kDqPartBarrierThreads>(
-            p, kb, n_iter, [sdq](int) { return sdq; }, [](int, int) {},
-            [n_iter](int it, int part) {
-              if (it + 1 < n_iter)
-                sm90::named_barrier_arrive(sm90::kBwdDqPartEmpty0 + part, Traits::kDqPartBarrierThreads);
-            });
+        // The dQ warp: a consumer's part of the one tile is free again once its reduction has read
+        // it, except after the walk's last tile.
+        const int total = kPersistent ? schedule.steps(p) : 0;
+        int g0 = 0;
+        for (BwdWalk w = schedule.begin(); schedule.more(w); schedule.next(w)) {
+          const BwdKeyBlock<BN, BM> kb = schedule.key_block(p, w);
+          const int left = kPersistent ? total - g0 : kb.n_iter;  // tiles from this key block's first on
+          reduce_dq_tiles<kHeadDim, Traits::kDqTileBytes, Traits::kConsumers, Traits::kDqPartBytes,
+                          sm90::kBwdDqPartFull0, Traits::kDqPartBarrierThreads>(
+              p, kb, kb.n_iter, [sdq](int) { return sdq; }, [](int, int) {},
+              [left](int it, int part) {
+                if (it + 1 < left)
+                  sm90::named_barrier_arrive(sm90::kBwdDqPartEmpty0 + part, Traits::kDqPartBarrierThreads);
+              });
+          g0 += kb.n_iter;
+        }
         return;
       }
     }
-    if (threadIdx.x == 0 && n_iter > 0) load_key_block<KVTile>(params, kb, sK, sV, stages, bars);
+    if (threadIdx.x == 0) {
+      int g0 = 0, uses = 0;
+      for (BwdWalk w = schedule.begin(); schedule.more(w); schedule.next(w)) {
+        const BwdKeyBlock<BN, BM> kb = schedule.key_block(p, w);
+        if (kb.n_iter == 0) continue;
+        load_key_block<KVTile>(params, kb, sK, sV, stages, bars, g0, uses, kPersistent ? kv_free : nullptr);
+        g0 += kb.n_iter;
+        ++uses;
+      }
+    }
     return;
   }
 
@@ -151,14 +182,12 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
   const int key_row = 64 * consumer + 16 * warp + lane / 4;  // tile row of (g, e < 2)
 
   float dk[1][kHeadDim / 8][4], dv[1][kHeadDim / 8][4];
-#pragma unroll
-  for (int j = 0; j < kHeadDim / 8; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) dk[0][j][e] = dv[0][j][e] = 0.0f;
 
+  // Key block kb's steps, the ring items g0.. of the walk; its K and V are the uses-th fill.
   // kDqCols: this consumer's columns of the dQ tile (all of them where the split is by rows).
-  auto steps = [&](auto dq_cols) {
+  auto steps = [&](auto dq_cols, const BwdKeyBlock<BN, BM>& kb, int g0, int uses) {
     constexpr int kDqCols = decltype(dq_cols)::value;
+    const int n_iter = kb.n_iter;
     const uint32_t k_base = smem_address(sK) + consumer * 64 * 128;
     const uint32_t v_base = smem_address(sV) + consumer * 64 * 128;
     // dQ's operands and this thread's first dQ element: queries 64 c.. and K's panel 0, or all
@@ -168,7 +197,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
     const uint64_t k_dq = KVTile::n_major(smem_address(sK) + k_panel * KVTile::kPanelBytes, 0);
     [[maybe_unused]] float* dq_part = sdq + consumer * Traits::DqOrder::kPartFloats + 4 * (int(threadIdx.x) % 128);
     [[maybe_unused]] float dq[1][kDqCols / 8][4];
-    // dQ(t) = dS(t) K, issued once both consumers' halves of dS^T(t) are written.
+    // dQ(t) = dS(t) K (t: the walk's item), issued once both consumers' halves of dS^T(t) are written.
     [[maybe_unused]] auto issue_dq = [&](int t) {
       ds_ring.wait(t);
       const uint64_t ds_desc = DsTile::n_major(smem_address(ds_buffer(t)) + ds_panel * DsTile::kPanelBytes, 0);
@@ -191,15 +220,17 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
       sm90::fence_shared_to_async();
       sm90::named_barrier_arrive(sm90::kBwdDqPartFull0 + consumer, Traits::kDqPartBarrierThreads);
     };
-    // Step it; with_dq: it > 0, and the step issues dQ(it - 1) (constant, so that every step's
-    // wgmma groups are known to ptxas: with a run-time test it serialised the products).
+    // Step it of the key block (item g of the walk); with_dq: it > 0, and the step issues
+    // dQ(g - 1) (constant, so that every step's wgmma groups are known to ptxas: with a run-time
+    // test it serialised the products).
     auto step = [&](int it, auto with_dq) {
       constexpr bool kWithDq = kFusedDq && decltype(with_dq)::value;
-      const int s = it % kStages;  // in the loop's own words: see StageRing::wait_slot
+      const int g = g0 + it;
+      const int s = g % kStages;  // in the loop's own words: see StageRing::wait_slot
       const int q0 = kb.q0(it);
       const uint32_t q_addr = smem_address(stages.q(s)), do_addr = smem_address(stages.dout(s));
       const float slope = kAlibi ? p.mod.slope(kb.b, kb.head(it)) : 0.0f;
-      ring.wait_slot(it, s);
+      ring.wait_slot(g, s);
 
       float st[1][BM / 8][4], dpt[1][BM / 8][4];
       score_products<T, BM, kHeadDim, KVTile, QTile>(st, dpt, k_base, q_addr, v_base, do_addr);
@@ -223,8 +254,8 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
       if constexpr (kFusedDq) {
         // dS^T into its ring buffer in the tile format: A fragment (ks, i) holds rows g + 8 (i % 2)
         // and columns 16 ks + 8 (i / 2) + 2 t, + 1.
-        ds_ring.acquire(it);
-        unsigned char* ds = ds_buffer(it);
+        ds_ring.acquire(g);
+        unsigned char* ds = ds_buffer(g);
 #pragma unroll
         for (int ks = 0; ks < BM / 16; ++ks)
 #pragma unroll
@@ -234,47 +265,62 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
                                          4 * (lane % 4)) = da[ks][i];
           }
         sm90::fence_shared_to_async();
-        ds_ring.publish_warp(it, lane);
+        ds_ring.publish_warp(g, lane);
       }
-      if constexpr (kWithDq) issue_dq(it - 1);
+      if constexpr (kWithDq) issue_dq(g - 1);
 #pragma unroll
       for (int ks = 0; ks < BM / 16; ++ks)
         sm90::Wgmma<T, kHeadDim>::template rs<1>(dk[0], da[ks], QTile::n_step(q_desc, ks), 1);
       sm90::wgmma_commit();
 
       if constexpr (kWithDq) {
-        sm90::wgmma_wait<1>();  // dV and dQ(it - 1) done; dK may still run
-        hand_over_dq(it - 1);
+        sm90::wgmma_wait<1>();  // dV and dQ(g - 1) done; dK may still run
+        hand_over_dq(g - 1);
       }
       sm90::wgmma_wait<0>();
       sm90::fence_registers(dv[0]);
       sm90::fence_registers(dk[0]);
-      ring.release_warp(it, lane);
+      ring.release_warp(g, lane);
     };
 
-    bars.wait_once();
+    if constexpr (kPersistent) bars.wait_once(uses);
+    else bars.wait_once();
     if constexpr (!kFusedDq) {
       for (int it = 0; it < n_iter; ++it) step(it, std::false_type{});
     } else {
       step(0, std::false_type{});
       for (int it = 1; it < n_iter; ++it) step(it, std::true_type{});
-      issue_dq(n_iter - 1);
+      issue_dq(g0 + n_iter - 1);
       sm90::wgmma_wait<0>();
-      hand_over_dq(n_iter - 1);
+      if constexpr (kPersistent) {
+        __syncwarp();
+        if (lane == 0) sm90::barrier_arrive(kv_free);  // every product on K and V has landed
+      }
+      hand_over_dq(g0 + n_iter - 1);
     }
   };
-  if (n_iter > 0) {
-    if constexpr (!kFusedDq || Traits::kDqSplitRows) {
-      steps(std::integral_constant<int, kHeadDim>{});
-    } else if constexpr (kHeadDim == 128) {
-      steps(std::integral_constant<int, 64>{});
-    } else {
-      if (consumer == 0) steps(std::integral_constant<int, 64>{});
-      else steps(std::integral_constant<int, kHeadDim - 64>{});
-    }
-  }
 
-  kb.template store_grads<T>(p, 64 * consumer + 16 * warp, 0, dk, dv);  // from this warp's first tile row
+  int g0 = 0, uses = 0;
+  for (BwdWalk w = schedule.begin(); schedule.more(w); schedule.next(w)) {
+    const BwdKeyBlock<BN, BM> kb = schedule.key_block(p, w);
+#pragma unroll
+    for (int j = 0; j < kHeadDim / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dk[0][j][e] = dv[0][j][e] = 0.0f;
+    if (kb.n_iter > 0) {
+      if constexpr (!kFusedDq || Traits::kDqSplitRows) {
+        steps(std::integral_constant<int, kHeadDim>{}, kb, g0, uses);
+      } else if constexpr (kHeadDim == 128) {
+        steps(std::integral_constant<int, 64>{}, kb, g0, uses);
+      } else {
+        if (consumer == 0) steps(std::integral_constant<int, 64>{}, kb, g0, uses);
+        else steps(std::integral_constant<int, kHeadDim - 64>{}, kb, g0, uses);
+      }
+      g0 += kb.n_iter;
+      ++uses;
+    }
+    kb.template store_grads<T>(p, 64 * consumer + 16 * warp, 0, dk, dv);  // from this warp's first tile row
+  }
 #endif
 }
 

@@ -31,8 +31,10 @@ struct BwdKeyBlock {
 
   // This CTA's block of the (key blocks, batch, kv heads) grid; k0 >= seq.sk: past the sequence.
   __device__ __forceinline__ explicit BwdKeyBlock(const bwd::BwdParams& p)
-      : seq(bwd::seq_info(p, int(blockIdx.y))), mask(bwd::seq_mask(p, seq)), b(int(blockIdx.y)),
-        hk(int(blockIdx.z)), group(p.group), k0(int(blockIdx.x) * kBlockN) {
+      : BwdKeyBlock(p, int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)) {}
+  // Key block `block` of sequence b_ under kv head hk_.
+  __device__ __forceinline__ BwdKeyBlock(const bwd::BwdParams& p, int block, int b_, int hk_)
+      : seq(bwd::seq_info(p, b_)), mask(bwd::seq_mask(p, seq)), b(b_), hk(hk_), group(p.group), k0(block * kBlockN) {
     k1 = min(k0 + kBlockN, seq.sk);
     queries = bwd::tile_span(mask.tile_begin_query(k0), mask.tile_end_query(k1), kBlockM);
     n_iter = queries.count * group;
@@ -89,32 +91,47 @@ struct BwdBarriers {
     __syncthreads();
   }
   __device__ __forceinline__ void wait_once() const { sm90::barrier_wait(once, 0); }
+  // A block that fills `once` again for each key block it walks: the uses-th fill.
+  __device__ __forceinline__ void wait_once(int uses) const { sm90::barrier_wait(once, uint32_t(uses) & 1u); }
 };
 
 #if defined(TILEATTN_SM90_ENABLED)
 // The producer thread: K and V of the block once, then each step's stage through the ring (freed
-// by whoever reads the stage last).
+// by whoever reads the stage last). A block that walks several key blocks (kv_free given) passes
+// the steps its earlier key blocks took (g0: the ring's items before this one's first) and how
+// many of them loaded K and V (uses): this key block's first stage is loaded before K and V,
+// which wait for kv_free (the consumers' release of the previous key block's K and V), so that
+// the stage's latency hides behind the previous block's last step.
 template <class KVTile, class QTile, int kBlockN, int kBlockM, int kStages, int kAlign>
 __device__ __forceinline__ void load_key_block(const BwdSm90Params& params, const BwdKeyBlock<kBlockN, kBlockM>& kb,
                                                unsigned char* sK, unsigned char* sV,
                                                const BwdStages<QTile, kBlockM, kStages, kAlign>& stages,
-                                               const BwdBarriers<kStages>& bars) {
+                                               const BwdBarriers<kStages>& bars, int g0 = 0, int uses = 0,
+                                               uint64_t* kv_free = nullptr) {
   const bwd::BwdParams& p = params.bwd;
   const int batch = p.cu_seqlens_q != nullptr ? 0 : kb.b;
   const int k_row = int(kb.seq.row_k) + kb.k0, q_base = int(kb.seq.row_q);
-  sm90::barrier_arrive_expect_bytes(bars.once, 2 * KVTile::kBytes);
-  KVTile::template load<kBwdBoxRows>(sK, &params.k, bars.once, k_row, kb.hk, batch);
-  KVTile::template load<kBwdBoxRows>(sV, &params.v, bars.once, k_row, kb.hk, batch);
-  for (int it = 0; it < kb.n_iter; ++it) {
-    const int s = it % kStages;  // in the loop's own words: see StageRing::acquire_bytes_slot
+  auto load_stage = [&](int it) {
+    const int g = g0 + it;
+    const int s = g % kStages;  // in the loop's own words: see StageRing::acquire_bytes_slot
     const int h = kb.head(it), q0 = kb.q0(it);
-    uint64_t* full = bars.ring.acquire_bytes_slot(it, s, stages.kBytes);
+    uint64_t* full = bars.ring.acquire_bytes_slot(g, s, stages.kBytes);
     QTile::template load<kBwdBoxRows>(stages.q(s), &params.q, full, q_base + q0, h, batch);
     QTile::template load<kBwdBoxRows>(stages.dout(s), &params.dout, full, q_base + q0, h, batch);
     const int64_t w = bwd::ws_row(p, kb.b, h) + q0;
     sm90::bulk_load(stages.lse2(s), p.lse2 + w, kBlockM * 4, full);
     sm90::bulk_load(stages.dsum(s), p.dsum + w, kBlockM * 4, full);
+  };
+  int first = 0;
+  if (kv_free != nullptr && uses > 0) {
+    load_stage(0);
+    first = 1;
+    sm90::barrier_wait(kv_free, uint32_t(uses - 1) & 1u);
   }
+  sm90::barrier_arrive_expect_bytes(bars.once, 2 * KVTile::kBytes);
+  KVTile::template load<kBwdBoxRows>(sK, &params.k, bars.once, k_row, kb.hk, batch);
+  KVTile::template load<kBwdBoxRows>(sV, &params.v, bars.once, k_row, kb.hk, batch);
+  for (int it = first; it < kb.n_iter; ++it) load_stage(it);
 }
 
 // The dQ warp (a warp of the producer warpgroup; whole warps take part in named barriers): each

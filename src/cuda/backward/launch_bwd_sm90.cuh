@@ -2,6 +2,10 @@
 // Launch side of the sm90 backward. Included only by the generated instantiation units.
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+
 #include "cuda/common/check.cuh"
 #include "cuda/common/runtime_cache.hpp"
 #include "cuda/backward/bwd_preprocess.cuh"
@@ -14,17 +18,36 @@
 namespace tileattn::cuda {
 
 namespace detail {
-// The main kernel over (key tiles, batch, kv heads).
-template <class T, int kHeadDim, bool kFusedDq, bool kAlibi>
+// The main kernel over (key tiles, batch, kv heads), or kPersistent one block per SM walking them.
+template <class T, int kHeadDim, bool kFusedDq, bool kAlibi, bool kPersistent = false>
 void launch_bwd_sm90(const BwdSm90Params& params, cudaStream_t stream) {
   using Traits = BwdSm90Traits<T, kHeadDim, kFusedDq>;
   const bwd::BwdParams& p = params.bwd;
-  const auto kernel = bwd_kernel_sm90<T, kHeadDim, kFusedDq, kAlibi>;
+  const auto kernel = bwd_kernel_sm90<T, kHeadDim, kFusedDq, kAlibi, kPersistent>;
   allow_dynamic_smem(kernel, Traits::kSmemBytes);
-  const dim3 grid((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, p.batch, p.heads_kv);
+  dim3 grid((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, p.batch, p.heads_kv);
   if (grid.x == 0) return;
+  if constexpr (kPersistent)
+    grid = dim3(unsigned(std::min<int64_t>(BwdUnits(p, Traits::kBlockN).count, device_props().sms)));
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
   TA_CUDA_CHECK_LAUNCH("backward (sm90)");
+}
+
+// Blocks that walk several key blocks pay off where a key block's steps are few: every unit the
+// same work (one length, no mask but the causal one, which pairs key blocks), the fused dQ, more
+// units than SMs. H200, bf16, against a block per key block: N = 1k +4-6%, causal +4-7%; 4k -1%,
+// causal +2%; 16k -0.4-1%, causal -2.5-4.5% (docs/perf-log.md). So key ranges up to 1024 take the
+// walk, causal ones up to 4096: the forward's limits too.
+constexpr int kBwdSm90PersistentMaxKeys = 1024;
+constexpr int kBwdSm90PersistentCausalMaxKeys = 4096;
+inline bool bwd_sm90_persistent(const bwd::BwdParams& p, int block_n) {
+  const bool causal = p.window_right == 0 && p.window_left < 0;
+  const bool unmasked = p.window_left < 0 && p.window_right < 0;
+  const BwdUnits units(p, block_n);
+  return p.dq_accum != nullptr && !p.mod.has_alibi() && p.cu_seqlens_q == nullptr && p.cu_seqlens_k == nullptr &&
+         (causal || unmasked) &&
+         p.seqlen_k <= (causal ? kBwdSm90PersistentCausalMaxKeys : kBwdSm90PersistentMaxKeys) &&
+         units.count > device_props().sms && units.count <= INT32_MAX;
 }
 
 // The wide kernel (D > 128) over (key tiles, batch, kv heads).
@@ -60,6 +83,12 @@ void launch_main_sm90(const BwdSm90Params& params, cudaStream_t stream) {
     launch_bwd_wide_sm90<T, kHeadDim, kAlibi>(params, stream);
   } else if (params.bwd.dq_accum != nullptr) {
     // The accumulator rows are kHeadDim floats: the workspace is laid out for this bucket.
+    if constexpr (!kAlibi) {
+      if (bwd_sm90_persistent(params.bwd, BwdSm90Traits<T, kHeadDim, true>::kBlockN)) {
+        launch_bwd_sm90<T, kHeadDim, true, false, true>(params, stream);
+        return;
+      }
+    }
     launch_bwd_sm90<T, kHeadDim, true, kAlibi>(params, stream);
   } else {
     launch_bwd_sm90<T, kHeadDim, false, kAlibi>(params, stream);

@@ -3,15 +3,15 @@
 //
 // One block per tile: the grid's own (fwd_block_of_this_cta, heavy causal tiles launched first).
 // kPersistent (one block per SM): units of work handed out a grid apart. A unit is one query
-// tile, or, under a causal mask, a head's m-th heaviest tile followed by its m-th lightest: query
-// tiles M-1-m and m see M+1 key tiles together (one more per tile where the keys outnumber the
-// queries), so every unit is the same work and a static walk stays balanced without an atomic
-// counter. Units are numbered within a head first, then head, then batch, so that the blocks
-// running at once share their heads' K and V in L2.
+// tile, or, under a causal mask, a head's m-th heaviest tile followed by its m-th lightest
+// (cuda/common/tile_pairs.hpp; query tiles M-1-m and m see M+1 key tiles together, one more per
+// tile where the keys outnumber the queries). Units are numbered within a head first, then head,
+// then batch, so that the blocks running at once share their heads' K and V in L2.
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
+#include "cuda/common/tile_pairs.hpp"
 #include "cuda/forward/fwd_block.cuh"
 
 namespace tileattn::cuda {
@@ -19,25 +19,17 @@ namespace tileattn::cuda {
 // Units of a persistent launch, computed alike by the host (the grid) and the kernel from the
 // same parameters; the launch rule admits no mask but the causal one, which pairs the tiles.
 struct FwdUnits {
-  int m_blocks;        // query tiles per head
-  int per_head;        // units per head: m_blocks, or (m_blocks + 1) / 2 paired
-  bool paired;
-  int64_t count;       // over every head and batch
+  TilePairs pairs;  // a head's query tiles, paired under the causal mask
+  int64_t count;    // over every head and batch
 
-  __host__ __device__ FwdUnits(const FwdParams& p, int block_m) {
-    m_blocks = (p.seqlen_q + block_m - 1) / block_m;
-    paired = p.window_right == 0;
-    per_head = paired ? (m_blocks + 1) / 2 : m_blocks;
-    count = int64_t(per_head) * p.heads_q * p.batch;
-  }
-  // Tiles in unit u: two where paired, except the middle tile of an odd count, alone.
-  __device__ __forceinline__ int tiles(int u) const {
-    return paired && 2 * (u % per_head) + 1 != m_blocks ? 2 : 1;
-  }
-  // Query tile `half` of unit u: the heavy one first.
+  __host__ __device__ FwdUnits(const FwdParams& p, int block_m)
+      : pairs((p.seqlen_q + block_m - 1) / block_m, p.window_right == 0),
+        count(int64_t(pairs.per_head) * p.heads_q * p.batch) {}
+  __device__ __forceinline__ int tiles(int u) const { return pairs.count(u % pairs.per_head); }
+  // Query tile `half` of unit u: the heavy one (the later rows) first.
   __device__ __forceinline__ FwdBlock tile(const FwdParams& p, int block_m, int u, int half) const {
-    const int i = u % per_head, head = (u / per_head) % p.heads_q, batch = u / (per_head * p.heads_q);
-    const int m_block = !paired ? i : half == 0 ? m_blocks - 1 - i : i;
+    const int i = u % pairs.per_head, head = (u / pairs.per_head) % p.heads_q, batch = u / (pairs.per_head * p.heads_q);
+    const int m_block = pairs.paired ? pairs.tiles - 1 - pairs.rank(i, half) : i;
     return fwd_block(p, block_m, m_block, 0, head, batch);
   }
 };

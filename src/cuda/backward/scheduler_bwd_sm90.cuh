@@ -1,0 +1,68 @@
+#pragma once
+// Which key blocks a block of the Hopper backward (bwd_kernel_sm90.cuh) works on, and in what
+// order.
+//
+// One block per key block: the grid's own (key block, batch, kv head). kPersistent (one block per
+// SM): units of work handed out a grid apart, each one key block, or under the causal mask a
+// head's m-th heaviest key block followed by its m-th lightest (cuda/common/tile_pairs.hpp: key
+// block j sees the query tiles from its own keys on, so the work falls by the same steps from one
+// key block to the next). The next key block's first stage loads during the last step of the one
+// before, and its K and V while that one's dK and dV are stored. Units are numbered within a
+// (batch, kv head) first, so that the blocks running at once share its Q and dO in L2.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/backward/bwd_stream_sm90.cuh"
+#include "cuda/common/bwd_params.hpp"
+#include "cuda/common/tile_pairs.hpp"
+
+namespace tileattn::cuda {
+
+// Units of a persistent launch, computed alike by the host (the grid) and the kernel; the launch
+// rule admits no varlen and no mask but the causal one, which pairs the key blocks.
+struct BwdUnits {
+  TilePairs pairs;  // a (batch, kv head)'s key blocks
+  int64_t count;    // over every kv head and batch
+
+  __host__ __device__ BwdUnits(const bwd::BwdParams& p, int block_n)
+      : pairs((p.seqlen_k + block_n - 1) / block_n, p.window_right == 0 && p.window_left < 0),
+        count(int64_t(pairs.per_head) * p.heads_kv * p.batch) {}
+};
+
+// Where a block's walk is: unit, and key block within it.
+struct BwdWalk {
+  int unit, half;
+};
+
+template <bool kPersistent, int kBlockN, int kBlockM>
+struct BwdSm90Schedule {
+  BwdUnits units;
+
+  __device__ __forceinline__ explicit BwdSm90Schedule(const bwd::BwdParams& p) : units(p, kBlockN) {}
+  __device__ __forceinline__ BwdWalk begin() const { return {kPersistent ? int(blockIdx.x) : 0, 0}; }
+  __device__ __forceinline__ bool more(const BwdWalk& w) const {
+    return w.unit < (kPersistent ? int(units.count) : 1);
+  }
+  __device__ __forceinline__ void next(BwdWalk& w) const {
+    const int tiles = kPersistent ? units.pairs.count(w.unit % units.pairs.per_head) : 1;
+    if (++w.half == tiles) w.half = 0, w.unit += kPersistent ? int(gridDim.x) : 1;
+  }
+  __device__ __forceinline__ BwdKeyBlock<kBlockN, kBlockM> key_block(const bwd::BwdParams& p, const BwdWalk& w) const {
+    if constexpr (kPersistent) {
+      const int per_head = units.pairs.per_head, i = w.unit % per_head;
+      return BwdKeyBlock<kBlockN, kBlockM>(p, units.pairs.rank(i, w.half), w.unit / per_head / p.heads_kv,
+                                           (w.unit / per_head) % p.heads_kv);
+    } else {
+      return BwdKeyBlock<kBlockN, kBlockM>(p);
+    }
+  }
+  // Steps of the whole walk (every key block's query tiles), for the dQ warp's last hand-shake.
+  __device__ __forceinline__ int steps(const bwd::BwdParams& p) const {
+    int n = 0;
+    for (BwdWalk w = begin(); more(w); next(w)) n += key_block(p, w).n_iter;
+    return n;
+  }
+};
+
+}  // namespace tileattn::cuda
