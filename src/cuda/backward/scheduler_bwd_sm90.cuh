@@ -6,9 +6,8 @@
 // SM): units of work handed out a grid apart, each one key block, or under the causal mask a
 // head's m-th heaviest key block followed by its m-th lightest (cuda/common/tile_pairs.hpp: key
 // block j sees the query tiles from its own keys on, so the work falls by the same steps from one
-// key block to the next). The next key block's first stage loads during the last step of the one
-// before, and its K and V while that one's dK and dV are stored. Units are numbered within a
-// (batch, kv head) first, so that the blocks running at once share its Q and dO in L2.
+// key block to the next). Units are numbered within a (batch, kv head) first, so that the blocks
+// running at once share its Q and dO in L2.
 #include <cuda_runtime.h>
 
 #include <cstdint>
