@@ -112,6 +112,26 @@ std::vector<ForwardCase> base_cases() {
     t.window_left = 40, t.window_right = 5;
     c.push_back({"window_sq700_sk100", t});
   }
+  // The wide head dims step 96 keys (D = 192) and 80 (D = 256) on Hopper: key ranges that are no
+  // multiple of either, a two-sided window, GQA, sq > sk with rows that see no key, varlen.
+  {
+    ProblemShape s = shape(333, 1000, 192, 8, 2);
+    s.window_left = 170, s.window_right = 45;
+    c.push_back({"wide_d192_window_gqa", s});
+    ProblemShape t = shape(700, 250, 256, 4, 4);
+    t.causal = true;
+    t.softcap = 6.0f;
+    c.push_back({"wide_d256_sq_gt_sk_causal_softcap", t});
+    ProblemShape v = shape(0, 0, 256, 2, 1);
+    v.seqlens_q = {81, 0, 500};
+    v.seqlens_k = {161, 9, 479};
+    v.causal = true;
+    c.push_back({"wide_d256_varlen_causal_mqa", v});
+    ProblemShape d = shape(1000, 1000, 192, 2, 2);
+    d.headdim_v = 128;
+    d.causal = true;
+    c.push_back({"wide_dqk192_dv128_causal", d});
+  }
   // Soft-capping, alone and under a causal mask; a large scale makes the cap bite.
   {
     ProblemShape s = shape(200, 300, 64);

@@ -39,12 +39,14 @@
 
 namespace tileattn::cuda {
 
-// Keys per step: the O accumulator grows with the head dim, so S shrinks (64 + 128 registers at
-// D = 256). At D = 128, long key ranges take 192 keys a step: fewer steps to pay each step's
-// waits for, against a longer pipeline fill and a ragged last tile (H100, bf16: N = 16k 632-634
-// against 609-612 TFLOP/s, N = 1k 424-426 against 458-460).
+// Keys per step: the O accumulator grows with the head dim, so S shrinks (128 + 40 registers at
+// D = 256). Above D = 128, the widest step whose two K/V stages fit beside Q: 96 keys at D = 192,
+// 80 at D = 256 (steps of 64 paid their waits and turns more often: 5-10% slower, H200). At
+// D = 128, long key ranges take 192 keys a step: fewer steps to pay each step's waits for,
+// against a longer pipeline fill and a ragged last tile (H100, bf16: N = 16k 632-634 against
+// 609-612 TFLOP/s, N = 1k 424-426 against 458-460).
 constexpr int fwd_sm90_block_n(int head_dim, bool long_keys) {
-  return head_dim > 128 ? 64 : long_keys && head_dim == 128 ? 192 : 128;
+  return head_dim > 192 ? 80 : head_dim > 128 ? 96 : long_keys && head_dim == 128 ? 192 : 128;
 }
 // Where the key range is long enough for the 192-key instance.
 constexpr int kFwdSm90LongKeys = 8192;
@@ -66,7 +68,7 @@ struct FwdSm90Traits {
   static constexpr int kQBytes = QTile::kBytes;
   static constexpr int kKVBytes = KVTile::kBytes;
   static constexpr int kQStages = kPersistent ? 2 : 1;
-  // Three K/V stages where they fit (head dims up to 192), else two.
+  // Three K/V stages where they fit (128-key steps up to head dim 128), else two.
   static constexpr int kStages = kQStages * kQBytes + 3 * 2 * kKVBytes + 160 + 1024 <= 227 * 1024 ? 3 : 2;
   // Q's ring (its "full" barriers only, without kPersistent), then the K and V rings (the
   // consumers release each stage, one arrival a warp).
