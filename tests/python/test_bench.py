@@ -115,12 +115,13 @@ def test_h100_ratios_are_sdpa_time_over_tileattn_time():
     pd = pytest.importorskip("pandas", reason="the benchmark tables need the bench extra (pandas)")
     from tileattn.bench import attention
 
-    def row(impl, fwd, bwd, status="ok", n=1024):
-        return dict(implementation=impl, headdim=64, seq_len=n, causal=False, forward_ms=fwd, backward_ms=bwd,
-                    status=status)
+    def row(impl, fwd, bwd, status="ok", n=1024, heads_kv=32):
+        return dict(implementation=impl, headdim=64, seq_len=n, heads=32, heads_kv=heads_kv, causal=False,
+                    forward_ms=fwd, backward_ms=bwd, status=status)
 
     frame = pd.DataFrame([row("tileattn", 2.0, 4.0), row("sdpa_flash", 3.0, 5.0), row("sdpa_cudnn", 1.0, 8.0),
-                          row("sdpa_efficient", 9.0, 9.0, status="OOM"), row("tileattn", 1.0, 1.0, n=4096)])
+                          row("sdpa_efficient", 9.0, 9.0, status="OOM"), row("tileattn", 1.0, 1.0, n=4096),
+                          row("sdpa_cudnn", 2.0, 2.0, n=4096, heads_kv=8)])
     r = attention.ratios_h100(frame).set_index("seq_len")
     assert r.loc[1024, "forward_vs_cudnn"] == pytest.approx(0.5)
     assert r.loc[1024, "backward_vs_cudnn"] == pytest.approx(2.0)
@@ -130,6 +131,22 @@ def test_h100_ratios_are_sdpa_time_over_tileattn_time():
     assert r.loc[1024, "forward_vs_best_sdpa"] == pytest.approx(0.5)
     assert r.loc[1024, "backward_vs_best_sdpa"] == pytest.approx(1.25)
     assert r.loc[1024, "step_vs_best_sdpa"] == pytest.approx(8.0 / 6.0)
-    # A shape no peer ran: no ratio.
+    # A shape no peer ran (cuDNN ran the GQA problem of that length, another shape): no ratio.
     assert r.loc[4096, ["forward_vs_cudnn", "step_vs_best_sdpa"]].isna().all()
+
+
+def test_h100_grid_holds_the_training_step_shapes():
+    from tileattn.bench import attention
+
+    configs = attention.h100_configs()
+    assert len(set(configs)) == len(configs)
+    for d, n, causal, batch, heads, heads_kv in configs:
+        assert batch * n == 16 * 1024 and heads % heads_kv == 0
+    # The square grid, and GQA 32/8 at D = 128 and the wide head dims at N = 4k, causal and not.
+    for d in (64, 128):
+        for n in (1024, 4096, 16384):
+            assert (d, n, True, 16384 // n, 2048 // d, 2048 // d) in configs
+    for shape in [(128, 4096, 4, 32, 8), (192, 4096, 4, 16, 16), (256, 4096, 4, 8, 8)]:
+        d, n, batch, heads, heads_kv = shape
+        assert {(d, n, c, batch, heads, heads_kv) for c in (False, True)} <= set(configs)
 

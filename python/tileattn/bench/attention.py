@@ -11,7 +11,8 @@ allocated for the backward, output excluded), status (ok, OOM, OOM(backward)), g
 torch.cuda.max_memory_allocated after a reset, inputs included.
 
 --preset h100: bf16, batch x seqlen = 16k tokens, hidden 2048 (heads = 2048 / D), D in {64, 128},
-N in {1k, 4k, 16k}, causal and not; tileattn beside SDPA's flash, cuDNN and efficient backends
+N in {1k, 4k, 16k}, causal and not, and at N = 4k, causal and not: GQA 32/8 at D = 128, D = 192 with
+16 heads, D = 256 with 8 heads (the wide head dims and GQA of a training step); tileattn beside SDPA's flash, cuDNN and efficient backends
 and FlexAttention, on the same (batch, seqlen, heads, D) memory. Prints TFLOP/s (the FLOP count of
 include/tileattn/flops.hpp, taken from the extension) and the fraction of the bf16 matmul rate
 measured at the start.
@@ -135,6 +136,15 @@ def plot_course(frame, path: str, tf32: bool) -> None:
 
 H100_TOKENS, H100_HIDDEN = 16 * 1024, 2048
 H100_HEADDIMS, H100_SEQ_LENS = [64, 128], [1024, 4096, 16384]
+# Beyond the square grid, (D, N, heads, heads_kv) at B x N = 16k tokens: GQA 4:1, and the wide head
+# dims, where SDPA's cuDNN and flash backends run kernels of their own.
+H100_EXTRA_SHAPES = [(128, 4096, 32, 8), (192, 4096, 16, 16), (256, 4096, 8, 8)]
+
+
+def h100_configs():
+    """(D, N, causal, batch, heads, heads_kv) of the --preset h100 grid, in the order it runs."""
+    square = [(d, n, H100_HIDDEN // d, H100_HIDDEN // d) for d in H100_HEADDIMS for n in H100_SEQ_LENS]
+    return [(d, n, c, H100_TOKENS // n, h, hkv) for d, n, h, hkv in square + H100_EXTRA_SHAPES for c in (False, True)]
 
 
 def _h100_impls(causal: bool, seqlen: int, device):
@@ -145,7 +155,7 @@ def _h100_impls(causal: bool, seqlen: int, device):
         def fn(q, k, v):  # q, k, v: (batch, seqlen, heads, D); SDPA sees (batch, heads, seqlen, D) views
             with sdpa_kernel(backend):
                 return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                      is_causal=causal)
+                                                      is_causal=causal, enable_gqa=k.shape[2] != q.shape[2])
         return fn
 
     def ours(q, k, v):
@@ -170,7 +180,8 @@ def _h100_impls(causal: bool, seqlen: int, device):
             raise RuntimeError(reason)
     else:
         def flex_fn(q, k, v):
-            return flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask)
+            return flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask,
+                        enable_gqa=k.shape[2] != q.shape[2])
 
     impls["flex_attention"] = flex_fn
     return impls
@@ -185,23 +196,23 @@ def run_h100(warmup: int, passes: int, impl_filter: list[str] | None):
     gpu = torch.cuda.get_device_name(device)
     matmul = _common.measured_matmul_tflops(device)
     print(f"{gpu}: measured bf16 matmul rate {matmul:.0f} TFLOP/s", flush=True)
-    configs = [(d, n, c) for d in H100_HEADDIMS for n in H100_SEQ_LENS for c in (False, True)]
+    configs = h100_configs()
     rows, done = [], 0
     total = len(configs) * (5 if impl_filter is None else len(impl_filter))
-    for d, n, causal in configs:
-        batch, heads = H100_TOKENS // n, H100_HIDDEN // d
+    for d, n, causal, batch, heads, heads_kv in configs:
         fwd_flops = tileattn.attention_forward_flops(batch, heads, n, n, d, d, causal)
         bwd_flops = tileattn.attention_backward_flops(batch, heads, n, n, d, d, causal)
         for name, fn in _h100_impls(causal, n, device).items():
             if impl_filter is not None and name not in impl_filter:
                 continue
             done += 1
-            row = dict(implementation=name, headdim=d, seq_len=n, batch=batch, heads=heads, causal=causal,
+            row = dict(implementation=name, headdim=d, seq_len=n, batch=batch, heads=heads, heads_kv=heads_kv,
+                       causal=causal,
                        forward_ms=math.nan, forward_peak_MiB=math.nan, backward_ms=math.nan,
                        backward_peak_MiB=math.nan, saved_activations_MiB=math.nan, status="", gpu=gpu)
             try:
-                inputs = [torch.randn(batch, n, heads, d, device=device, dtype=torch.bfloat16, requires_grad=True)
-                          for _ in range(3)]
+                inputs = [torch.randn(batch, n, h, d, device=device, dtype=torch.bfloat16, requires_grad=True)
+                          for h in (heads, heads_kv, heads_kv)]
                 _measure(fn, inputs, warmup, passes, row)
             except Exception as error:
                 row["status"] = "OOM" if _common.is_oom(error) else f"failed: {error}"[:200]
@@ -216,7 +227,8 @@ def run_h100(warmup: int, passes: int, impl_filter: list[str] | None):
             row["backward_matmul_fraction"] = row["backward_tflops"] / matmul
             rows.append(row)
             _common.progress(done, total,
-                             f"{name:15s} D={d:3d} N={n:5d} causal={int(causal)} {row['status']:>8s}  "
+                             f"{name:15s} D={d:3d} N={n:5d} H={heads}/{heads_kv} causal={int(causal)} "
+                             f"{row['status']:>8s}  "
                              f"fwd {row['forward_tflops']:6.1f} TFLOP/s ({row['forward_matmul_fraction']:5.1%})  "
                              f"bwd {row['backward_tflops']:6.1f} TFLOP/s ({row['backward_matmul_fraction']:5.1%})")
     frame = pd.DataFrame(rows)
@@ -230,7 +242,7 @@ def ratios_h100(frame):
     each column (for the step: the backend with the fastest step). Rows that did not run are left out."""
     import pandas as pd
 
-    key = ["headdim", "seq_len", "causal"]
+    key = ["headdim", "seq_len", "heads", "heads_kv", "causal"]
     ok = frame[frame["status"] == "ok"].assign(step_ms=lambda f: f["forward_ms"] + f["backward_ms"])
     ours = ok[ok["implementation"] == "tileattn"].set_index(key)
     sdpa = ok[ok["implementation"].str.startswith("sdpa_")]
@@ -256,10 +268,12 @@ def _plot_h100(frame, path: str) -> None:
     for row, d in enumerate(headdims):
         for col, metric in enumerate(["forward_tflops", "backward_tflops"]):
             ax = axes[row][col]
-            for (name, causal), group in frame[frame.headdim == d].groupby(["implementation", "causal"]):
+            shapes = frame[frame.headdim == d].assign(gqa=lambda f: f.heads != f.heads_kv)
+            for (name, causal, gqa), group in shapes.groupby(["implementation", "causal", "gqa"]):
                 group = group.dropna(subset=[metric])
-                ax.plot(group.seq_len, group[metric], marker="o", color=colours[name],
-                        linestyle="--" if causal else "-", label=f"{name}{' causal' if causal else ''}")
+                ax.plot(group.seq_len, group[metric], marker="s" if gqa else "o", color=colours[name],
+                        linestyle="--" if causal else "-",
+                        label=f"{name}{' GQA' if gqa else ''}{' causal' if causal else ''}")
             ax.axhline(frame.matmul_tflops.iloc[0], color="grey", linewidth=0.8, label="bf16 matmul (measured)")
             ax.set_xscale("log", base=2)
             ax.set_xlabel("seq_len")
@@ -267,7 +281,7 @@ def _plot_h100(frame, path: str) -> None:
             ax.set_title(f"D = {d}")
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=7)
-    fig.suptitle(f"attention bf16, 16k tokens, hidden 2048 ({frame.gpu.iloc[0]})")
+    fig.suptitle(f"attention bf16, 16k tokens ({frame.gpu.iloc[0]})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -299,7 +313,7 @@ def main(argv=None):
         path = _common.output_path(args.csv or "outputs/csv/attention_h100.csv")
         frame.to_csv(path, index=False)
         _plot_h100(frame, path.rsplit(".", 1)[0] + ".png")
-        columns = ["implementation", "headdim", "seq_len", "causal", "status", "forward_ms", "forward_tflops",
+        columns = ["implementation", "headdim", "seq_len", "heads", "heads_kv", "causal", "status", "forward_ms", "forward_tflops",
                    "forward_matmul_fraction", "backward_ms", "backward_tflops", "backward_matmul_fraction"]
         print(frame[columns].to_string(index=False, float_format=lambda x: f"{x:.3f}"))
         print("SDPA's time over tileattn's (above 1: tileattn is faster):")
