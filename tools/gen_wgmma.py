@@ -9,7 +9,7 @@ import pathlib
 
 # (C++ type, PTX type, K per instruction, may the B operand be N-major (transposed)?)
 TYPES = [("__half", "f16", 16, True), ("__nv_bfloat16", "bf16", 16, True), ("float", "tf32", 8, False)]
-SHAPES = [16, 32, 64, 80, 96, 128, 192, 256]
+SHAPES = [16, 32, 64, 80, 96, 112, 128, 192, 256]
 
 
 def acc_list(n):

@@ -210,6 +210,19 @@ std::vector<ForwardCase> base_cases() {
     s.softcap = 10.0f;
     c.push_back({"persistent_causal_softcap_d96", s, false, true});
   }
+  // Causal walks of 192-row tiles (three consumers, head dims up to 64, from 4096 rows): a ragged
+  // heavy tile paired with the lightest, an odd tile count, GQA 7:1. And a causal walk of 128-row
+  // tiles below that, with more keys than queries and softcap.
+  {
+    ProblemShape g = shape(4096, 4096, 32, 14, 2);
+    g.causal = true;
+    c.push_back({"persistent_three_consumers_causal_gqa_d32", g, false, true});
+    ProblemShape k = shape(2048, 2200, 64, 12, 12);
+    k.batch = 2;
+    k.causal = true;
+    k.softcap = 4.0f;
+    c.push_back({"persistent_causal_sk_gt_sq_softcap_d64", k, false, true});
+  }
   // Long unmasked problems up to head dim 64: three consumer warpgroups, 192-row query tiles on
   // Hopper; ragged last tiles, GQA, softcap, headdim_v != headdim_qk, varlen sequences that end
   // inside a tile.

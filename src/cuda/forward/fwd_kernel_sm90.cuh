@@ -46,7 +46,7 @@ namespace tileattn::cuda {
 // against a longer pipeline fill and a ragged last tile (H100, bf16: N = 16k 632-634 against
 // 609-612 TFLOP/s, N = 1k 424-426 against 458-460).
 constexpr int fwd_sm90_block_n(int head_dim, bool long_keys) {
-  return head_dim > 192 ? 80 : head_dim > 128 ? 96 : long_keys && head_dim == 128 ? 192 : 128;
+  return head_dim > 192 ? 80 : head_dim > 128 ? 112 : long_keys && head_dim == 128 ? 192 : 128;
 }
 // Where the key range is long enough for the 192-key instance.
 constexpr int kFwdSm90LongKeys = 8192;

@@ -56,13 +56,15 @@ inline bool fwd_sm90_persistent(const FwdSm90Params& params, int head_dim) {
 // fill the tiles nearly and no mask but the causal one makes tiles unequal: H100, bf16, D = 64:
 // N = 2k and 4k +3%, 16k +7% (D = 32: +9% and +6%); N = 1k 5-12% slower (six 192-row tiles for
 // 1024 rows, the last a third full). Causal problems take them past the persistent walk's key
-// limit (H200, D = 64, 16k: +10-12%; docs/perf-log.md). Key ranges the persistent instance takes
-// stay with it.
+// limit (H200, D = 64, 16k: +10-12%) and from 4096 rows, walking too where the keys are few
+// enough (H200, D = 64, causal 4k: +7%; 2k: -5%; docs/perf-log.md).
 constexpr int kFwdSm90ThreeConsumerMinRows = 2048;
+constexpr int kFwdSm90ThreeConsumerCausalMinRows = 4096;
 inline int fwd_sm90_consumers(const AttentionProblem& pr, int head_dim) {
   const bool unmasked = !pr.causal && pr.window_left < 0 && pr.window_right < 0;
-  const bool long_causal = (pr.causal || pr.window_right == 0) && pr.window_left < 0 &&
-                           pr.seqlen_k > kFwdSm90PersistentCausalMaxKeys;
+  const bool causal = (pr.causal || pr.window_right == 0) && pr.window_left < 0;
+  const bool long_causal = causal && (pr.seqlen_k > kFwdSm90PersistentCausalMaxKeys ||
+                                      pr.seqlen_q >= kFwdSm90ThreeConsumerCausalMinRows);
   const bool long_rows = pr.seqlen_q >= kFwdSm90ThreeConsumerMinRows && pr.seqlen_k > kFwdSm90PersistentMaxKeys;
   return head_dim <= 64 && (unmasked || long_causal) && pr.alibi_slopes == nullptr && long_rows ? 3 : 2;
 }
@@ -105,7 +107,9 @@ void FwdSm90<T, kHeadDim>::run(const FwdSm90Params& params, cudaStream_t stream)
   using fwd_sm90_detail::launch;
   if (p.mod.has_alibi()) launch<T, kHeadDim, kShort, true>(params, tiles, stream);
   else if (kLong != kShort && params.block_n == kLong) launch<T, kHeadDim, kLong, false>(params, tiles, stream);
-  else if (params.consumers == 3)  // (only made up to head dim 64)
+  else if (params.consumers == 3 && fwd_sm90_detail::fwd_sm90_persistent(params, kHeadDim))  // (up to head dim 64)
+    launch<T, kHeadDim, kShort, false, kHeadDim <= 64, kHeadDim <= 64 ? 3 : 2>(params, tiles, stream);
+  else if (params.consumers == 3)
     launch<T, kHeadDim, kShort, false, false, kHeadDim <= 64 ? 3 : 2>(params, tiles, stream);
   else if (fwd_sm90_detail::fwd_sm90_persistent(params, kHeadDim))
     launch<T, kHeadDim, kShort, false, kHeadDim <= 128>(params, tiles, stream);
