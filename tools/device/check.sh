@@ -111,6 +111,13 @@ for D in 64 128; do
     for C in 0 1; do GRID+=("$((16384 / N)),$((2048 / D)),$N,$N,$D,$C"); done
   done
 done
+# The training-step issue's other shapes, as the Python preset has them: GQA 32/8 at D = 128 and
+# the wide head dims at N = 4k (where the build has their buckets).
+for C in 0 1; do
+  GRID+=("4,32,4096,4096,128,$C,8")
+  [[ ";$HEADDIMS;" == *";192;"* ]] && GRID+=("4,16,4096,4096,192,$C")
+  [[ ";$HEADDIMS;" == *";256;"* ]] && GRID+=("4,8,4096,4096,256,$C")
+done
 DECODE=("1,16,1,32768,128,0" "8,16,4,8192,128,0")  # forward only: split-KV
 
 if [[ $DRY -eq 0 ]]; then
