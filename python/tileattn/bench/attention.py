@@ -11,9 +11,9 @@ allocated for the backward, output excluded), status (ok, OOM, OOM(backward)), g
 torch.cuda.max_memory_allocated after a reset, inputs included.
 
 --preset h100: bf16, batch x seqlen = 16k tokens, hidden 2048 (heads = 2048 / D), D in {64, 128},
-N in {1k, 4k, 16k}, causal and not, and at N = 4k, causal and not: GQA 32/8 at D = 128, D = 192 with
-16 heads, D = 256 with 8 heads (the wide head dims and GQA of a training step); tileattn beside SDPA's flash, cuDNN and efficient backends
-and FlexAttention, on the same (batch, seqlen, heads, D) memory. Prints TFLOP/s (the FLOP count of
+N in {1k, 4k, 16k}, causal and not; and at N = 4k, causal and not, GQA 32/8 at D = 128, D = 192
+with 16 heads and D = 256 with 8; tileattn beside SDPA's flash, cuDNN and efficient backends and
+FlexAttention, on the same (batch, seqlen, heads, D) memory. Prints TFLOP/s (the FLOP count of
 include/tileattn/flops.hpp, taken from the extension) and the fraction of the bf16 matmul rate
 measured at the start.
 
@@ -207,8 +207,7 @@ def run_h100(warmup: int, passes: int, impl_filter: list[str] | None):
                 continue
             done += 1
             row = dict(implementation=name, headdim=d, seq_len=n, batch=batch, heads=heads, heads_kv=heads_kv,
-                       causal=causal,
-                       forward_ms=math.nan, forward_peak_MiB=math.nan, backward_ms=math.nan,
+                       causal=causal, forward_ms=math.nan, forward_peak_MiB=math.nan, backward_ms=math.nan,
                        backward_peak_MiB=math.nan, saved_activations_MiB=math.nan, status="", gpu=gpu)
             try:
                 inputs = [torch.randn(batch, n, h, d, device=device, dtype=torch.bfloat16, requires_grad=True)
@@ -313,8 +312,9 @@ def main(argv=None):
         path = _common.output_path(args.csv or "outputs/csv/attention_h100.csv")
         frame.to_csv(path, index=False)
         _plot_h100(frame, path.rsplit(".", 1)[0] + ".png")
-        columns = ["implementation", "headdim", "seq_len", "heads", "heads_kv", "causal", "status", "forward_ms", "forward_tflops",
-                   "forward_matmul_fraction", "backward_ms", "backward_tflops", "backward_matmul_fraction"]
+        columns = ["implementation", "headdim", "seq_len", "heads", "heads_kv", "causal", "status", "forward_ms",
+                   "forward_tflops", "forward_matmul_fraction", "backward_ms", "backward_tflops",
+                   "backward_matmul_fraction"]
         print(frame[columns].to_string(index=False, float_format=lambda x: f"{x:.3f}"))
         print("SDPA's time over tileattn's (above 1: tileattn is faster):")
         print(ratios_h100(frame).to_string(index=False, float_format=lambda x: f"{x:.2f}"))

@@ -107,7 +107,7 @@ void FwdSm90<T, kHeadDim>::run(const FwdSm90Params& params, cudaStream_t stream)
   using fwd_sm90_detail::launch;
   if (p.mod.has_alibi()) launch<T, kHeadDim, kShort, true>(params, tiles, stream);
   else if (kLong != kShort && params.block_n == kLong) launch<T, kHeadDim, kLong, false>(params, tiles, stream);
-  else if (params.consumers == 3 && fwd_sm90_detail::fwd_sm90_persistent(params, kHeadDim))  // (up to head dim 64)
+  else if (params.consumers == 3 && fwd_sm90_detail::fwd_sm90_persistent(params, kHeadDim))  // (head dims <= 64)
     launch<T, kHeadDim, kShort, false, kHeadDim <= 64, kHeadDim <= 64 ? 3 : 2>(params, tiles, stream);
   else if (params.consumers == 3)
     launch<T, kHeadDim, kShort, false, false, kHeadDim <= 64 ? 3 : 2>(params, tiles, stream);
