@@ -41,7 +41,7 @@ namespace tileattn::cuda {
 
 // Keys per step: the O accumulator grows with the head dim, so S shrinks (128 + 40 registers at
 // D = 256). Above D = 128, the widest step whose two K/V stages fit beside Q: 112 keys at D = 192,
-// 80 at D = 256 (steps of 64 paid their waits and turns more often: 5-13% slower, H200). At
+// 80 at D = 256 (steps of 64 paid their waits and turns more often; docs/perf-log.md). At
 // D = 128, long key ranges take 192 keys a step: fewer steps to pay each step's waits for,
 // against a longer pipeline fill and a ragged last tile (H100, bf16: N = 16k 632-634 against
 // 609-612 TFLOP/s, N = 1k 424-426 against 458-460).
