@@ -210,11 +210,11 @@ std::vector<ForwardCase> base_cases() {
     s.softcap = 10.0f;
     c.push_back({"persistent_causal_softcap_d96", s, false, true});
   }
-  // Causal walks of 192-row tiles (three consumers, head dims up to 64, from 4096 rows): a ragged
-  // heavy tile paired with the lightest, an odd tile count, GQA 7:1. And a causal walk of 128-row
-  // tiles below that, with more keys than queries and softcap.
+  // Causal walks of 192-row tiles (three consumers, head dims up to 64, from 4096 rows): the
+  // heaviest tile ragged (64 rows) and paired with the lightest, GQA 2:1. And a causal walk of
+  // 128-row tiles below that, with more keys than queries and softcap.
   {
-    ProblemShape g = shape(4096, 4096, 32, 14, 2);
+    ProblemShape g = shape(4096, 4096, 32, 14, 7);
     g.causal = true;
     c.push_back({"persistent_three_consumers_causal_gqa_d32", g, false, true});
     ProblemShape k = shape(2048, 2200, 64, 12, 12);
