@@ -112,7 +112,7 @@ std::vector<ForwardCase> base_cases() {
     t.window_left = 40, t.window_right = 5;
     c.push_back({"window_sq700_sk100", t});
   }
-  // The wide head dims step 96 keys (D = 192) and 80 (D = 256) on Hopper: key ranges that are no
+  // The wide head dims step 112 keys (D = 192) and 80 (D = 256) on Hopper: key ranges that are no
   // multiple of either, a two-sided window, GQA, sq > sk with rows that see no key, varlen.
   {
     ProblemShape s = shape(333, 1000, 192, 8, 2);
