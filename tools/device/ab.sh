@@ -13,6 +13,7 @@
 #
 # Options:
 #   --pass forward|backward   (default forward)
+#   --dtype bf16|f32|f32_fast element type of every shape (default bf16; f32 is the exact mode)
 #   --headdims "LIST"         TILEATTN_HEADDIMS of both builds (default "64;128")
 #   --rounds N                alternating rounds (default 3)
 #   --env NAME=V1,V2,...      also time the new build once per value of the environment variable
@@ -26,6 +27,7 @@ ROOT=$PWD
 OUT=$(realpath -m "${OUT:-outputs/ab}")
 mkdir -p "$OUT"
 PASS=forward
+DTYPE=bf16
 HEADDIMS="64;128"
 ROUNDS=3
 ENV_NAME=""
@@ -36,12 +38,13 @@ SHAPES=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --pass) PASS="$2"; shift ;;
+    --dtype) DTYPE="$2"; shift ;;
     --headdims) HEADDIMS="$2"; shift ;;
     --rounds) ROUNDS="$2"; shift ;;
     --env) ENV_NAME="${2%%=*}"; IFS=, read -ra ENV_VALUES <<< "${2#*=}"; shift ;;
     --jobs) JOBS="$2"; shift ;;
     --base-patch) PATCH="$2"; shift ;;
-    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
     -*) echo "ab.sh: unknown option $1" >&2; exit 2 ;;
     *) SHAPES+=("$1") ;;
   esac
@@ -89,7 +92,7 @@ rm -f "$CSV"
 variant() {
   local name=$1 bin=$2 round=$3 out
   shift 3
-  out=$(env "$@" "$bin" --pass "$PASS" "${SHAPES[@]}")
+  out=$(env "$@" "$bin" --pass "$PASS" --dtype "$DTYPE" "${SHAPES[@]}")
   [[ -f "$CSV" ]] || echo "variant,round,$(head -1 <<< "$out")" > "$CSV"  # the harness's own columns
   tail -n +2 <<< "$out" | sed "s/^/$name,$round,/" >> "$CSV"
 }

@@ -33,6 +33,16 @@ __device__ __forceinline__ uint32_t to_tf32(float x) {
 __device__ __forceinline__ uint32_t tf32_bits(float x) { return (__float_as_uint(x) + 0x1000u) & 0xffffe000u; }
 __device__ __forceinline__ float tf32_rn(float x) { return __uint_as_float(tf32_bits(x)); }
 
+// a / b rounded to nearest, as the divide gives it, from inv = 1 / b rounded to nearest: the
+// product a inv is within an ulp of the quotient and one correction from its exact residual
+// rounds it correctly (Markstein), in two FMAs and a multiply with no branch to a slow path.
+// Outside the correction's range (a quotient that underflows, b near the largest float) it may
+// miss by an ulp; the callers divide numerators of at most 1 by row sums of at least 1.
+__device__ __forceinline__ float divide_by(float a, float b, float inv) {
+  const float q = a * inv;
+  return fmaf(fmaf(-b, q, a), inv, q);
+}
+
 // x = hi + rest for split TF32 products (a b ~ a_lo b_hi + a_hi b_lo + a_hi b_hi, with lo the
 // rest rounded the same way): hi is x rounded to TF32, to nearest, and rest = x - hi exactly, so
 // that hi + lo leaves about 2^-22 of x over, unbiased (the tensor core would truncate fp32 bits,

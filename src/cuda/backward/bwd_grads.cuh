@@ -60,20 +60,26 @@ __device__ __forceinline__ float prob_of_score_log2(float x, float l, const BwdP
   }
 }
 
+// fp32's numerator of P, exp(x * scale - max) for raw score x (q.k), the score rounded exactly as
+// scaled_score and the row statistics round it (the bias added in this order there too,
+// bwd_row_stats.cuh): a multiply-add contracted into exp(x * scale - max) left the rounding
+// residual of x * scale in the exponent, so a row's only visible key got P = exp(residual) != 1
+// and dQ, dK a few ulp where they are exactly 0. cap and bias as for prob_of_score_log2.
+template <bool kCapped, bool kAlibi>
+__device__ __forceinline__ float exp_of_score(float x, float max, const BwdParams& p, float& cap, float bias) {
+  cap = kCapped ? __fmul_rn(p.softcap, tanhf(x * p.scale_over_cap)) : 0.0f;
+  float sc = kCapped ? cap : __fmul_rn(x, p.scale);
+  if constexpr (kAlibi) sc = __fadd_rn(sc, bias);
+  return expf(sc - max);
+}
+
 // P of one raw score x (q.k) of a query whose statistics are l (L * log2(e); fp32: the row max)
 // and row_sum (fp32 only); cap and bias as for prob_of_score_log2.
 template <class T, bool kCapped, bool kAlibi = false>
 __device__ __forceinline__ float prob_of_score(float x, float l, float row_sum, const BwdParams& p, float& cap,
                                                float bias = 0.0f) {
   if constexpr (std::is_same_v<T, float>) {
-    // The score rounded exactly as scaled_score and the row statistics round it (the bias added
-    // in this order there too, bwd_row_stats.cuh): a multiply-add contracted into
-    // exp(x * scale - max) left the rounding residual of x * scale in the exponent, so a row's
-    // only visible key got P = exp(residual) != 1 and dQ, dK a few ulp where they are exactly 0.
-    cap = kCapped ? __fmul_rn(p.softcap, tanhf(x * p.scale_over_cap)) : 0.0f;
-    float sc = kCapped ? cap : __fmul_rn(x, p.scale);
-    if constexpr (kAlibi) sc = __fadd_rn(sc, bias);
-    return expf(sc - l) / row_sum;
+    return exp_of_score<kCapped, kAlibi>(x, l, p, cap, bias) / row_sum;
   } else {
     return prob_of_score_log2<kCapped, kAlibi>(x, l, p, cap, bias);
   }
@@ -229,9 +235,11 @@ struct Fragment {
   int col0;  // sequence position (query or key) of column 0
   int row;   // sequence position (key or query) of this thread's row g
   Mask mask;
-  // fp32's exact mode: the row sums beside the row maxima that lse2 then holds.
+  // fp32's exact mode: the row sums beside the row maxima that lse2 then holds, and their
+  // reciprocals.
   const float* col_sum = nullptr;
-  float row_sum[2] = {1.0f, 1.0f};
+  const float* col_inv_sum = nullptr;
+  float row_sum[2] = {1.0f, 1.0f}, row_inv_sum[2] = {1.0f, 1.0f};
 };
 
 // The columns of this thread's rows g and g + 8 (sequence positions row, row + 8) that the mask
@@ -348,7 +356,9 @@ __device__ __forceinline__ void grads_to_fragments(bool masked, const float (&s)
 // A fragments of the next product in two parts, x = hi + lo (fp32::split_tf32, both rounded to
 // nearest). P is the portable exact kernels' exp(s * scale - max) / sum (prob_of_score<float>),
 // from the statistics the exact statistics pass wrote, so that a row's largest score gives
-// exp(0) = 1 exactly and one visible key gives P = 1, dS = 0.
+// exp(0) = 1 exactly and one visible key gives P = 1, dS = 0. The quotient comes from the row's
+// reciprocal (fp32::divide_by), not a divide per element: that is some twenty instructions and a
+// branch to its slow path, which keeps the compiler from interleaving elements (docs/perf-log.md).
 template <bool kRowsAreKeys, bool kWantP, bool kCapped, bool kMasked, bool kAlibi, int NT>
 __device__ __forceinline__ void exact_grad_fragments(const float (&s)[NT][4], const float (&dp)[NT][4],
                                                      const Fragment& f, const BwdParams& p, uint32_t (&hi)[NT][4],
@@ -366,9 +376,10 @@ __device__ __forceinline__ void exact_grad_fragments(const float (&s)[NT][4], co
         const int key = kRowsAreKeys ? f.row + 8 * half : f.col0 + c;
         const float m = kRowsAreKeys ? f.col_lse2[c] : f.row_lse2[half];
         const float sum = kRowsAreKeys ? f.col_sum[c] : f.row_sum[half];
+        const float inv_sum = kRowsAreKeys ? f.col_inv_sum[c] : f.row_inv_sum[half];
         float cap, bias = 0.0f;
         if constexpr (kAlibi) bias = ScoreMod::alibi_bias(slope, query, key, f.mask.seqlen_q, f.mask.seqlen_k);
-        float x = prob_of_score<float, kCapped, kAlibi>(s[j][2 * half + e], m, sum, p, cap, bias);
+        float x = fp32::divide_by(exp_of_score<kCapped, kAlibi>(s[j][2 * half + e], m, p, cap, bias), sum, inv_sum);
         if constexpr (kMasked)
           if (!shown(half, j * 8 + e)) x = 0.0f;
         if constexpr (!kWantP) {

@@ -12,8 +12,9 @@
 //   producer warp 0     one thread loads the block's rows once and each step's two tiles (and,
 //                       rows being keys, the step's query statistics) with TMA
 //   producer warps 1-3  split each step's tiles in place, x = hi + lo (fp32::split_tf32, both
-//                       rounded to nearest), and write the gradient product's B operand K-major
-//                       in two parts (TF32 wgmma reads no N-major operand)
+//                       rounded to nearest), write the gradient product's B operand K-major in
+//                       two parts (TF32 wgmma reads no N-major operand) and, rows being keys,
+//                       the reciprocals of the step's row sums
 //   consumers           64 rows each: the rows' hi parts in registers (A of every product), their
 //                       lo parts over the loaded rows in shared memory
 // A split product a b ~ a_lo b_hi + a_hi b_lo + a_hi b_hi, whatever the pass, in one order
@@ -55,6 +56,7 @@ struct BwdExactSm90Traits {
   static constexpr int kConsumers = Roles::kConsumers;
   static constexpr int kThreads = Roles::kThreads;
   static constexpr int kSplitThreads = 96;  // producer warps 1-3
+  static_assert(kBwdExactBoxRows <= kSplitThreads, "one split thread a row sum");
   static constexpr int kBlockRows = 64 * kConsumers;
   static constexpr int kStep = kBwdExactBoxRows;
   static constexpr int kStages = 3;
@@ -72,8 +74,9 @@ struct BwdExactSm90Traits {
   static constexpr int kZT = (kHasDp ? 4 : 3) * kTile;
   static constexpr int kStats = kZT + (kHasGrad ? 2 * kTile : 0);
   static constexpr int kStatsBytes = kRowsAreKeys ? 3 * kStep * 4 : 0;
+  static constexpr int kInvSums = kStats + kStatsBytes;  // the split warps' reciprocals of the sums
   static constexpr int kLoadBytes = 2 * kTile + kStatsBytes;
-  static constexpr int kStageBytes = (kStats + kStatsBytes + 1023) / 1024 * 1024;
+  static constexpr int kStageBytes = (kInvSums + (kRowsAreKeys ? kStep * 4 : 0) + 1023) / 1024 * 1024;
   using Barriers = BwdBarriers<kStages>;
   using Ready = sm90::StageRing<kStages>;  // a stage's parts are written (its full barriers only)
   enum Region { kRows, kStagesRegion, kBarriers };
@@ -327,6 +330,11 @@ __global__ void __launch_bounds__(BwdExactSm90Traits<kHeadDim, kPass>::kThreads,
         if constexpr (kPass != ExactPass::dv) sm90::named_barrier_sync(sm90::kBwdExactRawRead, Traits::kSplitThreads);
       }
       exact::split_in_place<Traits::kTile>(st + Traits::kX, st + Traits::kXLo, tid, Traits::kSplitThreads);
+      if constexpr (kRowsAreKeys) {
+        // The reciprocals of the step's row sums, for the consumers' P (bwd_grads.cuh).
+        const float* sums = reinterpret_cast<const float*>(st + Traits::kStats) + BS;
+        if (tid < BS) reinterpret_cast<float*>(st + Traits::kInvSums)[tid] = 1.0f / sums[tid];
+      }
       if constexpr (kHasDp)
         exact::split_in_place<Traits::kTile>(st + Traits::kY, st + Traits::kYLo, tid, Traits::kSplitThreads);
       sm90::fence_shared_to_async();
@@ -357,6 +365,7 @@ __global__ void __launch_bounds__(BwdExactSm90Traits<kHeadDim, kPass>::kThreads,
       for (int half = 0; half < 2; ++half) {
         frag.row_lse2[half] = p.lse2[w_rows + 8 * half];
         frag.row_sum[half] = p.row_sum[w_rows + 8 * half];
+        frag.row_inv_sum[half] = 1.0f / frag.row_sum[half];
         frag.row_dsum[half] = p.dsum[w_rows + 8 * half];
       }
     }
@@ -422,6 +431,7 @@ __global__ void __launch_bounds__(BwdExactSm90Traits<kHeadDim, kPass>::kThreads,
         const float* col_stats = reinterpret_cast<const float*>(st + Traits::kStats);
         frag.col_lse2 = col_stats;
         frag.col_sum = col_stats + BS;
+        frag.col_inv_sum = reinterpret_cast<const float*>(st + Traits::kInvSums);
         frag.col_dsum = col_stats + 2 * BS;
         masked = !(mask.full_begin_key(min(c0 + BS, seq.sq)) <= r0 && mask.full_end_key(c0) >= r0 + BR);
       } else {
