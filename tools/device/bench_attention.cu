@@ -25,23 +25,13 @@ using bench::check;
 constexpr bench::Timing kForwardTiming{3, 10, 500.0f, 200};
 constexpr bench::Timing kBackwardTiming{3, 10, 500.0f, 100};
 
-// The bf16 fill's distribution with all 24 bits of an fp32 significand used (zero low bits would
-// make the exact mode's split parts zero, and the tensor cores draw less power on zeros).
-__global__ void fill_random_f32(float* x, size_t n, unsigned seed) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    unsigned h = unsigned(i) * 2654435761u ^ seed;
-    h ^= h >> 13, h *= 0x5bd1e995u, h ^= h >> 15;
-    x[i] = float(h >> 8) / 8388608.0f - 1.0f;
-  }
-}
-
 struct Buffers {
   std::vector<void*> owned;
   bool f32 = false;
   void* random(size_t n, unsigned seed) {
     void* x;
     check(cudaMalloc(&x, n * (f32 ? 4 : 2)), "cudaMalloc");
-    if (f32) fill_random_f32<<<1024, 256>>>(static_cast<float*>(x), n, seed);
+    if (f32) bench::fill_random<<<1024, 256>>>(static_cast<float*>(x), n, seed);
     else bench::fill_random<<<1024, 256>>>(static_cast<__nv_bfloat16*>(x), n, seed);
     owned.push_back(x);
     return x;

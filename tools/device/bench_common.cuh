@@ -1,6 +1,7 @@
 // Shared by the device benchmarks (bench_attention.cu, bench_fp32.cu, read_bandwidth.cu): CUDA
-// error checks, a deterministic bf16 fill and event-timed runs. Each harness keeps its own run counts so
-// its figures stay comparable with earlier measurements and with its PyTorch peer (peers.py).
+// error checks, deterministic bf16 and fp32 fills and event-timed runs. Each harness keeps its own
+// run counts so its figures stay comparable with earlier measurements and with its PyTorch peer
+// (peers.py).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -20,13 +21,23 @@ inline void check(cudaError_t status, const char* what) {
   }
 }
 
+__device__ __forceinline__ unsigned hash_index(size_t i, unsigned seed) {
+  unsigned h = unsigned(i) * 2654435761u ^ seed;
+  h ^= h >> 13, h *= 0x5bd1e995u, h ^= h >> 15;
+  return h;
+}
+
 // Values in [-1, 1) from a hash of the index, so inputs need no host round trip.
 __global__ void fill_random(__nv_bfloat16* x, size_t n, unsigned seed) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    unsigned h = unsigned(i) * 2654435761u ^ seed;
-    h ^= h >> 13, h *= 0x5bd1e995u, h ^= h >> 15;
-    x[i] = __float2bfloat16(float(h & 0xffff) / 32768.0f - 1.0f);
-  }
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    x[i] = __float2bfloat16(float(hash_index(i, seed) & 0xffff) / 32768.0f - 1.0f);
+}
+
+// The same range with all 24 bits of an fp32 significand used (zero low bits would make the exact
+// mode's split parts zero, and the tensor cores draw less power on zeros).
+__global__ void fill_random(float* x, size_t n, unsigned seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    x[i] = float(hash_index(i, seed) >> 8) / 8388608.0f - 1.0f;
 }
 
 // Warm-up calls, then timed calls until at least min_runs and either budget_ms of kernel time or
