@@ -17,13 +17,20 @@ constexpr float kLn2 = 0.6931471805599453f;
 TA_HOST_DEVICE float safe_row_max(float m) { return m == -INFINITY ? 0.0f : m; }
 
 // Reference max for kernels that rescale lazily: it stays at m_old until a row's max m_tile
-// passes it by more than `slack`, and then moves to a whole number at or above both. Every
-// rescale factor exp2(m_old - m_new) is then a power of two, so rescaling rounds nothing: rows
-// that keep rising, rescaled dozens of times, lose no accuracy to it. p stays at most 2^slack.
-TA_HOST_DEVICE float lazy_row_max(float m_old, float m_tile, float slack) {
+// passes it by more than `slack`, and then moves to the larger of the two. p stays at most
+// 2^slack. Moving to the max itself gives the tile's largest score p = 1 exactly, so a row whose
+// weight sits on one key keeps it unrounded where P is rounded to 16 bits.
+TA_HOST_DEVICE float slack_row_max(float m_old, float m_tile, float slack) {
   if (m_old != -INFINITY && !(m_tile > m_old + slack)) return m_old;
   if (m_tile == -INFINITY) return m_old;
-  return ceilf(fmaxf(m_old, m_tile));
+  return fmaxf(m_old, m_tile);
+}
+
+// The same, moving to a whole number at or above both: every rescale factor exp2(m_old - m_new)
+// is then a power of two, so rescaling rounds nothing: rows that keep rising, rescaled dozens of
+// times, lose no accuracy to it (the fp32 softmax(X) V kernels, where P is not rounded).
+TA_HOST_DEVICE float lazy_row_max(float m_old, float m_tile, float slack) {
+  return ceilf(slack_row_max(m_old, m_tile, slack));
 }
 
 // Factor by which the old accumulator and sum shrink when the running max moves m_old -> m_new.

@@ -28,7 +28,23 @@ struct ForwardCase {
   ProblemShape shape;
   bool expect_split = false;  // split-KV must be chosen (checked through forward_workspace_size)
   bool expect_sm90 = false;   // a Hopper device must run it on the TMA + wgmma kernel
+  // Key row j of a sequence of n scaled by 1 + |ramp| * t, t = j / (n - 1) (ramp > 0) or
+  // 1 - j / (n - 1) (ramp < 0): each row's max keeps rising along the keys or against them.
+  double key_ramp = 0.0;
 };
+
+// Scales K's rows by the case's ramp (in place, before the upload).
+void apply_key_ramp(HostProblem& hp, double ramp) {
+  if (ramp == 0.0) return;
+  std::vector<double> k = hp.k.gather();  // (batch * seqlen, heads, dim)
+  const int64_t n = hp.k.seqlen, per_row = hp.k.heads * hp.k.dim;
+  for (int64_t r = 0; r < hp.k.batch * n; ++r) {
+    const double t = n > 1 ? double(r % n) / double(n - 1) : 0.0;
+    const double f = 1.0 + (ramp > 0 ? ramp * t : -ramp * (1.0 - t));
+    for (int64_t i = 0; i < per_row; ++i) k[r * per_row + i] *= f;
+  }
+  hp.k.scatter(k);
+}
 
 ProblemShape shape(int64_t sq, int64_t sk, int64_t d, int64_t hq = 2, int64_t hkv = 2) {
   ProblemShape s;
@@ -63,6 +79,24 @@ std::vector<ForwardCase> base_cases() {
     s.causal = true;
     c.push_back({"len8300_causal", s});
     c.push_back({"sq300_sk9000_gqa", shape(300, 9000, 128, 4, 2)});
+  }
+  // Rows whose max climbs across the key tiles (scores' spread 1 to 6 along the keys): with the
+  // keys visited from the last, rising toward key 0 moves each row's reference max again and
+  // again, by more than the kernels' slack (2^8) and by less; rising toward the end leaves it
+  // stale for every tile after the first (P up to 2^8).
+  for (double ramp : {5.0, -5.0}) {
+    const std::string dir = ramp > 0 ? "key_ramp_up" : "key_ramp_down";
+    ForwardCase a{dir, shape(200, 1000, 64)};
+    a.key_ramp = ramp;
+    c.push_back(a);
+    ForwardCase b{dir + "_causal_d128", shape(1000, 1000, 128)};
+    b.shape.causal = true;
+    b.key_ramp = ramp;
+    c.push_back(b);
+    // Two queries of a 4:1 group: the decode kernel (8 packed rows), over key splits.
+    ForwardCase d{dir + "_decode_gqa", shape(2, 3000, 64, 8, 2)};
+    d.key_ramp = ramp;
+    c.push_back(d);
   }
   // seqlen_q != seqlen_k both ways; causal is bottom-right aligned (rows that see no key: O = 0).
   for (auto [sq, sk] : {std::pair<int64_t, int64_t>{17, 1000}, {1000, 17}, {127, 300}, {300, 127}}) {
@@ -422,6 +456,7 @@ TEST_P(ForwardAccuracy, WithinTwiceNaiveError) {
   TA_SKIP_WITHOUT_GPU();
   const Param& param = GetParam();
   HostProblem hp(param.c.shape);
+  apply_key_ramp(hp, param.c.key_ramp);
   DeviceProblem dp(hp);
 
   try {

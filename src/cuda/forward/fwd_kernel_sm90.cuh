@@ -195,7 +195,7 @@ __global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim, kBlockN_, kPersiste
       };
       // Once that S has completed: K's stage goes back, the scores are modified and folded into
       // the row statistics (P in acc_s; alpha: how much the output so far must shrink).
-      auto score = [&](int i, float (&alpha)[1][2]) {
+      auto score = [&](int i, float (&alpha)[1][2]) -> bool {
         sm90::fence_registers(acc_s[0]);
         k_ring.release_warp(i0 + i, lane);
         if (p.softcap_pre > 0.0f) softcap_scores(acc_s, p.softcap_pre, p.softcap_post);
@@ -205,7 +205,7 @@ __global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim, kBlockN_, kPersiste
           if (mask.has_left()) mask_scores<true>(acc_s, mask, row0, key0);
           else mask_scores<false>(acc_s, mask, row0, key0);
         }
-        stats.fold(acc_s, p.scale_log2, alpha);
+        return stats.fold(acc_s, p.scale_log2, alpha);
       };
       // An S column-tile pair is one k-step of 16 keys.
       auto pack_p = [&] {
@@ -260,10 +260,10 @@ __global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim, kBlockN_, kPersiste
         issue_pv(i - 1);
         turns.hand_over();
         sm90::wgmma_wait<1>();  // S of tile i
-        score(i, alpha);
+        const bool moved = score(i, alpha);
         sm90::wgmma_wait<0>();  // P V of tile i - 1
         release_v(i - 1);
-        stats.rescale(acc_o, alpha);
+        if (moved) stats.rescale(acc_o, alpha);
         pack_p();
       }
       turns.take();

@@ -9,6 +9,7 @@
 #include "common/online_softmax.hpp"
 #include "cuda/arch/ptx_sm80.cuh"
 #include "cuda/common/dropout_weights.cuh"
+#include "cuda/common/tree_reduce.cuh"
 
 namespace tileattn::cuda {
 
@@ -68,9 +69,14 @@ __device__ __forceinline__ void alibi_scores(float (&s)[kMTiles][kNTiles][4], fl
 }
 
 // Running statistics of the rows a thread holds: max in the log2 domain and this lane's share
-// of the row sum (the quad's shares are added once, at the end).
+// of the row sum (the quad's shares are added once, at the end). The reference max moves only
+// when a row passes it by more than kSlack (slack_row_max): P stays at most 2^kSlack, well inside
+// both 16-bit types, and after a row's first tile most tiles move no row of a warp, which then
+// skips the quad's max exchange and the output's rescale (a multiply per accumulator element,
+// between two products).
 template <int kMTiles>
 struct RowStats {
+  static constexpr float kSlack = 8.0f;
   float max_log2[kMTiles][2];
   float sum[kMTiles][2];
 
@@ -83,34 +89,56 @@ struct RowStats {
 
   // Folds one tile of raw scores in: turns s into P = exp2(s * scale_log2 - max) in place and
   // gives, per row, the factor by which the output accumulated so far must shrink (rescale).
-  // Apart, so that a pipelined kernel can fold tile j while the products of tile j - 1 still
-  // write the accumulator.
+  // Returns whether any row of the warp moved its max (warp-uniform); if none did, every alpha
+  // is 1. Apart from the rescale, so that a pipelined kernel can fold tile j while the products
+  // of tile j - 1 still write the accumulator.
   template <int kNTiles>
-  __device__ __forceinline__ void fold(float (&s)[kMTiles][kNTiles][4], float scale_log2, float (&alpha)[kMTiles][2]) {
+  __device__ __forceinline__ bool fold(float (&s)[kMTiles][kNTiles][4], float scale_log2, float (&alpha)[kMTiles][2]) {
+    float own_max[kMTiles][2];
+    bool over = false;
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        float m = -INFINITY;
+        float v[2 * kNTiles];
 #pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt) m = fmaxf(m, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
-        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-        const float m_new = fmaxf(max_log2[mt][half], m * scale_log2);
-        alpha[mt][half] = rescale_factor(max_log2[mt][half], m_new);
-        max_log2[mt][half] = m_new;
-        const float base = safe_row_max(m_new);
-        float row_sum = 0.0f;
+        for (int nt = 0; nt < kNTiles; ++nt) v[2 * nt] = s[mt][nt][2 * half], v[2 * nt + 1] = s[mt][nt][2 * half + 1];
+        own_max[mt][half] = tree_reduce(v, [](float a, float b) { return fmaxf(a, b); }) * scale_log2;
+        over |= own_max[mt][half] > max_log2[mt][half] + kSlack;
+        alpha[mt][half] = 1.0f;
+      }
+    // A row's max passes its reference only if one of its quad's own maxima does.
+    const bool moved = __any_sync(0xffffffffu, over);
+    if (moved) {
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          float m = own_max[mt][half];
+          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+          const float m_new = slack_row_max(max_log2[mt][half], m, kSlack);
+          alpha[mt][half] = rescale_factor(max_log2[mt][half], m_new);
+          max_log2[mt][half] = m_new;
+        }
+    }
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const float base = safe_row_max(max_log2[mt][half]);
+        float v[2 * kNTiles];
 #pragma unroll
         for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             float& x = s[mt][nt][2 * half + e];
             x = exp2_fast(fmaf(x, scale_log2, -base));
-            row_sum += x;
+            v[2 * nt + e] = x;
           }
-        sum[mt][half] = sum[mt][half] * alpha[mt][half] + row_sum;
+        sum[mt][half] = sum[mt][half] * alpha[mt][half] + tree_reduce(v, [](float a, float b) { return a + b; });
       }
+    return moved;
   }
 
   template <int kOTiles>
@@ -131,8 +159,7 @@ struct RowStats {
   __device__ __forceinline__ void update(float (&s)[kMTiles][kNTiles][4], float (&o)[kMTiles][kOTiles][4],
                                          float scale_log2) {
     float alpha[kMTiles][2];
-    fold(s, scale_log2, alpha);
-    rescale(o, alpha);
+    if (fold(s, scale_log2, alpha)) rescale(o, alpha);
   }
 
   // Adds the quad's shares of each row sum; afterwards every lane of the quad holds the total.

@@ -38,6 +38,7 @@
 #include "cuda/arch/ptx_sm90.cuh"
 #include "cuda/arch/smm_ptx.cuh"
 #include "cuda/arch/wgmma_ops.cuh"
+#include "cuda/common/tree_reduce.cuh"
 
 namespace tileattn::cuda::smm {
 
@@ -92,20 +93,6 @@ struct Sm90Tile {
   static_assert(!kSplit || N <= 128, "softmax_matmul sm90: exact mode takes column slices of at most 128");
   static_assert(!kExact || kF32, "softmax_matmul sm90: exact mode is an fp32 mode");
 };
-
-// v[0] op v[1] op ... as a balanced tree: log2(n) dependent steps instead of n - 1.
-template <int kN, class Op>
-__device__ __forceinline__ float tree_reduce(const float (&v)[kN], Op op) {
-  static_assert((kN & (kN - 1)) == 0, "tree_reduce: a power of two of values");
-  if constexpr (kN == 1) {
-    return v[0];
-  } else {
-    float half[kN / 2];
-#pragma unroll
-    for (int j = 0; j < kN / 2; ++j) half[j] = op(v[j], v[j + kN / 2]);
-    return tree_reduce(half, op);
-  }
-}
 
 using fp32::tf32_bits;
 using fp32::tf32_rn;
