@@ -28,6 +28,9 @@
 #   --profile             also Nsight Compute (full set) on one forward kernel
 #   --profile-smm         also Nsight Compute (full set, SASS stall samples) on the fp32 softmax_matmul
 #                         kernels (exact and fast) at 16 x 2048 x 8192 x 512
+#   --profile-bwd "SHAPES"  also Nsight Compute on the Hopper backward's main kernel beside cuDNN's
+#                         (through peers.py), each launch alone at the boosted clock, per shape
+#                         B,H,Nq,Nk,D,causal (e.g. "16,16,1024,1024,128,0 4,16,4096,4096,128,0")
 #   --dry-run             print each step's command and log file instead of running it
 #
 # $OUT gets summary.txt and logs.tar.gz (the device tool returns at most 8 files).
@@ -54,6 +57,7 @@ JOBS=$(nproc)
 BUILD=build-device
 PROFILE=0
 PROFILE_SMM=0
+PROFILE_BWD=""
 PYBENCH=0
 OVERHEAD=0
 DECODE_BENCH=0
@@ -73,6 +77,7 @@ while [[ $# -gt 0 ]]; do
     --build-dir) BUILD="$2"; shift ;;
     --profile) PROFILE=1 ;;
     --profile-smm) PROFILE_SMM=1 ;;
+    --profile-bwd) PROFILE_BWD="$2"; shift ;;
     --python-bench) PYBENCH=1 ;;
     --overhead) OVERHEAD=1 ;;
     --decode) DECODE_BENCH=1 ;;
@@ -152,7 +157,7 @@ build_harness() {
   run "$LOG/$1_build.log" nvcc "${NVCC_FLAGS[@]}" "tools/device/$1.cu" "$BUILD/libtileattn.a" -lpthread \
     -o "$BUILD/$1"
 }
-if bench_on forward || bench_on backward || [[ $PROFILE -eq 1 ]]; then
+if bench_on forward || bench_on backward || [[ $PROFILE -eq 1 || -n "$PROFILE_BWD" ]]; then
   build_harness bench_attention & BG+=($!)
 fi
 if bench_on fp32 || [[ $PROFILE_SMM -eq 1 ]]; then
@@ -331,6 +336,27 @@ if [[ $PROFILE_SMM -eq 1 && -x "$BUILD/bench_fp32" ]]; then
       "$NCU" --import "$LOG/ncu_smm_$mode.ncu-rep" --page raw --csv > "$LOG/ncu_smm_${mode}_raw.csv" 2>&1
       grep -E "Duration|Throughput|Pipe|Issue Slots|Bank|L2 Hit|Registers|Eligible|Warp Cycles" \
         "$LOG/ncu_smm_${mode}_details.txt" | head -40 | tee -a "$SUMMARY"
+    done
+  fi
+fi
+
+# --profile-bwd: the same sections for both main kernels, the third launch of each (neither a
+# first call), each alone at the boosted clock: cycles compare, sustained-load clocks do not show.
+if [[ -n "$PROFILE_BWD" && -x "$BUILD/bench_attention" ]]; then
+  NCU=$(cuda_tool ncu)
+  SECTIONS=(--section SpeedOfLight --section WarpStateStats --section SchedulerStats
+            --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section LaunchStats)
+  if [[ -n "$NCU" ]]; then
+    for shape in $PROFILE_BWD; do
+      tag=${shape//,/_}
+      run "$LOG/ncu_bwd_tileattn_$tag.txt" "$NCU" "${SECTIONS[@]}" --clock-control none -k regex:bwd_kernel_sm90 \
+        --launch-skip 2 -c 1 "$BUILD/bench_attention" --pass backward "$shape"
+      run "$LOG/ncu_bwd_cudnn_$tag.txt" "$NCU" "${SECTIONS[@]}" --clock-control none -k regex:sdpa_sm90.*bprop \
+        --launch-skip 2 -c 1 python3 tools/device/peers.py backward "$shape"
+      for who in tileattn cudnn; do
+        note "profile bwd $who $shape: $(grep -E '^ +(Duration|Elapsed Cycles|Issue Slots Busy) ' \
+          "$LOG/ncu_bwd_${who}_$tag.txt" 2>/dev/null | sed -E 's/^ +//; s/ +/ /g' | paste -sd ';')"
+      done
     done
   fi
 fi
