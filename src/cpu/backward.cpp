@@ -299,8 +299,10 @@ void key_tile(const AttentionProblem& p, const ScoreTransform& transform, const 
   const int64_t n = std::min(kTileK, s.len_k - j0), j1 = j0 + n;
   const int64_t dqk = p.headdim_qk, dv = p.headdim_v, group = p.heads_q / p.heads_kv;
   size_scratch(w, dqk, dv);
-  w.wide.assign(size_t(kTileK * dqk), 0.0);  // dK / scale
-  w.wide2.assign(size_t(kTileK * dv), 0.0);  // dV
+  // Only the tile's n rows: zeroing whole 64-row tiles of doubles cost more than a one-key call's
+  // products (64 KiB a key tile at one key).
+  w.wide.assign(size_t(n * dqk), 0.0);  // dK / scale
+  w.wide2.assign(size_t(n * dv), 0.0);  // dV
   load_rows_transposed(p, p.k, s, false, hk, j0, n, dqk, w.kt.data(), kTileK);
   load_rows_transposed(p, p.v, s, false, hk, j0, n, dv, w.vt.data(), kTileK);
   if (dq_accum) load_rows(p, p.k, s, false, hk, j0, n, dqk, w.k.data(), dqk);
@@ -331,8 +333,7 @@ void key_tile(const AttentionProblem& p, const ScoreTransform& transform, const 
     }
   }
   if (pending > 0) widen();
-  const std::vector<float> scale(size_t(n), *p.softmax_scale);
-  store_rows(p, p.dk, s, false, hk, j0, n, dqk, w.wide.data(), dqk, scale.data());
+  store_rows(p, p.dk, s, false, hk, j0, n, dqk, w.wide.data(), dqk, nullptr, *p.softmax_scale);
   store_rows(p, p.dv, s, false, hk, j0, n, dv, w.wide2.data(), dv, nullptr);
 }
 
@@ -344,10 +345,9 @@ void kv_head_fused(const AttentionProblem& p, const ScoreTransform& transform, c
   const int64_t dqk = p.headdim_qk, group = p.heads_q / p.heads_kv;
   std::vector<double> dq_accum(size_t(group * s.len_q * dqk), 0.0);
   for (int64_t j0 = 0; j0 < s.len_k; j0 += kTileK) key_tile(p, transform, terms, in, s, hk, j0, w, dq_accum.data());
-  const std::vector<float> scale(size_t(s.len_q), *p.softmax_scale);
   for (int64_t g = 0; g < group; ++g)
-    store_rows(p, p.dq, s, true, hk * group + g, 0, s.len_q, dqk, dq_accum.data() + g * s.len_q * dqk, dqk,
-               scale.data());
+    store_rows(p, p.dq, s, true, hk * group + g, 0, s.len_q, dqk, dq_accum.data() + g * s.len_q * dqk, dqk, nullptr,
+               *p.softmax_scale);
 }
 
 // Split schedule, second pass: dQ of one query tile over the key tiles it sees.
@@ -359,7 +359,7 @@ void dq_tile(const AttentionProblem& p, const ScoreTransform& transform, const R
   const int64_t rows = std::min(kTileQ, s.len_q - i0), i1 = i0 + rows;
   const int64_t dqk = p.headdim_qk, dv = p.headdim_v, hk = h / (p.heads_q / p.heads_kv);
   size_scratch(w, dqk, dv);
-  w.wide.assign(size_t(kTileQ * dqk), 0.0);  // dQ / scale
+  w.wide.assign(size_t(rows * dqk), 0.0);  // dQ / scale
   load_query_tile(p, transform, terms, in, s, h, i0, rows, w);
 
   const int64_t key_begin = first_key_tile(s, i0), key_end = s.mask.tile_end_key(int(i1));
@@ -373,8 +373,7 @@ void dq_tile(const AttentionProblem& p, const ScoreTransform& transform, const R
     gemm(w.ds.data(), kTileK, 1, w.k.data(), dqk, w.part.data(), dqk, rows, dqk, n);
     add_wide(w.wide.data(), dqk, w.part.data(), dqk, rows, dqk);
   }
-  const std::vector<float> scale(size_t(rows), *p.softmax_scale);
-  store_rows(p, p.dq, s, true, h, i0, rows, dqk, w.wide.data(), dqk, scale.data());
+  store_rows(p, p.dq, s, true, h, i0, rows, dqk, w.wide.data(), dqk, nullptr, *p.softmax_scale);
 }
 
 }  // namespace

@@ -190,14 +190,15 @@ inline void zero_rows(const AttentionProblem& p, const TensorView& t, int64_t r0
     }
 }
 
-// Stores rows of src (ld; fp32, or double sums rounded to fp32 first) times a per-row factor into
-// tensor t, rounded to its dtype.
+// Stores rows of src (ld; fp32, or double sums rounded to fp32 first) times a per-row factor
+// (row_factor, or none) and a common one into tensor t, rounded to its dtype.
 template <class Src>
 inline void store_rows(const AttentionProblem& p, const TensorView& t, const Sequence& s, bool query_side, int64_t h,
-                       int64_t i0, int64_t rows, int64_t dim, const Src* src, int64_t ld, const float* row_factor) {
+                       int64_t i0, int64_t rows, int64_t dim, const Src* src, int64_t ld, const float* row_factor,
+                       float factor = 1.0f) {
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t base = row_offset(p, t, s, query_side, i0 + r, h);
-    const float f = row_factor ? row_factor[r] : 1.0f;
+    const float f = row_factor ? row_factor[r] * factor : factor;
     const Src* in = src + r * ld;
     if (p.dtype == DType::f32) {  // the same values, in a loop free of the dtype switch, so it vectorises
       float* out = static_cast<float*>(t.data) + base;  // (the backward's dQ store was ~3% of it, scalar)
