@@ -270,6 +270,15 @@ std::vector<ForwardCase> base_cases() {
     v.seqlens_q = {2500, 100, 0, 2200};
     v.seqlens_k = {2000, 3000, 5, 1100};
     c.push_back({"three_consumers_varlen", v, false, true});
+    // From 1024 rows: walked where the keys are at most 1024 (GQA 4:1; the last 192-row tile's
+    // second and third consumers hold rows past the sequence only), one block a tile where the
+    // keys are more (the second consumer's rows ragged).
+    ProblemShape w = shape(1024, 1000, 64, 16, 4);
+    w.batch = 2;
+    c.push_back({"three_consumers_walk_ragged_gqa", w, false, true});
+    ProblemShape l = shape(1030, 2100, 32, 6, 6);
+    l.headdim_v = 64;
+    c.push_back({"three_consumers_rows_1030_d32_dv64", l, false, true});
   }
   // The same under the causal mask past the persistent walk's key limit: diagonal tiles of 192
   // rows, more keys than queries (the diagonal shifted), rows that see no key (sq > sk), softcap.

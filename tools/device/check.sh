@@ -28,9 +28,10 @@
 #   --profile             also Nsight Compute (full set) on one forward kernel
 #   --profile-smm         also Nsight Compute (full set, SASS stall samples) on the fp32 softmax_matmul
 #                         kernels (exact and fast) at 16 x 2048 x 8192 x 512
-#   --profile-bwd "SHAPES"  also Nsight Compute on the Hopper backward's main kernel beside cuDNN's
+#   --profile-fwd "SHAPES"  also Nsight Compute on the Hopper forward's kernel beside cuDNN's
 #                         (through peers.py), each launch alone at the boosted clock, per shape
-#                         B,H,Nq,Nk,D,causal (e.g. "16,16,1024,1024,128,0 4,16,4096,4096,128,0")
+#                         B,H,Nq,Nk,D,causal (e.g. "16,32,1024,1024,64,0"); tileattn's with SASS samples
+#   --profile-bwd "SHAPES"  the same for the backward's main kernel (e.g. "16,16,1024,1024,128,0")
 #   --dry-run             print each step's command and log file instead of running it
 #
 # $OUT gets summary.txt and logs.tar.gz (the device tool returns at most 8 files).
@@ -57,6 +58,7 @@ JOBS=$(nproc)
 BUILD=build-device
 PROFILE=0
 PROFILE_SMM=0
+PROFILE_FWD=""
 PROFILE_BWD=""
 PYBENCH=0
 OVERHEAD=0
@@ -77,12 +79,13 @@ while [[ $# -gt 0 ]]; do
     --build-dir) BUILD="$2"; shift ;;
     --profile) PROFILE=1 ;;
     --profile-smm) PROFILE_SMM=1 ;;
+    --profile-fwd) PROFILE_FWD="$2"; shift ;;
     --profile-bwd) PROFILE_BWD="$2"; shift ;;
     --python-bench) PYBENCH=1 ;;
     --overhead) OVERHEAD=1 ;;
     --decode) DECODE_BENCH=1 ;;
     --dry-run) DRY=1 ;;
-    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
     *) echo "check.sh: unknown option $1" >&2; exit 2 ;;
   esac
   shift
@@ -157,7 +160,7 @@ build_harness() {
   run "$LOG/$1_build.log" nvcc "${NVCC_FLAGS[@]}" "tools/device/$1.cu" "$BUILD/libtileattn.a" -lpthread \
     -o "$BUILD/$1"
 }
-if bench_on forward || bench_on backward || [[ $PROFILE -eq 1 || -n "$PROFILE_BWD" ]]; then
+if bench_on forward || bench_on backward || [[ $PROFILE -eq 1 || -n "$PROFILE_FWD$PROFILE_BWD" ]]; then
   build_harness bench_attention & BG+=($!)
 fi
 if bench_on fp32 || [[ $PROFILE_SMM -eq 1 ]]; then
@@ -340,25 +343,38 @@ if [[ $PROFILE_SMM -eq 1 && -x "$BUILD/bench_fp32" ]]; then
   fi
 fi
 
-# --profile-bwd: the same sections for both main kernels, the third launch of each (neither a
-# first call), each alone at the boosted clock: cycles compare, sustained-load clocks do not show.
-if [[ -n "$PROFILE_BWD" && -x "$BUILD/bench_attention" ]]; then
+# --profile-fwd / --profile-bwd: the same sections for tileattn's main kernel and cuDNN's, the third
+# launch of each (neither a first call), each alone at the boosted clock: cycles compare,
+# sustained-load clocks do not show. tileattn's kernel is also sampled per SASS instruction (full
+# set; the source page as CSV), to show where its warps stall.
+profile_beside() {
+  local pass=$1 ours=$2 theirs=$3 shapes=$4 shape tag who
+  local NCU
   NCU=$(cuda_tool ncu)
-  SECTIONS=(--section SpeedOfLight --section WarpStateStats --section SchedulerStats
-            --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section LaunchStats)
-  if [[ -n "$NCU" ]]; then
-    for shape in $PROFILE_BWD; do
-      tag=${shape//,/_}
-      run "$LOG/ncu_bwd_tileattn_$tag.txt" "$NCU" "${SECTIONS[@]}" --clock-control none -k regex:bwd_kernel_sm90 \
-        --launch-skip 2 -c 1 "$BUILD/bench_attention" --pass backward "$shape"
-      run "$LOG/ncu_bwd_cudnn_$tag.txt" "$NCU" "${SECTIONS[@]}" --clock-control none -k regex:sdpa_sm90.*bprop \
-        --launch-skip 2 -c 1 python3 tools/device/peers.py backward "$shape"
-      for who in tileattn cudnn; do
-        note "profile bwd $who $shape: $(grep -E '^ +(Duration|Elapsed Cycles|Issue Slots Busy) ' \
-          "$LOG/ncu_bwd_${who}_$tag.txt" 2>/dev/null | sed -E 's/^ +//; s/ +/ /g' | paste -sd ';')"
-      done
+  [[ -n "$NCU" ]] || return 0
+  local SECTIONS=(--section SpeedOfLight --section WarpStateStats --section SchedulerStats
+                  --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section LaunchStats)
+  for shape in $shapes; do
+    tag=${pass}_${shape//,/_}
+    run "$LOG/ncu_${tag}_tileattn.txt" "$NCU" --set full --import-source no --clock-control none -k "regex:$ours" \
+      --launch-skip 2 -c 1 -o "$LOG/ncu_${tag}_tileattn" "$BUILD/bench_attention" --pass "$pass" "$shape"
+    if [[ $DRY -eq 0 && -f "$LOG/ncu_${tag}_tileattn.ncu-rep" ]]; then
+      "$NCU" --import "$LOG/ncu_${tag}_tileattn.ncu-rep" --page details >> "$LOG/ncu_${tag}_tileattn.txt" 2>&1
+      "$NCU" --import "$LOG/ncu_${tag}_tileattn.ncu-rep" --page source --csv --print-source sass \
+        > "$LOG/ncu_${tag}_tileattn_sass.csv" 2>&1
+      rm -f "$LOG/ncu_${tag}_tileattn.ncu-rep"
+    fi
+    run "$LOG/ncu_${tag}_cudnn.txt" "$NCU" "${SECTIONS[@]}" --clock-control none -k "regex:$theirs" \
+      --launch-skip 2 -c 1 python3 tools/device/peers.py "$pass" "$shape"
+    for who in tileattn cudnn; do
+      note "profile $pass $who $shape: $(grep -E '^ +(Duration|Elapsed Cycles|Issue Slots Busy) ' \
+        "$LOG/ncu_${tag}_${who}.txt" 2>/dev/null | sed -E 's/^ +//; s/ +/ /g' | paste -sd ';')"
     done
-  fi
+  done
+}
+if [[ -x "$BUILD/bench_attention" || $DRY -eq 1 ]]; then
+  [[ -n "$PROFILE_FWD" ]] && profile_beside forward 'fwd_kernel_sm90' 'sdpa_sm90.*fprop|fprop.*sm90' "$PROFILE_FWD"
+  [[ -n "$PROFILE_BWD" ]] && profile_beside backward 'bwd_kernel_sm90' 'sdpa_sm90.*bprop' "$PROFILE_BWD"
 fi
 
 # ---- summary tables, last -----------------------------------------------------------------

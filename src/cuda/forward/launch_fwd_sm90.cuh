@@ -52,21 +52,25 @@ inline bool fwd_sm90_persistent(const FwdSm90Params& params, int head_dim) {
          units.count > device_props().sms && units.count <= INT32_MAX;
 }
 
-// Three consumer warpgroups (192-row query tiles) pay off at head dims up to 64 where the rows
-// fill the tiles nearly and no mask but the causal one makes tiles unequal: H100, bf16, D = 64:
-// N = 2k and 4k +3%, 16k +7% (D = 32: +9% and +6%); N = 1k 5-12% slower (six 192-row tiles for
-// 1024 rows, the last a third full). Causal problems take them past the persistent walk's key
-// limit (H200, D = 64, 16k: +10-12%) and from 4096 rows, walking too where the keys are few
-// enough (H200, D = 64, causal 4k: +7%; 2k: -5%; docs/perf-log.md).
-constexpr int kFwdSm90ThreeConsumerMinRows = 2048;
+// Three consumer warpgroups (192-row query tiles) pay off at head dims up to 64, where a step's
+// products are short beside its softmax, on problems without a mask but the causal one (which
+// makes tiles unequal). Unmasked from 1024 rows: H200, bf16, D = 64, N = 1k +11% over two, the
+// ragged last tile (five full tiles and a third of one) left to its one busy consumer (H100: 2k
+// and 4k +3%, 16k +7%; D = 32: +9% and +6%). Causal from 4096 rows, or from 2048 past the
+// persistent walk's key limit, walking too where the keys are few enough (H200, D = 64: 16k
+// +10-12%, 4k +7%; 2k -5%, 1k -7%; docs/perf-log.md).
+constexpr int kFwdSm90ThreeConsumerMinRows = 1024;
 constexpr int kFwdSm90ThreeConsumerCausalMinRows = 4096;
 inline int fwd_sm90_consumers(const AttentionProblem& pr, int head_dim) {
   const bool unmasked = !pr.causal && pr.window_left < 0 && pr.window_right < 0;
   const bool causal = (pr.causal || pr.window_right == 0) && pr.window_left < 0;
-  const bool long_causal = causal && (pr.seqlen_k > kFwdSm90PersistentCausalMaxKeys ||
-                                      pr.seqlen_q >= kFwdSm90ThreeConsumerCausalMinRows);
-  const bool long_rows = pr.seqlen_q >= kFwdSm90ThreeConsumerMinRows && pr.seqlen_k > kFwdSm90PersistentMaxKeys;
-  return head_dim <= 64 && (unmasked || long_causal) && pr.alibi_slopes == nullptr && long_rows ? 3 : 2;
+  const bool long_causal = causal && pr.seqlen_q >= 2048 && pr.seqlen_k > kFwdSm90PersistentMaxKeys &&
+                           (pr.seqlen_q >= kFwdSm90ThreeConsumerCausalMinRows ||
+                            pr.seqlen_k > kFwdSm90PersistentCausalMaxKeys);
+  return head_dim <= 64 && pr.alibi_slopes == nullptr &&
+                 ((unmasked && pr.seqlen_q >= kFwdSm90ThreeConsumerMinRows) || long_causal)
+             ? 3
+             : 2;
 }
 
 }  // namespace fwd_sm90_detail
