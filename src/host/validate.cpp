@@ -265,7 +265,7 @@ int64_t check_kv_cache(const AttentionProblem& p, Pass pass, const HostOffsets& 
   const int32_t* cu = varlen ? t.k : nullptr;
   if (varlen && cu == nullptr) return kv_rows;
   for (int64_t b = 0; b < p.batch; ++b) {
-    const std::string at = "[" + str(b) + "]";
+    const std::string at = std::string("[").append(str(b)).append("]");  // ("[" + str(b): GCC 12's false -Wrestrict)
     const int64_t len = varlen ? int64_t(cu[b + 1]) - cu[b] : p.seqlen_k;
     int64_t begin = 0, end = len;
     if (t.leftpad_k) {
