@@ -54,17 +54,18 @@ inline bool fwd_sm90_persistent(const FwdSm90Params& params, int head_dim) {
 
 // Three consumer warpgroups (192-row query tiles) pay off at head dims up to 64, where a step's
 // products are short beside its softmax, on problems without a mask but the causal one (which
-// makes tiles unequal). Unmasked from 1024 rows: H200, bf16, D = 64, N = 1k +11% over two, the
-// ragged last tile (five full tiles and a third of one) left to its one busy consumer (H100: 2k
-// and 4k +3%, 16k +7%; D = 32: +9% and +6%). Causal from 4096 rows, or from 2048 past the
-// persistent walk's key limit, walking too where the keys are few enough (H200, D = 64: 16k
-// +10-12%, 4k +7%; 2k -5%, 1k -7%; docs/perf-log.md).
+// makes tiles unequal). Unmasked from 1024 rows: H200, bf16, D = 64, N = 1k +11% over two
+// (D = 32 +13%), though 1024 rows fill five tiles and a third (H100: 2k and 4k +3%, 16k +7%).
+// Causal from 4096 rows, or from 2048 past the persistent walk's key limit, walking too where the
+// keys are few enough (H200, D = 64: 16k +10-12%, 4k +7%; 2k -5%, 1k -7%; docs/perf-log.md).
 constexpr int kFwdSm90ThreeConsumerMinRows = 1024;
 constexpr int kFwdSm90ThreeConsumerCausalMinRows = 4096;
+constexpr int kFwdSm90ThreeConsumerLongKeysMinRows = 2048;  // causal, past the walk's key limit
 inline int fwd_sm90_consumers(const AttentionProblem& pr, int head_dim) {
   const bool unmasked = !pr.causal && pr.window_left < 0 && pr.window_right < 0;
   const bool causal = (pr.causal || pr.window_right == 0) && pr.window_left < 0;
-  const bool long_causal = causal && pr.seqlen_q >= 2048 && pr.seqlen_k > kFwdSm90PersistentMaxKeys &&
+  const bool long_causal = causal && pr.seqlen_q >= kFwdSm90ThreeConsumerLongKeysMinRows &&
+                           pr.seqlen_k > kFwdSm90PersistentMaxKeys &&
                            (pr.seqlen_q >= kFwdSm90ThreeConsumerCausalMinRows ||
                             pr.seqlen_k > kFwdSm90PersistentCausalMaxKeys);
   return head_dim <= 64 && pr.alibi_slopes == nullptr &&
