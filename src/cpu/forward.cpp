@@ -158,9 +158,11 @@ void forward_tiles(const AttentionProblem& p, const ScoreTransform& transform, c
     QueryTile& q = w.tiles[t];
     q.qt.resize(size_t(dqk * kTileQ));
     q.rows.reset(rows, dv);
-    for (int64_t e = 0; e < heads; ++e)
-      load_rows_transposed(p, p.q, s, true, h + e, i0, n_pos, dqk, q.qt.data() + e * n_pos, kTileQ);
-    for (int64_t d = 0; d < dqk; ++d) std::fill(&q.qt[size_t(d * kTileQ + rows)], &q.qt[size_t(d * kTileQ + cols)], 0.0f);
+    // Each row's last vector is zeroed before the loads fill its first `rows` columns (a fill of
+    // the padding alone was a library call per row: a sixth of a one-key call's time).
+    float* const qt = q.qt.data();  // once: each vector store may alias the vector's own pointer
+    for (int64_t d = 0; d < dqk; ++d) store_lanes(qt + d * kTileQ + cols - kLanes, f32xN{});
+    for (int64_t e = 0; e < heads; ++e) load_rows_transposed(p, p.q, s, true, h + e, i0, n_pos, dqk, qt + e * n_pos, kTileQ);
     begin[t] = s.mask.tile_begin_key(int(i0));
     end[t] = s.mask.tile_end_key(int(i0 + n_pos));
     if (begin[t] < end[t]) {
