@@ -281,6 +281,18 @@ void add_half_cases(std::vector<Case>& c, DType t) {
     c.push_back({n + "dqk192_dv128_bhsd", s});
   }
   {
+    // V and dO narrower than the bucket: the preprocess's rowsum(dO O) takes four lanes a row.
+    auto s = base(t, 300, 260, 64);
+    s.headdim_v = 32;
+    s.causal = true;
+    c.push_back({n + "dqk64_dv32_causal", s});
+  }
+  {
+    auto s = base(t, 130, 200, 64);  // 16 columns: two of a row's four lanes hold none
+    s.headdim_v = 16;
+    c.push_back({n + "dqk64_dv16", s});
+  }
+  {
     auto s = base(t, 160, 190, 256);
     s.layout = Layout::padded;
     s.causal = true;

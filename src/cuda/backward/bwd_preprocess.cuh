@@ -15,6 +15,7 @@
 #include "common/online_softmax.hpp"
 #include "common/score_mod.hpp"
 #include "cuda/arch/warp_mma_sm80.cuh"
+#include "cuda/backward/bwd_launch.hpp"
 #include "cuda/common/bwd_params.hpp"
 
 namespace tileattn::cuda::bwd {
@@ -32,18 +33,22 @@ __device__ __forceinline__ bool row_of_warp(const BwdParams& p, int& b, int& h, 
   return true;
 }
 
-// Row i of (b, h) at workspace row w, whose D is acc (any value where i >= s.sq): its L, D and,
-// for fp32, its row sum. One lane per row.
+// The forward's L of row i of (b, h); any value where i >= s.sq.
+__device__ __forceinline__ float forward_lse(const BwdParams& p, const SeqInfo& s, int b, int h, int i) {
+  return i < s.sq ? p.lse[lse_index(p, s, b, h, i)] : 0.0f;
+}
+
+// Row i of (b, h) at workspace row w, whose D is acc and forward L is l (any values where
+// i >= s.sq): its L, D and, for fp32, its row sum. One lane per row.
 template <class T>
 __device__ __forceinline__ void store_row_stats(const BwdParams& p, const SeqInfo& s, int b, int h, int i, int64_t w,
-                                                float acc) {
+                                                float acc, float l) {
   if (p.row_sum != nullptr) p.row_sum[w] = 1.0f;
   if (i >= s.sq) {
     p.lse2[w] = INFINITY;
     p.dsum[w] = 0.0f;
     return;
   }
-  float l = p.lse[lse_index(p, s, b, h, i)];
   // ALiBi's causal form: L carries slope * (i + sk - sq) beyond the LSE of the scores that
   // P is recomputed from (ScoreMod::lse_offset); it comes off here, once per row.
   if (p.mod.alibi_lse_offset && l != -INFINITY) l -= p.mod.lse_offset(p.mod.slope(b, h), i, s.sq, s.sk);
@@ -88,47 +93,67 @@ __global__ void __launch_bounds__(kRowKernelThreads) preprocess_kernel(const Bwd
       acc = float(wide);
     }
   }
-  if (lane == 0) store_row_stats<T>(p, s, b, h, i, w, acc);
+  if (lane == 0) store_row_stats<T>(p, s, b, h, i, w, acc, forward_lse(p, s, b, h, i));
 }
 
-// 16-bit O and dO with 16-byte rows (vec_io): kRowLanes lanes a row, eight elements a lane per load,
-// 256 / kRowLanes consecutive workspace rows a block, whose accumulator rows are one run to zero.
+// 16-bit O and dO with 16-byte rows (vec_io): kRowLanes lanes a row, each with at most one 16-byte
+// load of O and of dO a row (the launch picks the lanes so that one load spans the row), and up
+// to four rows a thread, all their loads issued before the first sum: the kernel only moves
+// memory, and with one row's two loads in flight per thread it drew 62% of the card's DRAM
+// bandwidth, with four rows' 73% (D = 128; docs/perf-log.md). A block's rows lie in one
+// (batch, head), and its accumulator rows are one run to zero.
+template <int kRowLanes>
+struct VecRows {
+  static constexpr int kPass = kRowKernelThreads / kRowLanes;  // rows the block covers per row of a thread
+  static constexpr int kPerThread = kPass * 4 <= kWorkspaceRowTile ? 4 : kWorkspaceRowTile / kPass;
+  static constexpr int kBlock = kPass * kPerThread;
+  static_assert(kWorkspaceRowTile % kBlock == 0, "a block's rows never straddle two heads");
+};
+
 template <class T, int kRowLanes>
 __global__ void __launch_bounds__(kRowKernelThreads) preprocess_vec_kernel(const BwdParams p) {
   static_assert(!std::is_same_v<T, float> && 32 % kRowLanes == 0, "16-bit rows, whole groups a warp");
-  constexpr int kRows = kRowKernelThreads / kRowLanes;
-  const int64_t total = int64_t(p.batch) * p.heads_q * p.seqlen_q_rounded;
-  const int64_t first = int64_t(blockIdx.x) * kRows;
-  if (p.dq_accum != nullptr) {
-    const int64_t n = (min(int64_t(kRows), total - first) * p.dq_accum_dim) / 4;
-    float4* a = reinterpret_cast<float4*>(p.dq_accum + first * p.dq_accum_dim);
-    for (int64_t x = threadIdx.x; x < n; x += kRowKernelThreads) a[x] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  }
-  const int64_t w = first + threadIdx.x / kRowLanes;
-  const int sub = int(threadIdx.x) % kRowLanes;
-  const bool live = w < total;
-  const int i = int(w % p.seqlen_q_rounded);
-  const int64_t bh = w / p.seqlen_q_rounded;
-  const int h = int(bh % p.heads_q), b = live ? int(bh / p.heads_q) : 0;
+  using Rows = VecRows<kRowLanes>;
+  constexpr int kR = Rows::kPerThread;
+  const int64_t first = int64_t(blockIdx.x) * Rows::kBlock;  // the grid covers the rows exactly
+  const int64_t bh = first / p.seqlen_q_rounded;
+  const int h = int(bh % p.heads_q), b = int(bh / p.heads_q);
+  const int i0 = int(first % p.seqlen_q_rounded) + int(threadIdx.x) / kRowLanes;
+  const int sub = int(threadIdx.x) % kRowLanes, c = 8 * sub;
   const SeqInfo s = seq_info(p, b);
-  float acc = 0.0f;
-  if (live && i < s.sq) {
-    const T* o = query_row<const T>(p, p.o, b, h, i);
-    const T* d = query_row<const T>(p, p.dout, b, h, i);
-    for (int c = 8 * sub; c < p.headdim_v; c += 8 * kRowLanes) {
-      const uint4 ov = *reinterpret_cast<const uint4*>(o + c), dv = *reinterpret_cast<const uint4*>(d + c);
-      const uint32_t ow[4] = {ov.x, ov.y, ov.z, ov.w}, dw[4] = {dv.x, dv.y, dv.z, dv.w};
+  const T* o = query_row<const T>(p, p.o, b, h, 0) + c;
+  const T* d = query_row<const T>(p, p.dout, b, h, 0) + c;
+  uint4 ov[kR], dv[kR];
+  float lse[kR];
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const float2 x = unpack2<T>(ow[k]), y = unpack2<T>(dw[k]);
-        acc = fmaf(x.x, y.x, acc);
-        acc = fmaf(x.y, y.y, acc);
-      }
-    }
+  for (int r = 0; r < kR; ++r) {
+    ov[r] = dv[r] = make_uint4(0u, 0u, 0u, 0u);  // unpacks to +0 in either 16-bit type
+    const int i = i0 + r * Rows::kPass;
+    lse[r] = sub == 0 ? forward_lse(p, s, b, h, i) : 0.0f;
+    if (i >= s.sq || c >= p.headdim_v) continue;
+    ov[r] = __ldg(reinterpret_cast<const uint4*>(o + int64_t(i) * p.o.seq));
+    dv[r] = __ldg(reinterpret_cast<const uint4*>(d + int64_t(i) * p.dout.seq));
+  }
+  if (p.dq_accum != nullptr) {
+    float4* a = reinterpret_cast<float4*>(p.dq_accum + first * p.dq_accum_dim);
+    for (int x = threadIdx.x; x < Rows::kBlock * p.dq_accum_dim / 4; x += kRowKernelThreads)
+      a[x] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   }
 #pragma unroll
-  for (int off = kRowLanes / 2; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-  if (live && sub == 0) store_row_stats<T>(p, s, b, h, i, w, acc);
+  for (int r = 0; r < kR; ++r) {
+    const uint32_t ow[4] = {ov[r].x, ov[r].y, ov[r].z, ov[r].w}, dw[4] = {dv[r].x, dv[r].y, dv[r].z, dv[r].w};
+    float acc = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float2 x = unpack2<T>(ow[k]), y = unpack2<T>(dw[k]);
+      acc = fmaf(x.x, y.x, acc);
+      acc = fmaf(x.y, y.y, acc);
+    }
+#pragma unroll
+    for (int off = kRowLanes / 2; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    const int i = i0 + r * Rows::kPass;
+    if (sub == 0) store_row_stats<T>(p, s, b, h, i, first + (i - i0) + int(threadIdx.x) / kRowLanes, acc, lse[r]);
+  }
 }
 
 // The preprocess for every backward: the lanes-per-row kernel where it applies, else a warp a row.
@@ -141,10 +166,10 @@ void launch_preprocess(const BwdParams& p, cudaStream_t stream) {
   if constexpr (!std::is_same_v<T, float>) {
     if (p.vec_io) {
       // Lanes enough for the row in one load each (head dims are multiples of 8 here), 4 at least.
-      if (p.headdim_v <= 32) launch(preprocess_vec_kernel<T, 4>, kRowKernelThreads / 4);
-      else if (p.headdim_v <= 64) launch(preprocess_vec_kernel<T, 8>, kRowKernelThreads / 8);
-      else if (p.headdim_v <= 128) launch(preprocess_vec_kernel<T, 16>, kRowKernelThreads / 16);
-      else launch(preprocess_vec_kernel<T, 32>, kRowKernelThreads / 32);
+      if (p.headdim_v <= 32) launch(preprocess_vec_kernel<T, 4>, VecRows<4>::kBlock);
+      else if (p.headdim_v <= 64) launch(preprocess_vec_kernel<T, 8>, VecRows<8>::kBlock);
+      else if (p.headdim_v <= 128) launch(preprocess_vec_kernel<T, 16>, VecRows<16>::kBlock);
+      else launch(preprocess_vec_kernel<T, 32>, VecRows<32>::kBlock);
       return;
     }
   }
