@@ -60,28 +60,18 @@ template <int MR, int NV, bool Overwrite>
     gemm_run<MR, NV, false>(a + d0 * a_col, a_row, a_col, b + d0 * ldb, ldb, c, ldc, std::min(kGemmChunk, k - d0));
 }
 
-// The rows and columns the blocks leave, one scalar lane per element, in the blocks' order.
+// The rows and columns the blocks leave (fewer columns than a vector), one scalar lane per
+// element, each summed as the blocks sum theirs.
 void gemm_edge(const float* a, int64_t a_row, int64_t a_col, const float* b, int64_t ldb, float* c, int64_t ldc,
                int64_t m, int64_t n, int64_t k, bool overwrite) {
-  if (overwrite)
-    for (int64_t r = 0; r < m; ++r) std::fill(c + r * ldc, c + r * ldc + n, 0.0f);
-  constexpr int64_t kCols = 64;
-  float run[kCols];
-  for (int64_t r = 0; r < m; ++r)
-    for (int64_t j0 = 0; j0 < n; j0 += kCols) {
-      const int64_t cols = std::min(kCols, n - j0);
-      for (int64_t d0 = 0; d0 < k; d0 += kGemmChunk) {
-        const int64_t d1 = std::min(k, d0 + kGemmChunk);
-        std::fill(run, run + cols, 0.0f);
-        for (int64_t d = d0; d < d1; ++d) {
-          const float x = a[r * a_row + d * a_col];
-          const float* bd = b + d * ldb + j0;
-          for (int64_t j = 0; j < cols; ++j) run[j] = fma_scalar(x, bd[j], run[j]);
-        }
-        float* cr = c + r * ldc + j0;
-        for (int64_t j = 0; j < cols; ++j) cr[j] += run[j];
-      }
+  for (int64_t r = 0; r < m; ++r) {
+    const float* ar = a + r * a_row;
+    for (int64_t j = 0; j < n; ++j) {
+      float& cj = c[r * ldc + j];
+      cj = add_chunked(overwrite ? 0.0f : cj, [ar, a_col](int64_t d) { return ar[d * a_col]; },
+                       [bj = b + j, ldb](int64_t d) { return bj[d * ldb]; }, k);
     }
+  }
 }
 
 // Rows [i, m) in blocks of MR rows, then of fewer: 16 columns per block, then 8, then the edge.

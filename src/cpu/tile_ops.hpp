@@ -262,18 +262,37 @@ constexpr int64_t kGemmChunk = 16;
 void gemm_accumulate(const float* a, int64_t a_row, int64_t a_col, const float* b, int64_t ldb, float* c,
                      int64_t ldc, int64_t m, int64_t n, int64_t k);
 
+// c plus the k terms x(d) y(d) in runs of kGemmChunk, as one element of the products sums them
+// (above), one scalar lane. Four runs' FMA chains go at once: each starts from zero, so they are
+// independent, and they still join c in order (a one-key backward spent half its time in these
+// chains one after another; docs/perf-log.md).
+template <class X, class Y>
+[[gnu::always_inline]] inline float add_chunked(float c, X x, Y y, int64_t k) {
+  constexpr int64_t kRuns = 4;
+  int64_t d0 = 0;
+  for (; d0 + kRuns * kGemmChunk <= k; d0 += kRuns * kGemmChunk) {
+    float run[kRuns] = {};
+    for (int64_t t = 0; t < kGemmChunk; ++t)
+      for (int64_t r = 0; r < kRuns; ++r) {
+        const int64_t d = d0 + r * kGemmChunk + t;
+        run[r] = fma_scalar(x(d), y(d), run[r]);
+      }
+    for (int64_t r = 0; r < kRuns; ++r) c += run[r];
+  }
+  for (; d0 < k; d0 += kGemmChunk) {
+    const int64_t d1 = std::min(k, d0 + kGemmChunk);
+    float run = 0.0f;
+    for (int64_t d = d0; d < d1; ++d) run = fma_scalar(x(d), y(d), run);
+    c += run;
+  }
+  return c;
+}
+
 // x . y rounded exactly as an element of gemm(x as a 1 x k row, y as a k x 1 column) is: the
 // backward forms D = dO . O with it so that D and dP = dO V^T share their rounding (with one
 // visible key O is V, and dP - D must then be exactly 0, as in a naive implementation).
 inline float dot_chunked(const float* x, const float* y, int64_t k) {
-  float sum = 0.0f;
-  for (int64_t d0 = 0; d0 < k; d0 += kGemmChunk) {
-    const int64_t d1 = std::min(k, d0 + kGemmChunk);
-    float run = 0.0f;
-    for (int64_t d = d0; d < d1; ++d) run = fma_scalar(x[d], y[d], run);
-    sum += run;
-  }
-  return sum;
+  return add_chunked(0.0f, [x](int64_t d) { return x[d]; }, [y](int64_t d) { return y[d]; }, k);
 }
 
 // C = A B (overwrites the m x n block of C; the same values as zeroing C, then gemm_accumulate).
