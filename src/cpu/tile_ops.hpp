@@ -169,8 +169,15 @@ inline void load_rows_transposed(const AttentionProblem& p, const TensorView& t,
     }
   }
 #endif
-  for (int64_t r = r0; r < rows; ++r)
-    load_elements_strided(t.data, row_offset(p, t, s, query_side, i0 + r, h), p.dtype, dim, dst + r, ld);
+  for (int64_t r = r0; r < rows; ++r) {
+    const int64_t base = row_offset(p, t, s, query_side, i0 + r, h);
+    if (p.dtype == DType::f32) {  // straight from the row: a chunk copy was an inlined `rep movsq`, slow to start
+      const float* in = static_cast<const float*>(t.data) + base;
+      for (int64_t d = 0; d < dim; ++d) dst[d * ld + r] = in[d];
+    } else {
+      load_elements_strided(t.data, base, p.dtype, dim, dst + r, ld);
+    }
+  }
 }
 
 // Varlen buffers may hold rows after the last sequence (cu_seqlens[batch] < total): no sequence
