@@ -60,8 +60,8 @@ template <int MR, int NV, bool Overwrite>
     gemm_run<MR, NV, false>(a + d0 * a_col, a_row, a_col, b + d0 * ldb, ldb, c, ldc, std::min(kGemmChunk, k - d0));
 }
 
-// The rows and columns the blocks leave (fewer columns than a vector), one scalar lane per
-// element, each summed as the blocks sum theirs.
+// The rows and columns the blocks leave, one scalar lane per element, each summed as the blocks
+// sum theirs.
 void gemm_edge(const float* a, int64_t a_row, int64_t a_col, const float* b, int64_t ldb, float* c, int64_t ldc,
                int64_t m, int64_t n, int64_t k, bool overwrite) {
   for (int64_t r = 0; r < m; ++r) {
