@@ -122,9 +122,15 @@ inline RowsView view_rows(const AttentionProblem& p, const TensorView& t, const 
 }
 
 // Elements [index, index + n) of an array of `dtype`, widened into dst[0], dst[stride], ...: a
-// row into a column, through load_elements (a vector loop) a chunk at a time.
+// row into a column; fp32 element by element, other dtypes through load_elements (a vector loop)
+// a chunk at a time.
 inline void load_elements_strided(const void* base, int64_t index, DType dtype, int64_t n, float* dst,
                                   int64_t stride) {
+  if (dtype == DType::f32) {  // straight from the row: the chunk copy was an inlined `rep movsq`, slow to start
+    const float* in = static_cast<const float*>(base) + index;
+    for (int64_t i = 0; i < n; ++i) dst[i * stride] = in[i];
+    return;
+  }
   float chunk[64];
   for (int64_t i0 = 0; i0 < n; i0 += 64) {
     const int64_t m = std::min<int64_t>(64, n - i0);
@@ -169,15 +175,8 @@ inline void load_rows_transposed(const AttentionProblem& p, const TensorView& t,
     }
   }
 #endif
-  for (int64_t r = r0; r < rows; ++r) {
-    const int64_t base = row_offset(p, t, s, query_side, i0 + r, h);
-    if (p.dtype == DType::f32) {  // straight from the row: a chunk copy was an inlined `rep movsq`, slow to start
-      const float* in = static_cast<const float*>(t.data) + base;
-      for (int64_t d = 0; d < dim; ++d) dst[d * ld + r] = in[d];
-    } else {
-      load_elements_strided(t.data, base, p.dtype, dim, dst + r, ld);
-    }
-  }
+  for (int64_t r = r0; r < rows; ++r)
+    load_elements_strided(t.data, row_offset(p, t, s, query_side, i0 + r, h), p.dtype, dim, dst + r, ld);
 }
 
 // Varlen buffers may hold rows after the last sequence (cu_seqlens[batch] < total): no sequence
