@@ -159,7 +159,9 @@ def _is_empty(q: Tensor, k: Tensor, cu_seqlens_q: Optional[Tensor], max_seqlen_q
     if cu_seqlens_q is not None:
         return (q.shape[0] == 0 or q.shape[1] == 0 or k.shape[0] == 0 or cu_seqlens_q.shape[0] <= 1
                 or max_seqlen_q == 0 or max_seqlen_k == 0)
-    shape = q.shape  # read once: each read of a shape builds it
+    if q.numel() and k.numel():  # every call with work; numel() builds no Size, unlike .shape
+        return False
+    shape = q.shape
     return shape[0] == 0 or shape[1] == 0 or shape[2] == 0 or k.shape[1] == 0
 
 
