@@ -297,6 +297,53 @@ struct AttentionFunction : torch::autograd::Function<AttentionFunction> {
   }
 };
 
+// The message every route gives where a graph differentiates attention's gradients.
+constexpr const char* kNoSecondDerivative =
+    "tileattn: attention's backward has no derivative of its own; a second derivative through attention "
+    "(gradients taken with create_graph=True, then differentiated) is not supported";
+
+// attention_backward's Autograd kernel: the gradients it returns where a graph could differentiate
+// them (create_graph=True) carry a node whose backward stops with kNoSecondDerivative. Without a
+// kernel here the dispatcher's fallback would let such a graph run on with a zero second
+// derivative and only a warning.
+struct AttentionBackwardFunction : torch::autograd::Function<AttentionBackwardFunction> {
+  static torch::autograd::variable_list forward(
+      torch::autograd::AutogradContext*, const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+      const Tensor& out, const Tensor& lse, const OptTensor& cu_seqlens_q, const OptTensor& cu_seqlens_k,
+      SymInt max_seqlen_q, SymInt max_seqlen_k, std::optional<double> softmax_scale, bool causal, SymInt window_left,
+      SymInt window_right, double softcap, bool deterministic, const OptTensor& alibi_slopes, double dropout_p,
+      const OptTensor& dropout_rng) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    auto [dq, dk, dv] = backward_op().call(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                           max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
+                                           deterministic, alibi_slopes, dropout_p, dropout_rng);
+    return {dq, dk, dv};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*, torch::autograd::variable_list) {
+    TORCH_CHECK_NOT_IMPLEMENTED(false, kNoSecondDerivative);
+    return {};
+  }
+};
+
+std::tuple<Tensor, Tensor, Tensor> attention_backward_autograd(
+    const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
+    const OptTensor& cu_seqlens_q, const OptTensor& cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k,
+    std::optional<double> softmax_scale, bool causal, SymInt window_left, SymInt window_right, double softcap,
+    bool deterministic, const OptTensor& alibi_slopes, double dropout_p, const OptTensor& dropout_rng) {
+  if (!at::GradMode::is_enabled() ||
+      !(dout.requires_grad() || q.requires_grad() || k.requires_grad() || v.requires_grad() || out.requires_grad())) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return backward_op().call(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                              softmax_scale, causal, window_left, window_right, softcap, deterministic, alibi_slopes,
+                              dropout_p, dropout_rng);
+  }
+  auto grads = AttentionBackwardFunction::apply(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                max_seqlen_k, softmax_scale, causal, window_left, window_right,
+                                                softcap, deterministic, alibi_slopes, dropout_p, dropout_rng);
+  return std::make_tuple(grads[0], grads[1], grads[2]);
+}
+
 std::tuple<Tensor, Tensor> attention_forward_autograd(
     const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& cu_seqlens_q, const OptTensor& cu_seqlens_k,
     SymInt max_seqlen_q, SymInt max_seqlen_k, std::optional<double> softmax_scale, bool causal, SymInt window_left,
@@ -339,7 +386,10 @@ TORCH_LIBRARY_IMPL(tileattn, CUDA, m) {
   m.impl("attention_backward", &attention_backward);
 }
 
-TORCH_LIBRARY_IMPL(tileattn, Autograd, m) { m.impl("attention_forward", &attention_forward_autograd); }
+TORCH_LIBRARY_IMPL(tileattn, Autograd, m) {
+  m.impl("attention_forward", &attention_forward_autograd);
+  m.impl("attention_backward", &attention_backward_autograd);
+}
 
 namespace py = pybind11;
 

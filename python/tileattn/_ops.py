@@ -461,6 +461,23 @@ def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
+# attention_backward has no derivative of its own. Where a graph could differentiate its gradients
+# (create_graph=True), they carry a node that raises this (the operator library's message, word for
+# word): the dispatcher's fallback for an operator without an Autograd kernel lets such a graph run
+# on with a zero second derivative and only a warning.
+NO_SECOND_DERIVATIVE = ("tileattn: attention's backward has no derivative of its own; a second derivative through "
+                        "attention (gradients taken with create_graph=True, then differentiated) is not supported")
+
+
+def _no_second_derivative(ctx, *grads):
+    raise NotImplementedError(NO_SECOND_DERIVATIVE)
+
+
+if _torch_ops is None:  # torch_ops.cpp registers the same kernel
+    torch.library.register_autograd("tileattn::attention_backward", _no_second_derivative,
+                                    setup_context=lambda ctx, inputs, output: None)
+
+
 _FORWARD_OPTIONS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal",
                     "window_left", "window_right", "softcap", "deterministic", "alibi_slopes", "dropout_p",
                     "dropout_rng")
@@ -504,7 +521,10 @@ class _EagerAttention(torch.autograd.Function):
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
         if grad_out is None:
             grad_out = torch.zeros_like(out)
-        dq, dk, dv = _backward_impl(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.options)
+        if torch.is_grad_enabled():  # create_graph=True: the operator marks its gradients as final
+            dq, dk, dv = attention_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.options)
+        else:
+            dq, dk, dv = _backward_impl(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.options)
         return dq, dk, dv, None, None, None
 
 

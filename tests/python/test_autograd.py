@@ -102,6 +102,43 @@ def test_kernel_gradcheck_float32(path):
     assert torch.autograd.gradcheck(fn, inputs, **FLOAT32_GRADCHECK)
 
 
+_SECOND_DERIVATIVE = r"attention's backward has no derivative of its own"
+
+
+@pytest.mark.parametrize("path", ["flash_attn_func", "flash_attn_varlen_func", "sdpa", "course", "compiled"])
+def test_second_derivative_is_refused_not_zero(path):
+    """A double backward (gradients taken with create_graph=True, then differentiated) raises where it
+    reaches the kernels' backward: PyTorch's fallback for an operator without an Autograd kernel
+    would let it through as a zero second derivative. The first derivatives themselves, taken with
+    create_graph=True, are still the float64 oracle's."""
+    q, k, v = (torch.randn(2, 5, 2, 8, requires_grad=True) for _ in range(3))
+    if path == "flash_attn_varlen_func":
+        cu = torch.tensor([0, 5, 10], dtype=torch.int32)
+        fn = lambda a, b, c: tileattn.flash_attn_varlen_func(  # noqa: E731
+            a.flatten(0, 1), b.flatten(0, 1), c.flatten(0, 1), cu, cu, 5, 5, causal=True).unflatten(0, (2, 5))
+    elif path == "sdpa":
+        fn = lambda a, b, c: tileattn.scaled_dot_product_attention(  # noqa: E731
+            a.transpose(1, 2), b.transpose(1, 2), c.transpose(1, 2), is_causal=True).transpose(1, 2)
+    elif path == "course":  # (batch, seqlen, headdim): one head
+        q, k, v = (t.detach()[:, :, :1].requires_grad_() for t in (q, k, v))
+        fn = lambda a, b, c: tileattn.FlashAttentionFunction.apply(  # noqa: E731
+            a.squeeze(2), b.squeeze(2), c.squeeze(2), True).unsqueeze(2)
+    else:
+        fn = lambda a, b, c: tileattn.flash_attn_func(a, b, c, causal=True)  # noqa: E731
+        if path == "compiled":
+            fn = torch.compile(fn, fullgraph=True, backend="eager")
+    dout = torch.randn(2, 5, q.shape[2], 8)
+    grads = torch.autograd.grad(fn(q, k, v), (q, k, v), dout, create_graph=True)
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, _ = naive.attention(qd, kd, vd, causal=True)
+    oracle = torch.autograd.grad(ref, (qd, kd, vd), dout.double())
+    for ours, exact in zip(grads, oracle):
+        assert naive.max_error(ours, exact) < 1e-4
+    for g in grads:
+        with pytest.raises(NotImplementedError, match=_SECOND_DERIVATIVE):
+            torch.autograd.grad((g * g).sum() + q.sum(), (q, k, v), allow_unused=True)
+
+
 @pytest.mark.filterwarnings("ignore:Input #\\d+ requires gradient and is not a double")
 def test_softmax_matmul_gradcheck_float32_and_float64_comparison():
     x = torch.randn(2, 5, 7, requires_grad=True)

@@ -66,7 +66,8 @@ def test_operator_library_serves_eager_calls(monkeypatch):
 
 def test_python_registration_without_the_library():
     """TILEATTN_TORCH_OPS=0 (as a PyTorch the library was not built for) registers the operators in
-    Python: values, gradients, refusals and a fullgraph compile still hold."""
+    Python: values, gradients, refusals (a second derivative among them) and a fullgraph compile
+    still hold."""
     script = textwrap.dedent("""
         import torch, tileattn
         from tileattn import _ops
@@ -88,6 +89,12 @@ def test_python_registration_without_the_library():
             assert "k.dtype=float16 must equal q.dtype=float32" in str(e)
         f = torch.compile(lambda a, b, c: tileattn.flash_attn_func(a, b, c), fullgraph=True, backend="eager")
         assert torch.equal(f(q, k, v), tileattn.flash_attn_func(q, k, v))
+        (dq,) = torch.autograd.grad(tileattn.flash_attn_func(q, k, v).sum(), q, create_graph=True)
+        try:
+            torch.autograd.grad(dq.square().sum(), q)
+            raise SystemExit("a second derivative through attention was not refused")
+        except NotImplementedError as e:
+            assert "attention's backward has no derivative of its own" in str(e)
         print("ok")
     """)
     env = dict(os.environ, TILEATTN_TORCH_OPS="0")

@@ -37,6 +37,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from .. import _ops
 from .merge import merge_attention
@@ -427,6 +428,7 @@ class _ContextParallelAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # the block backwards' gradients have no derivative of their own
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         cfg = ctx.cfg

@@ -25,6 +25,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from .. import _ops
 from .context_parallel import (_all_gather, _block, _call_backward, _check_shards, _Config, _config, _group_rank_size,
@@ -298,6 +299,7 @@ class _VarlenContextParallelAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # the block backwards' gradients have no derivative of their own
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         bwd = _ring_backward if ctx.cfg.mode == "ring" else _allgather_backward
