@@ -8,6 +8,7 @@ scores, shaped (batch, seqlen_q).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from . import _ops  # noqa: F401  (registers torch.ops.tileattn.*)
@@ -21,8 +22,8 @@ def _check_3d(t: Tensor, name: str) -> None:
         raise ValueError(f"{name} must have 3 dimensions (batch, seqlen, headdim), got shape {tuple(t.shape)}")
 
 
-def _mask(Q: Tensor, K: Tensor, is_causal: bool) -> tuple[bool, int]:
-    return top_left_causal(Q.shape[1], K.shape[1]) if is_causal else (False, -1)
+def _mask(Q: Tensor, K: Tensor, is_causal: bool) -> tuple[bool, int, int]:
+    return top_left_causal(Q.shape[1], K.shape[1]) if is_causal else (False, -1, K.shape[1])
 
 
 class FlashAttentionFunction(torch.autograd.Function):
@@ -32,10 +33,11 @@ class FlashAttentionFunction(torch.autograd.Function):
     def forward(ctx, Q: Tensor, K: Tensor, V: Tensor, is_causal: bool = False) -> Tensor:
         for t, name in ((Q, "Q"), (K, "K"), (V, "V")):
             _check_3d(t, name)
-        causal, right = _mask(Q, K, is_causal)
+        causal, right, keys = _mask(Q, K, is_causal)  # keys past `keys` are seen by no query
         # One head: (batch, seqlen, 1, headdim) is the same memory.
-        O, L = torch.ops.tileattn.attention_forward(Q.unsqueeze(2), K.unsqueeze(2), V.unsqueeze(2), None, None, 0, 0,
-                                                    None, causal, -1, right, 0.0, False)
+        O, L = torch.ops.tileattn.attention_forward(Q.unsqueeze(2), K[:, :keys].unsqueeze(2),
+                                                    V[:, :keys].unsqueeze(2), None, None, 0, 0, None, causal, -1,
+                                                    right, 0.0, False)
         O, L = O.squeeze(2), L.squeeze(1)
         ctx.save_for_backward(Q, K, V, O, L)
         ctx.is_causal = is_causal
@@ -44,8 +46,9 @@ class FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dO: Tensor):
         Q, K, V, O, L = ctx.saved_tensors
-        causal, right = _mask(Q, K, ctx.is_causal)
-        dQ, dK, dV = torch.ops.tileattn.attention_backward(dO.unsqueeze(2), Q.unsqueeze(2), K.unsqueeze(2),
-                                                           V.unsqueeze(2), O.unsqueeze(2), L.unsqueeze(1), None,
-                                                           None, 0, 0, None, causal, -1, right, 0.0, False)
-        return dQ.squeeze(2), dK.squeeze(2), dV.squeeze(2), None
+        causal, right, keys = _mask(Q, K, ctx.is_causal)
+        dQ, dK, dV = torch.ops.tileattn.attention_backward(dO.unsqueeze(2), Q.unsqueeze(2), K[:, :keys].unsqueeze(2),
+                                                           V[:, :keys].unsqueeze(2), O.unsqueeze(2), L.unsqueeze(1),
+                                                           None, None, 0, 0, None, causal, -1, right, 0.0, False)
+        unseen = (0, 0, 0, K.shape[1] - keys)  # the keys no query sees: zero gradients
+        return dQ.squeeze(2), F.pad(dK.squeeze(2), unseen), F.pad(dV.squeeze(2), unseen), None

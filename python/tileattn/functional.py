@@ -17,9 +17,11 @@ from __future__ import annotations
 import math
 import operator
 import struct
+import warnings
 from typing import Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from . import _ops
@@ -364,54 +366,121 @@ def flash_attn_varlen_kvpacked_func(q: Tensor, kv: Tensor, cu_seqlens_q: Tensor,
                                   return_attn_probs)
 
 
-def top_left_causal(seqlen_q: int, seqlen_k: int) -> tuple[bool, int]:
-    """(causal, window_right) that give the top-left aligned causal mask (key j <= query i).
+def top_left_causal(seqlen_q: int, seqlen_k: int) -> tuple[bool, int, int]:
+    """(causal, window_right, keys) that give the top-left aligned causal mask (key j <= query i)
+    over the first ``keys`` keys.
 
     Our causal mask is bottom-right aligned (flash-attn >= 2.1); PyTorch's SDPA aligns it to the
-    top-left. For seqlen_q >= seqlen_k a right window of seqlen_q - seqlen_k is the same mask; for
-    seqlen_q < seqlen_k it would need a negative window, which the API does not express.
+    top-left. For seqlen_q >= seqlen_k a right window of seqlen_q - seqlen_k is the same mask. For
+    seqlen_q < seqlen_k no query sees a key from seqlen_q on, and over the first seqlen_q keys the
+    mask is the square causal one: the caller drops the keys that no query sees.
     """
-    if seqlen_q == seqlen_k:
-        return True, 0
     if seqlen_q > seqlen_k:
-        return False, seqlen_q - seqlen_k
-    raise NotImplementedError(
-        f"is_causal=True with seqlen_q={seqlen_q} < seqlen_k={seqlen_k}: the top-left aligned causal mask "
-        "(PyTorch SDPA's) is not expressible; flash_attn_func(causal=True) gives the bottom-right aligned one")
+        return False, seqlen_q - seqlen_k, seqlen_k
+    return True, 0, seqlen_q
+
+
+def _sdpa_operands(query: Tensor, key: Tensor, value: Tensor, enable_gqa: bool):
+    """query, key and value as (batch, heads, seqlen, headdim) tensors, and a function that gives
+    the output its shape, as PyTorch's SDPA reads (..., heads, seqlen, headdim): leading dimensions
+    broadcast among the three, a 2-D tensor is one head, and key/value heads match the query's,
+    broadcast from one, or with ``enable_gqa`` divide them. 4-D tensors of one batch size pass
+    unchanged (no copy); a broadcast batch is copied by reshape where it cannot be viewed."""
+    ranks = (query.dim(), key.dim(), value.dim())
+    if min(ranks) < 2:
+        raise ValueError("query, key and value must have at least 2 dimensions (..., seqlen, headdim), got shapes "
+                         f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+    if ranks == (4, 4, 4) and query.shape[0] == key.shape[0] == value.shape[0]:
+        heads_q, heads_kv = query.shape[1], key.shape[1]
+        if value.shape[1] == heads_kv and (heads_kv in (1, heads_q) or enable_gqa):
+            return query, key, value, None
+    elif ranks == (3, 3, 3) and query.shape[0] == key.shape[0] == value.shape[0]:
+        # Dim 0 read as a batch of one-head problems: PyTorch's (heads, ...) reading, same values, and
+        # the output stays contiguous.
+        return query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1), lambda out: out.squeeze(1)
+    query, key, value = (t.unsqueeze(0) if t.dim() == 2 else t for t in (query, key, value))
+    try:
+        batch = torch.broadcast_shapes(query.shape[:-3], key.shape[:-3], value.shape[:-3])
+    except RuntimeError:
+        raise ValueError(f"the leading dimensions of query {tuple(query.shape)}, key {tuple(key.shape)} and value "
+                         f"{tuple(value.shape)} do not broadcast") from None
+    heads_q, heads_k, heads_v = query.shape[-3], key.shape[-3], value.shape[-3]
+    heads = heads_q
+    if not enable_gqa:
+        heads = max(heads_q, heads_k, heads_v)  # a single head broadcasts, as a leading dimension does
+        if any(h not in (1, heads) for h in (heads_q, heads_k, heads_v)):
+            kv = heads_k if heads_k == heads_v else f"{heads_k}/{heads_v}"
+            raise ValueError(f"query has {heads_q} heads but key/value have {kv}; pass enable_gqa=True for "
+                             "grouped-query attention")
+        if heads_k != heads_v or heads_q != heads:  # else one key/value head serves all: MQA, no copy
+            key, value = (t.expand(*t.shape[:-3], heads, *t.shape[-2:]) for t in (key, value))
+    elif heads_k != heads_v:
+        for name, h in (("heads_k", heads_k), ("heads_v", heads_v)):
+            if heads_q % h:
+                raise ValueError(f"{name}={h} must divide heads_q={heads_q} (GQA)")
+        key, value = key.repeat_interleave(heads_q // heads_k, -3), value.repeat_interleave(heads_q // heads_v, -3)
+    query = query.expand(*query.shape[:-3], heads, *query.shape[-2:])
+    q, k, v = (t.expand(*batch, *t.shape[-3:]).reshape(-1, *t.shape[-3:]) for t in (query, key, value))
+    rank = max(ranks)
+
+    def finish(out: Tensor) -> Tensor:
+        out = out.reshape(*batch, *out.shape[1:])
+        return out.squeeze(0) if rank == 2 else out
+
+    return q, k, v, finish
+
+
+_warned_attn_mask = False
+
+
+def _torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    global _warned_attn_mask
+    if not _warned_attn_mask:
+        _warned_attn_mask = True
+        warnings.warn("tileattn.scaled_dot_product_attention: a call with attn_mask is computed by "
+                      "torch.nn.functional.scaled_dot_product_attention (tileattn's kernels take causal masks, "
+                      "windows, ALiBi and variable-length batches, not an arbitrary mask)", stacklevel=3)
+    kwargs = dict(enable_gqa=True) if enable_gqa else {}  # the argument is new in PyTorch 2.5
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                                          is_causal=is_causal, scale=scale, **kwargs)
 
 
 def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
                                  dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
                                  enable_gqa: bool = False) -> Tensor:
-    """``torch.nn.functional.scaled_dot_product_attention`` on (batch, heads, seqlen, headdim) tensors.
+    """``torch.nn.functional.scaled_dot_product_attention`` on (..., heads, seqlen, headdim) tensors.
 
-    The tensors are read in place through their strides (no copy); the result is a
-    (batch, heads, seqlen_q, headdim_v) view. 3-D inputs (batch, seqlen, headdim) are one head.
-    ``is_causal`` is top-left aligned, as in PyTorch. fp32 follows
-    ``torch.get_float32_matmul_precision()`` as PyTorch's own kernels do (module docstring).
+    4-D (batch, heads, seqlen, headdim) tensors are read in place through their strides (no copy)
+    and the result is a (batch, heads, seqlen_q, headdim_v) view. As in PyTorch: leading dimensions
+    broadcast among the three tensors, a 3-D tensor is (heads, seqlen, headdim) and a 2-D one
+    (seqlen, headdim); key/value with one head serve every query head, and with ``enable_gqa`` any
+    head count that divides the query's; ``is_causal`` is top-left aligned; ``scale`` may be any
+    finite number. A call with ``attn_mask`` is passed to PyTorch's own SDPA (a warning says so,
+    once). fp32 follows ``torch.get_float32_matmul_precision()`` as PyTorch's own kernels do
+    (module docstring).
     """
     if attn_mask is not None:
-        raise NotImplementedError("attn_mask: explicit masks are not supported; use is_causal, or flash_attn_func's "
-                                  "window_size, or flash_attn_varlen_func for padded batches")
+        if is_causal:
+            raise ValueError("attn_mask and is_causal=True: pass one mask, not both (as PyTorch's SDPA)")
+        return _torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     p = _dropout(dropout_p)
-    rank = query.dim()
-    if rank not in (3, 4) or key.dim() != rank or value.dim() != rank:
-        raise ValueError("query, key and value must all be 4-D (batch, heads, seqlen, headdim) or all 3-D "
-                         f"(batch, seqlen, headdim), got shapes {tuple(query.shape)}, {tuple(key.shape)}, "
-                         f"{tuple(value.shape)}")
-    if rank == 3:
-        query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
-    heads_q, heads_kv = query.shape[1], key.shape[1]
-    if heads_q != heads_kv and not enable_gqa:
-        raise ValueError(f"query has {heads_q} heads but key/value have {heads_kv}; pass enable_gqa=True for "
-                         "grouped-query attention")
-    # An empty problem has no mask to draw (and top_left_causal would refuse seqlen_q < seqlen_k).
-    masked = is_causal and query.numel() > 0 and key.numel() > 0
-    causal, right = top_left_causal(query.shape[2], key.shape[2]) if masked else (False, -1)
-    out, _ = _attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), None, None, 0, 0,
-                        _scale(scale, "scale"), causal, -1, right, 0.0, False, None, p, _dropout_rng(query, p))
+    q, k, v, finish = _sdpa_operands(query, key, value, enable_gqa)
+    if scale is not None:
+        scale = _scale(scale, "scale")
+        if not math.isfinite(scale):
+            raise ValueError(f"scale={scale} must be finite")
+        if scale <= 0.0:
+            # The kernels take the row max of the raw products, which needs scale > 0: the sign and
+            # size go into q instead (0 gives every visible key the same weight, as in PyTorch).
+            q, scale = q * scale, 1.0
+    causal, right = False, -1
+    if is_causal and q.numel() > 0 and k.numel() > 0:  # an empty problem has no mask to draw
+        causal, right, keys = top_left_causal(q.shape[2], k.shape[2])
+        k, v = k[:, :, :keys], v[:, :, :keys]
+    out, _ = _attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, 0, 0,
+                        scale, causal, -1, right, 0.0, False, None, p, _dropout_rng(q, p))
     out = out.transpose(1, 2)
-    return out.squeeze(1) if rank == 3 else out
+    return out if finish is None else finish(out)
 
 
 def softmax_matmul(x: Tensor, v: Tensor) -> Tensor:

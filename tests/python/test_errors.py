@@ -173,12 +173,15 @@ def test_varlen_offsets_are_checked():
         tileattn.flash_attn_varlen_func(q, q, q, good, good[:2], 6, 6)
 
 
-def test_unsupported_options_are_named():
-    # Dropout is supported on the CPU (test_dropout.py has its CUDA refusal).
+def test_sdpa_refusals_name_the_rule():
     q, k, v = qkv()
     sdpa = [t.transpose(1, 2) for t in (q, k, v)]
-    with pytest.raises(NotImplementedError, match=r"attn_mask"):
-        tileattn.scaled_dot_product_attention(*sdpa, attn_mask=torch.ones(16, 16, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"attn_mask and is_causal=True: pass one mask, not both"):
+        tileattn.scaled_dot_product_attention(*sdpa, attn_mask=torch.ones(16, 16, dtype=torch.bool), is_causal=True)
+    with pytest.raises(ValueError, match=r"scale=nan must be finite"):
+        tileattn.scaled_dot_product_attention(*sdpa, scale=float("nan"))
+    with pytest.raises(ValueError, match=r"must have at least 2 dimensions"):
+        tileattn.scaled_dot_product_attention(sdpa[0].flatten(), *sdpa[1:])
 
 
 def test_sdpa_heads_mismatch_without_enable_gqa():

@@ -207,9 +207,7 @@ def draw_problem(rng, device: str) -> Problem:
     if rng.random() < 0.3:
         p.scale = float(np.exp(rng.uniform(np.log(0.02), np.log(2.0))))
     if api == "sdpa":
-        # SDPA's causal is top-left aligned; seqlen_q < seqlen_k with is_causal is refused (the
-        # invalid-input fuzzer checks that).
-        p.causal = rng.random() < 0.4 and p.seqlen_q >= p.seqlen_k
+        p.causal = rng.random() < 0.4  # top-left aligned, as PyTorch's
         p.enable_gqa = p.heads_q != p.heads_kv or rng.random() < 0.2
         p.sdpa_3d = rng.random() < 0.15
         if p.sdpa_3d:
@@ -263,8 +261,6 @@ def draw_problem(rng, device: str) -> Problem:
     work = lambda: p.batch * p.heads_q * p.seqlen_q * p.seqlen_k * (p.d + p.dv)  # noqa: E731
     while work() > WORK_LIMIT[device] and p.api != "varlen":
         p.seqlen_q, p.seqlen_k = max(1, p.seqlen_q // 2), max(1, p.seqlen_k // 2)
-        if p.api == "sdpa" and p.causal and p.seqlen_q < p.seqlen_k:
-            p.seqlen_k = p.seqlen_q
     allow_expand = api != "varlen"
     dims = ("batch", "seq", "heads") if not p.sdpa_3d else ("batch", "seq")
     p.layouts = {name: _layout(rng, dims, allow_expand and name != "dout") for name in ("q", "k", "v", "dout")}
@@ -547,11 +543,10 @@ def run_invalid_case(rng, device: str) -> str:
         cu_q = torch.arange(0, b * sq + 1, sq, dtype=torch.int32, device=device)
         cu_k = torch.arange(0, b * sk + 1, sk, dtype=torch.int32, device=device)
     else:
-        sq = max(sq, sk)  # is_causal needs seqlen_q >= seqlen_k
         q, k, v = _qkv((b, hq, sq, d), (b, hkv, sk, d), (b, hkv, sk, dv), dtype, device)
         names = ("query", "key", "value")
         kwargs["enable_gqa"] = hq != hkv
-        rank_text = r"must all be 4-D \(batch, heads, seqlen, headdim\)"
+        rank_text = r"must have at least 2 dimensions \(\.\.\., seqlen, headdim\)"
 
     tensors = dict(zip("qkv", (q, k, v)))
     seq_dim = {"flash": 1, "varlen": 0, "sdpa": 2}[api]
@@ -561,7 +556,7 @@ def run_invalid_case(rng, device: str) -> str:
     if api != "sdpa":
         rules += ["window", "softcap", "scale", "window_pair", "alibi"]
     else:
-        rules += ["sdpa_scale", "attn_mask", "causal_top_left", "gqa_flag"]
+        rules += ["sdpa_scale", "mask_and_causal", "gqa_flag", "no_broadcast"]
     if api == "varlen":
         rules += ["cu_dtype", "cu_start", "cu_decreasing", "cu_length", "max_seqlen", "cu_past_total"]
     rule = _pick(rng, rules)
@@ -571,9 +566,12 @@ def run_invalid_case(rng, device: str) -> str:
     if rule == "last_stride" and tensors[t].shape[-1] == 1:
         rule = "rank"  # a last dimension of extent 1 has no stride to get wrong
 
-    if rule == "rank":
+    if rule == "rank" and api == "sdpa":  # PyTorch's SDPA broadcasts any other rank
+        tensors[t] = tensors[t].flatten()
+        expect = (ValueError, rank_text)
+    elif rule == "rank":
         tensors[t] = tensors[t][0] if rng.random() < 0.5 else tensors[t][None]
-        expect = (ValueError, rank_text if api == "sdpa" else rf"^{arg} {rank_text}")
+        expect = (ValueError, rf"^{arg} {rank_text}")
     elif rule == "dtype":
         bad = _pick(rng, [torch.float64, torch.int32, torch.int64, torch.bool, torch.uint8])
         tensors = {n: x.to(bad) for n, x in tensors.items()}
@@ -631,26 +629,26 @@ def run_invalid_case(rng, device: str) -> str:
     elif rule == "softcap":
         kwargs["softcap"] = float(_pick(rng, [-1.0, -1e-3, math.nan, -math.inf]))
         expect = (ValueError, r"softcap=.* must be finite and >= 0")
-    elif rule in ("scale", "sdpa_scale"):
-        name = "softmax_scale" if rule == "scale" else "scale"
-        kwargs[name] = float(_pick(rng, [0.0, -1.0, -0.5, math.nan, math.inf]))
+    elif rule == "scale":
+        kwargs["softmax_scale"] = float(_pick(rng, [0.0, -1.0, -0.5, math.nan, math.inf]))
         expect = (ValueError, r"softmax_scale=.* must be finite and > 0")
+    elif rule == "sdpa_scale":  # PyTorch's takes any finite scale
+        kwargs["scale"] = float(_pick(rng, [math.nan, math.inf, -math.inf]))
+        expect = (ValueError, r"scale=.* must be finite")
     elif rule == "alibi":
         kwargs["alibi_slopes"] = torch.ones(hq + 1, device=device)  # one slope too many
         expect = (ValueError, r"alibi_slopes\.shape=\(%d,\) must be" % (hq + 1))
-    elif rule == "attn_mask":
+    elif rule == "mask_and_causal":
         kwargs["attn_mask"] = torch.ones(sq, sk, dtype=torch.bool, device=device)
-        expect = (NotImplementedError, r"attn_mask")
-    elif rule == "causal_top_left":
-        longer = sq + int(rng.integers(1, 4))
-        tensors["k"], tensors["v"] = (torch.randn(*x.shape[:2], longer, x.shape[3], dtype=dtype, device=device)
-                                      for x in (tensors["k"], tensors["v"]))
         kwargs["is_causal"] = True
-        expect = (NotImplementedError, r"is_causal=True with seqlen_q=\d+ < seqlen_k=\d+")
-    elif rule == "gqa_flag":
-        tensors["q"] = torch.cat([tensors["q"]] * 2, dim=1)
+        expect = (ValueError, r"attn_mask and is_causal=True: pass one mask, not both")
+    elif rule == "no_broadcast":  # batch sizes 2 and 3: neither is 1
+        tensors = dict(zip("qkv", _qkv((2, hq, sq, d), (3, hkv, sk, d), (3, hkv, sk, dv), dtype, device)))
+        expect = (ValueError, r"the leading dimensions of query \(2, .*\) do not broadcast")
+    elif rule == "gqa_flag":  # 4 query heads over 2 (one key/value head would broadcast)
+        tensors = dict(zip("qkv", _qkv((b, 4, sq, d), (b, 2, sk, d), (b, 2, sk, dv), dtype, device)))
         kwargs["enable_gqa"] = False
-        expect = (ValueError, rf"query has {2 * hq} heads but key/value have {hkv}; pass enable_gqa=True")
+        expect = (ValueError, r"query has 4 heads but key/value have 2; pass enable_gqa=True")
     elif rule == "cu_dtype":
         cu_q = cu_q.long()
         expect = (TypeError, r"cu_seqlens_q\.dtype=int64 must be int32")

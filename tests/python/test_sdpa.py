@@ -60,11 +60,85 @@ def test_output_is_a_view_in_the_flash_layout():
     assert out.transpose(1, 2).is_contiguous()
 
 
-def test_top_left_causal_lq_lt_lk_is_refused():
-    q = torch.randn(1, 2, 8, 16)
-    kv = torch.randn(1, 2, 12, 16)
-    with pytest.raises(NotImplementedError, match=r"is_causal=True with seqlen_q=8 < seqlen_k=12"):
-        tileattn.scaled_dot_product_attention(q, kv, kv, is_causal=True)
-    # Without the causal mask the same shapes are fine.
-    out = tileattn.scaled_dot_product_attention(q, kv, kv)
-    assert naive.max_error(out, _sdpa64(q.double(), kv.double(), kv.double())) < 1e-5
+def _matches_torch_with_gradients(shapes, **kwargs):
+    """Output and gradients of one call against PyTorch's SDPA (math) in float64, within 1e-5."""
+    inputs = [torch.randn(*shape, requires_grad=True) for shape in shapes]
+    out = tileattn.scaled_dot_product_attention(*inputs, **kwargs)
+    ref_inputs = [t.detach().double().requires_grad_() for t in inputs]
+    ref = _sdpa64(*ref_inputs, **kwargs)
+    assert out.shape == ref.shape and out.dtype == inputs[0].dtype
+    dout = torch.randn(ref.shape)
+    ours = torch.autograd.grad(out, inputs, dout)
+    oracle = torch.autograd.grad(ref, ref_inputs, dout.double())
+    for name, a, r in zip(("out", "dq", "dk", "dv"), (out, *ours), (ref, *oracle)):
+        assert naive.max_error(a, r) < 1e-5, name
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(8, 12), (1, 5), (12, 8)])
+def test_top_left_causal_any_lengths(seqlen_q, seqlen_k):
+    # With seqlen_q < seqlen_k the keys from seqlen_q on are seen by no query: zero dk and dv.
+    _matches_torch_with_gradients([(2, 3, seqlen_q, 16), (2, 3, seqlen_k, 16), (2, 3, seqlen_k, 8)], is_causal=True)
+
+
+# (query, key, value shapes, enable_gqa): PyTorch's SDPA reads (..., heads, seqlen, headdim) and
+# broadcasts the leading dimensions, and a single key/value head, among the three.
+BROADCAST_CASES = {
+    "two_d": ([(6, 16), (9, 16), (9, 16)], False),
+    "five_d_causal": ([(2, 3, 2, 6, 16), (2, 3, 2, 9, 16), (2, 3, 2, 9, 16)], False),
+    "five_d_gqa": ([(2, 3, 4, 6, 16), (2, 3, 2, 9, 16), (2, 3, 2, 9, 16)], True),
+    "three_d_gqa_heads_first": ([(4, 6, 16), (2, 9, 16), (2, 9, 16)], True),
+    "key_value_batch_one": ([(3, 4, 6, 16), (1, 4, 9, 16), (1, 4, 9, 16)], False),
+    "query_batch_one": ([(1, 4, 6, 16), (3, 4, 9, 16), (3, 4, 9, 16)], False),
+    "query_4d_key_value_3d": ([(2, 4, 6, 16), (4, 9, 16), (4, 9, 16)], False),
+    "one_key_head_without_gqa_flag": ([(2, 4, 6, 16), (2, 1, 9, 16), (2, 1, 9, 16)], False),
+    "one_query_head": ([(2, 1, 6, 16), (2, 4, 9, 16), (2, 4, 9, 16)], False),
+    "key_value_heads_differ": ([(2, 4, 6, 16), (2, 2, 9, 16), (2, 4, 9, 8)], True),
+}
+
+
+@pytest.mark.parametrize("case", list(BROADCAST_CASES))
+def test_shapes_broadcast_as_torch(case):
+    shapes, enable_gqa = BROADCAST_CASES[case]
+    _matches_torch_with_gradients(shapes, enable_gqa=enable_gqa, is_causal=case.endswith("causal"))
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.3, 1e-3])
+def test_any_finite_scale(scale):
+    # scale <= 0 is legal in PyTorch: 0 weighs every visible key alike, a negative one favours the
+    # least similar keys.
+    _matches_torch_with_gradients([(1, 2, 7, 16), (1, 2, 10, 16), (1, 2, 10, 16)], scale=scale, is_causal=True)
+
+
+@pytest.mark.filterwarnings("ignore:tileattn.scaled_dot_product_attention. a call with attn_mask")
+@pytest.mark.parametrize("mask", ["bool", "float", "float_requires_grad"])
+def test_attn_mask_gives_torch_results(mask):
+    """A call with attn_mask is computed by PyTorch's SDPA: its values and gradients, the mask's
+    gradient included."""
+    q, k, v = (torch.randn(2, 3, n, 16, requires_grad=True) for n in (5, 7, 7))
+    if mask == "bool":
+        attn_mask = torch.rand(5, 7) > 0.4
+        attn_mask[:, 0] = True  # no row without keys
+        ref_mask = attn_mask
+    else:
+        attn_mask = torch.randn(2, 1, 5, 7, requires_grad=mask == "float_requires_grad")
+        ref_mask = attn_mask.detach().double().requires_grad_(attn_mask.requires_grad)
+    out = tileattn.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+    ref_qkv = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = _sdpa64(*ref_qkv, attn_mask=ref_mask)
+    with_mask = [attn_mask] if attn_mask.requires_grad else []
+    dout = torch.randn(out.shape)
+    ours = (out, *torch.autograd.grad(out, [q, k, v] + with_mask, dout))
+    oracle = (ref, *torch.autograd.grad(ref, ref_qkv + ([ref_mask] if with_mask else []), dout.double()))
+    assert len(ours) == len(oracle) == 4 + len(with_mask)
+    for a, r in zip(ours, oracle):
+        assert naive.max_error(a, r) < 1e-5
+
+
+def test_attn_mask_warns_once(recwarn):
+    import tileattn.functional as functional
+    functional._warned_attn_mask = False
+    q = torch.randn(1, 2, 4, 8)
+    for _ in range(2):
+        tileattn.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.bool))
+    assert [str(w.message) for w in recwarn].count(str(recwarn[0].message)) == 1
+    assert "attn_mask is computed by torch.nn.functional.scaled_dot_product_attention" in str(recwarn[0].message)
