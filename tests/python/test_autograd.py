@@ -64,8 +64,10 @@ def test_reference_matches_math_attention(is_causal):
 # ---- the kernels ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("is_causal", [False, True])
-def test_flash_attention_function_matches_float64(is_causal):
-    Q, K, V = _qkv(3, 50, 50, 32)
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(50, 50), (30, 50), (50, 30)])
+def test_flash_attention_function_matches_float64(is_causal, seqlen_q, seqlen_k):
+    # Top-left causal: with seqlen_q < seqlen_k the last keys are seen by no query (zero dK, dV).
+    Q, K, V = _qkv(3, seqlen_q, seqlen_k, 32)
     O = tileattn.FlashAttentionFunction.apply(Q, K, V, is_causal)
     ref_inputs = [t.detach().double().requires_grad_() for t in (Q, K, V)]
     ref = _math64(*ref_inputs, is_causal)
