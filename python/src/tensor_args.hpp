@@ -298,10 +298,12 @@ inline void set_cache(AttentionProblem& p, const AttentionTensors& t, bool varle
 // (seqlen_ro, rotary_dim / 2), contiguous, in q's dtype (as flash-attn requires).
 inline void set_append(AttentionProblem& p, const AttentionTensors& t, const Options& options) {
   if (t.k_new.has_value() != t.v_new.has_value())
-    fail(ErrorKind::invalid_argument, "k and v must be given together (the new keys and values to append)");
+    fail(ErrorKind::invalid_argument, "k_new and v_new must be given together (the new keys and values to append)");
   if (t.k_new) {
     const int64_t seqlen_new = t.k_new->rank == 4 ? t.k_new->shape(1) : 0;
-    for (const auto& [a, name, dim] : {std::tuple{&*t.k_new, "k", p.headdim_qk}, std::tuple{&*t.v_new, "v", p.headdim_v}}) {
+    // The problem struct's names: the caller's wrapper knows which of its arguments these are.
+    for (const auto& [a, name, dim] :
+         {std::tuple{&*t.k_new, "k_new", p.headdim_qk}, std::tuple{&*t.v_new, "v_new", p.headdim_v}}) {
       check_operand(*a, name, 4, "(batch, seqlen_new, heads_kv, headdim)", t.q, "q");
       check_shape(*a, name, {p.batch, seqlen_new, p.heads_kv, dim}, "(batch, seqlen_new, heads_kv, headdim of the cache)");
     }

@@ -154,7 +154,12 @@ void plan_and_run(tileattn::AttentionProblem p, const Tensor& q, bool backward) 
   plan.run(bytes ? workspace.data_ptr() : nullptr, bytes);
 }
 
-std::tuple<Tensor, Tensor> attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
+// flash-attn's Python entries (maybe_contiguous) and PyTorch's SDPA take operands of any strides;
+// the library reads rows, so an operand whose last dimension is not contiguous is copied once.
+Tensor rows_contiguous(const Tensor& t) { return t.dim() > 0 && t.size(-1) > 1 && t.stride(-1) != 1 ? t.contiguous() : t; }
+OptTensor rows_contiguous(const OptTensor& t) { return t ? OptTensor(rows_contiguous(*t)) : t; }
+
+std::tuple<Tensor, Tensor> attention_forward(const Tensor& q_arg, const Tensor& k_arg, const Tensor& v_arg,
                                              const OptTensor& cu_seqlens_q, const OptTensor& cu_seqlens_k,
                                              SymInt max_seqlen_q, SymInt max_seqlen_k,
                                              std::optional<double> softmax_scale, bool causal, SymInt window_left,
@@ -162,6 +167,7 @@ std::tuple<Tensor, Tensor> attention_forward(const Tensor& q, const Tensor& k, c
                                              const OptTensor& alibi_slopes, double dropout_p,
                                              const OptTensor& dropout_rng) {
   return translate_errors([&] {
+    const Tensor q = rows_contiguous(q_arg), k = rows_contiguous(k_arg), v = rows_contiguous(v_arg);
     const bool varlen = cu_seqlens_q.has_value();
     check_inputs(tensor_ref(q), tensor_ref(k), tensor_ref(v), varlen);
     auto out_shape = q.sizes().vec();
@@ -178,15 +184,16 @@ std::tuple<Tensor, Tensor> attention_forward(const Tensor& q, const Tensor& k, c
 }
 
 std::tuple<Tensor, Tensor, Tensor> attention_backward(
-    const Tensor& dout_in, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
-    const OptTensor& cu_seqlens_q, const OptTensor& cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k,
-    std::optional<double> softmax_scale, bool causal, SymInt window_left, SymInt window_right, double softcap,
-    bool deterministic, const OptTensor& alibi_slopes, double dropout_p, const OptTensor& dropout_rng) {
+    const Tensor& dout_arg, const Tensor& q_arg, const Tensor& k_arg, const Tensor& v_arg, const Tensor& out,
+    const Tensor& lse, const OptTensor& cu_seqlens_q, const OptTensor& cu_seqlens_k, SymInt max_seqlen_q,
+    SymInt max_seqlen_k, std::optional<double> softmax_scale, bool causal, SymInt window_left, SymInt window_right,
+    double softcap, bool deterministic, const OptTensor& alibi_slopes, double dropout_p,
+    const OptTensor& dropout_rng) {
   return translate_errors([&] {
+    const Tensor q = rows_contiguous(q_arg), k = rows_contiguous(k_arg), v = rows_contiguous(v_arg);
     check_inputs(tensor_ref(q), tensor_ref(k), tensor_ref(v), cu_seqlens_q.has_value());
-    // dout comes from whatever follows attention (the gradient of a sum is an expanded tensor);
-    // its layout is not the caller's choice.
-    const Tensor dout = dout_in.dim() > 0 && dout_in.stride(-1) != 1 ? dout_in.contiguous() : dout_in;
+    // dout comes from whatever follows attention (the gradient of a sum is an expanded tensor).
+    const Tensor dout = rows_contiguous(dout_arg);
     Tensor dq = at::empty(q.sizes(), q.options());
     Tensor dk = at::empty(k.sizes(), k.options());
     Tensor dv = at::empty(v.sizes(), v.options());
@@ -206,17 +213,20 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(
 // flash_attn_varlen_func with block_table or seqused_k): the cache tables, the append of k_new and
 // v_new with the rotary embedding, and the attention, validated, planned and run in one call. Not
 // an operator: it writes the caches in place and has no gradient, so Python calls it directly.
-std::tuple<Tensor, Tensor> cache_forward(const Tensor& q, const Tensor& k, const Tensor& v,
+std::tuple<Tensor, Tensor> cache_forward(const Tensor& q_arg, const Tensor& k, const Tensor& v,
                                          const OptTensor& cu_seqlens_q, const OptTensor& cu_seqlens_k,
                                          int64_t max_seqlen_q, int64_t max_seqlen_k,
                                          std::optional<double> softmax_scale, bool causal, int64_t window_left,
                                          int64_t window_right, double softcap, const OptTensor& alibi_slopes,
                                          const OptTensor& seqused_k, const OptTensor& leftpad_k,
                                          const OptTensor& kv_batch_idx, const OptTensor& block_table,
-                                         int64_t num_splits, const OptTensor& k_new, const OptTensor& v_new,
+                                         int64_t num_splits, const OptTensor& k_new_arg, const OptTensor& v_new_arg,
                                          const OptTensor& rotary_cos, const OptTensor& rotary_sin,
                                          bool rotary_interleaved) {
   return translate_errors([&] {
+    // The caches are written in place, so only the operands that are read alone may be copied.
+    const Tensor q = rows_contiguous(q_arg);
+    const OptTensor k_new = rows_contiguous(k_new_arg), v_new = rows_contiguous(v_new_arg);
     const bool varlen = cu_seqlens_q.has_value();
     check_rank(tensor_ref(q), "q", varlen ? 3 : 4, varlen ? kVarlenDims : kFixedDims);
     auto out_shape = q.sizes().vec();

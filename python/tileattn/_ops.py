@@ -8,8 +8,8 @@ formula, so that torch.compile(fullgraph=True) traces forward and backward witho
 - ``tileattn::softmax_matmul``     -> out
 
 Tensors use flash-attn's layout: (batch, seqlen, heads, headdim), or (total_tokens, heads, headdim)
-when ``cu_seqlens_q``/``cu_seqlens_k`` describe a variable-length batch. Any strides are accepted as
-long as the last dimension is contiguous. Outputs and workspaces are allocated with torch, so the
+when ``cu_seqlens_q``/``cu_seqlens_k`` describe a variable-length batch. Any strides are accepted;
+an operand whose last dimension is not contiguous is copied once (the library reads rows). Outputs and workspaces are allocated with torch, so the
 caching allocator and CUDA-graph capture see every byte, and kernels run on the current stream.
 """
 
@@ -296,8 +296,16 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor
                             window_left, window_right, softcap, deterministic, alibi_slopes, dropout_p, dropout_rng)
 
 
+def _rows_contiguous(t: Optional[Tensor]) -> Optional[Tensor]:
+    """flash-attn's entries (maybe_contiguous) and PyTorch's SDPA take operands of any strides; the
+    library reads rows, so a last dimension that is not contiguous is copied once (torch_ops.cpp's
+    rows_contiguous)."""
+    return t.contiguous() if t is not None and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1 else t
+
+
 def _checked_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                      window_left, window_right, softcap, deterministic, alibi_slopes, dropout_p, dropout_rng):
+    q, k, v = _rows_contiguous(q), _rows_contiguous(k), _rows_contiguous(v)
     _check_device(q, "q")
     varlen = cu_seqlens_q is not None
     _check_attention_ranks(q, k, v, varlen)
@@ -331,13 +339,14 @@ def cache_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor
                                         rotary_sin, bool(rotary_interleaved))
     for t, name in ((cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k"), (alibi_slopes, "alibi_slopes"),
                     (seqused_k, "seqused_k"), (leftpad_k, "leftpad_k"), (kv_batch_idx, "kv_batch_idx"),
-                    (block_table, "block_table"), (k_new, "k"), (v_new, "v"), (rotary_cos, "rotary_cos"),
+                    (block_table, "block_table"), (k_new, "k_new"), (v_new, "v_new"), (rotary_cos, "rotary_cos"),
                     (rotary_sin, "rotary_sin")):
         if t is not None:
             _check_device(t, name)  # DLPack export of another device's tensor fails less clearly
     varlen = cu_seqlens_q is not None
     _check_rank(q, "q", 3 if varlen else 4, "(total_tokens, heads, headdim)" if varlen else
                 "(batch, seqlen, heads, headdim)")
+    q, k_new, v_new = _rows_contiguous(q), _rows_contiguous(k_new), _rows_contiguous(v_new)  # not the caches
     out = torch.empty(_out_shape(q, v), dtype=q.dtype, device=q.device)
     lse = torch.empty(_lse_shape(q, varlen), dtype=torch.float32, device=q.device)
     options = _options(max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, False,
@@ -427,12 +436,11 @@ def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
 def _checked_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                       causal, window_left, window_right, softcap, deterministic, alibi_slopes, dropout_p,
                       dropout_rng, partial_keys=False):
+    q, k, v = _rows_contiguous(q), _rows_contiguous(k), _rows_contiguous(v)
     _check_device(q, "q")
     _check_device(dout, "dout")
     _check_attention_ranks(q, k, v, cu_seqlens_q is not None)
-    if dout.stride(-1) != 1:
-        # dout comes from whatever follows attention; its layout is not the caller's choice.
-        dout = dout.contiguous()
+    dout = _rows_contiguous(dout)  # it comes from whatever follows attention
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)

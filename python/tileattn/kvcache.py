@@ -10,6 +10,7 @@ the caller's stream and with no host synchronisation (CUDA graphs work); nothing
 from __future__ import annotations
 
 import contextlib
+import operator
 import re
 from typing import Optional, Sequence, Union
 
@@ -17,7 +18,7 @@ import torch
 from torch import Tensor
 
 from . import _ops
-from .functional import _dtype_name, _float32, _scale, _window
+from .functional import _dtype_name, _float32, _int64, _scale, _window
 
 
 def _int32_table(t: Optional[Tensor], name: str, shape: tuple, device: torch.device) -> Optional[Tensor]:
@@ -121,6 +122,9 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     if k is not None:
         # The shapes of k and v are the library's to check; their length places the append.
         seqlen_new = k.shape[1] if isinstance(k, Tensor) and k.dim() == 4 else 0
+        if seqlen_new > capacity:
+            raise ValueError(f"k.shape[1]={seqlen_new} new keys exceed the cache's capacity={capacity} (keys per "
+                             "sequence)")
         if cache_seqlens is None:
             raise ValueError("cache_seqlens is needed with k and v (where to append them)")
 
@@ -130,7 +134,11 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     elif isinstance(cache_seqlens, Tensor):
         seqlens = _int32_table(cache_seqlens, "cache_seqlens", (batch,), device)
     else:
-        n = int(cache_seqlens)
+        try:
+            n = operator.index(cache_seqlens)
+        except TypeError:
+            raise TypeError(f"cache_seqlens must be an int or an int32 tensor (batch,), got "
+                            f"{type(cache_seqlens).__name__}") from None
         if not 0 <= n <= capacity - seqlen_new:
             raise ValueError(f"cache_seqlens={n} must be in [0, {capacity - seqlen_new}] (the cache holds "
                              f"{capacity} keys per sequence and {seqlen_new} are appended)")
@@ -181,13 +189,17 @@ def _cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, rotary_interl
                                   rotary_interleaved=rotary_interleaved)
 
 
-# The library names the cache fields after its problem struct; a caller of flash_attn_with_kvcache
-# passed flash-attn's names, which its error messages should use.
-_CALLER_NAMES = (("leftpad_k", "cache_leftpad"), ("kv_batch_idx", "cache_batch_idx"),
-                 ("seqused_k", "cache_seqlens + seqlen_new"), ("kv_batch", "k_cache.shape[0]"),
-                 ("num_pages", "k_cache.shape[0]"), ("rotary_dim", "rotary_dim (2 * rotary_cos.shape[1])"),
-                 ("rotary_seqlen", "rotary_cos.shape[0]"), ("seqlen_k", "the cache's capacity"),
-                 ("headdim_qk", "headdim"), ("k_new", "k"), ("v_new", "v"))
+# The library names the cache fields after its problem struct (its k and v are the caches, k_new
+# and v_new the keys appended); a caller of flash_attn_with_kvcache passed flash-attn's names,
+# which its error messages should use. One pass, so that no name is renamed twice.
+_CALLER_NAMES = {"leftpad_k": "cache_leftpad", "kv_batch_idx": "cache_batch_idx",
+                 "seqused_k": "cache_seqlens + seqlen_new", "kv_batch": "k_cache.shape[0]",
+                 "num_pages": "k_cache.shape[0]", "rotary_dim": "rotary_dim (2 * rotary_cos.shape[1])",
+                 "rotary_seqlen": "rotary_cos.shape[0]", "seqlen_k": "the cache's capacity",
+                 "headdim_qk": "headdim", "k_new": "k", "v_new": "v", "k": "k_cache", "v": "v_cache"}
+# rotary_dim is spelled out only where a value follows it ("rotary_dim=18"), not inside a shape.
+_CALLER_PATTERN = re.compile(r"\b(" + "|".join("rotary_dim(?==)" if name == "rotary_dim" else re.escape(name)
+                                                for name in _CALLER_NAMES) + r")(?!\w)")
 
 
 @contextlib.contextmanager
@@ -195,16 +207,14 @@ def _argument_names():
     try:
         yield
     except (ValueError, TypeError, NotImplementedError) as e:
-        message = str(e)
-        for ours, theirs in _CALLER_NAMES:
-            message = re.sub(rf"\b{ours}\b", theirs, message)
+        message = _CALLER_PATTERN.sub(lambda m: _CALLER_NAMES[m.group(1)], str(e))
         if message == str(e):
             raise
         raise type(e)(message) from None
 
 
 def _splits(num_splits) -> int:
-    n = int(num_splits)
+    n = _int64(num_splits, "num_splits")
     if n < 0:
         raise ValueError(f"num_splits={num_splits} must be >= 0 (0 = chosen by the library)")
     return n

@@ -1,6 +1,6 @@
 """Inputs at the edges of what PyTorch SDPA accepts, on the CPU backend: tensors expanded over batch
-or heads (stride 0) and empty problems (a size of 0), each against a float64 reference or against
-torch's own SDPA."""
+or heads (stride 0), last dimensions that are not contiguous, and empty problems (a size of 0),
+each against a float64 reference, torch's own SDPA or the same call on contiguous copies."""
 
 import math
 
@@ -93,6 +93,51 @@ def test_expanded_dout_and_out_as_backward_inputs():
     for name, a, r in zip(("dq", "dk", "dv"), (dq, dk, dv), oracle):
         for b in range(batch):
             assert naive.max_error(a[b:b + 1], r) < 1e-4, f"{name}[{b}]"
+
+
+def _strided_last(t: torch.Tensor) -> torch.Tensor:
+    """The same values with a last-dimension stride of 2 (every other element of a wider tensor)."""
+    wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype)
+    wide[..., ::2] = t
+    return wide[..., ::2]
+
+
+@pytest.mark.parametrize("route", ["as_built", "python"])
+@pytest.mark.parametrize("entry", ["flash_attn_func", "flash_attn_varlen_func", "sdpa"])
+def test_strided_last_dimension_is_the_contiguous_call(entry, route, monkeypatch):
+    """flash-attn's Python entries copy an operand whose last dimension is not contiguous
+    (maybe_contiguous), and PyTorch's SDPA takes any strides: the result and the gradients are
+    those of the same call on contiguous tensors, bit for bit, whichever operand is strided."""
+    if route == "python":
+        monkeypatch.setattr(tileattn._ops, "_torch_ops", None)
+    cu = torch.tensor([0, 7, 16], dtype=torch.int32)
+    calls = {
+        "flash_attn_func": lambda q, k, v: tileattn.flash_attn_func(q, k, v, causal=True),
+        "flash_attn_varlen_func": lambda q, k, v: tileattn.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 9, 9,
+                                                                                   causal=True),
+        "sdpa": lambda q, k, v: tileattn.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                                      v.transpose(1, 2), is_causal=True),
+    }
+    call = calls[entry]
+    q, k, v = (torch.randn(1, 16, 2, 24) for _ in range(3))
+    dout = torch.randn(call(q, k, v).shape)
+    for strided in range(3):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        operands = [_strided_last(t) if i == strided else t for i, t in enumerate(leaves)]
+        assert operands[strided].stride(-1) == 2
+        out = call(*operands)
+        grads = torch.autograd.grad(out, leaves, dout)
+        dense = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = call(*dense)
+        ref_grads = torch.autograd.grad(ref, dense, dout)
+        assert torch.equal(out, ref), f"operand {strided}"
+        for a, b in zip(grads, ref_grads):
+            assert torch.equal(a, b), f"operand {strided}"
+    # A strided dout too (it comes from whatever follows attention).
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    grads = torch.autograd.grad(call(*leaves), leaves, _strided_last(dout))
+    for a, b in zip(grads, ref_grads):
+        assert torch.equal(a, b), "strided dout"
 
 
 def test_gqa_grads_are_fresh_when_kv_is_expanded_over_heads():

@@ -33,11 +33,16 @@ def test_tensors_on_cpu_and_cuda(cuda):
         tileattn.flash_attn_func(q.to(cuda), k.to(cuda), v)
 
 
-def test_non_contiguous_last_dimension():
-    q, k, v = qkv()
-    q_strided = torch.randn(1, 16, 2, 32)[..., ::2]
-    with pytest.raises(ValueError, match=r"q\.stride\(-1\)=2 must be 1"):
-        tileattn.flash_attn_func(q_strided, k, v)
+def test_cache_with_a_strided_last_dimension_is_refused_by_its_name():
+    # Operands that are only read are copied (test_edge_inputs.py); a cache is written in place, so
+    # its rows must be contiguous, and the message names it as the caller passed it.
+    q, cache = torch.randn(2, 1, 4, 16), torch.randn(2, 12, 2, 16)
+    strided = torch.randn(2, 12, 2, 32)[..., ::2]
+    seqlens = torch.tensor([3, 5], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"^k_cache\.stride\(-1\)=2 must be 1"):
+        tileattn.flash_attn_with_kvcache(q, strided, cache, cache_seqlens=seqlens)
+    with pytest.raises(ValueError, match=r"^v_cache\.stride\(-1\)=2 must be 1"):
+        tileattn.flash_attn_with_kvcache(q, cache, strided, cache_seqlens=seqlens)
 
 
 def test_mixed_dtypes():

@@ -390,6 +390,26 @@ def test_paged_decode_equals_contiguous_over_long_caches(page_size, device):
         assert torch.equal(paged, contiguous), f"num_splits={num_splits}"
 
 
+def test_strided_q_and_new_keys_are_the_contiguous_call():
+    """As flash-attn's maybe_contiguous: q and the new k and v may have a last dimension that is not
+    contiguous (they are copied, being only read); output and caches are those of the same call on
+    contiguous tensors, bit for bit."""
+    def strided(t):
+        return torch.stack((t, torch.zeros_like(t)), dim=-1).flatten(-2)[..., ::2]
+
+    call, rotary = _valid_call(), _rotary()
+    results = []
+    for view in (lambda t: t, strided):
+        k_cache, v_cache = call["k_cache"].clone(), call["v_cache"].clone()
+        q, k, v = (view(call[n]) for n in "qkv")
+        assert view is not strided or q.stride(-1) == k.stride(-1) == v.stride(-1) == 2
+        out = tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=call["cache_seqlens"],
+                                               causal=True, **rotary)
+        results.append((out, k_cache, v_cache))
+    for a, b, name in zip(*results, ("out", "k_cache", "v_cache")):
+        assert torch.equal(a, b), name
+
+
 def test_returns_out_alone_by_default():
     q, k_cache, v_cache, lens = _decode_inputs(torch.float32, capacity=20)
     out = tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens)
@@ -567,7 +587,7 @@ BAD_KVCACHE = {
                                     ValueError, r"cache_seqlens"),
     "k_without_v": (False, lambda c: dict(v=None), ValueError, r"\bv\b"),
     "v_without_k": (False, lambda c: dict(k=None), ValueError, r"\bk\b"),
-    "k_heads": (False, lambda c: dict(k=torch.randn(2, 1, 1, 16)), ValueError, r"\bk\b"),
+    "k_heads": (False, lambda c: dict(k=torch.randn(2, 1, 1, 16)), ValueError, r"^k\.shape=\(2, 1, 1, 16\) must be"),
     "k_batch": (False, lambda c: dict(k=torch.randn(3, 1, 2, 16), v=torch.randn(3, 1, 2, 16)), ValueError,
                 r"\bk\b"),
     "v_seqlen_differs_from_k": (False, lambda c: dict(v=torch.randn(2, 2, 2, 16)), ValueError, r"\bv\b"),
@@ -575,7 +595,10 @@ BAD_KVCACHE = {
     "k_cache_dtype": (False, lambda c: dict(k_cache=c["k_cache"].half()), TypeError, r"k_cache"),
     "k_cache_rank": (False, lambda c: dict(k_cache=c["k_cache"][0]), ValueError, r"k_cache"),
     "v_cache_shape": (False, lambda c: dict(v_cache=torch.randn(2, 11, 2, 16)), ValueError, r"v_cache"),
-    "q_headdim": (False, lambda c: dict(q=torch.randn(2, 1, 4, 8)), ValueError, r"\bq\b|k_cache"),
+    "q_headdim": (False, lambda c: dict(q=torch.randn(2, 1, 4, 8)), ValueError,
+                  r"^k_cache\.shape=\(2, 12, 2, 16\) must be \(2, 12, 2, 8\)"),
+    "k_longer_than_the_cache": (False, lambda c: dict(k=torch.randn(2, 13, 2, 16), v=torch.randn(2, 13, 2, 16)),
+                                ValueError, r"^k\.shape\[1\]=13 new keys exceed the cache's capacity=12"),
     "heads_kv_not_dividing_heads": (False, lambda c: dict(k_cache=torch.randn(2, 12, 3, 16),
                                                           v_cache=torch.randn(2, 12, 3, 16),
                                                           k=torch.randn(2, 1, 3, 16), v=torch.randn(2, 1, 3, 16)),
@@ -610,6 +633,9 @@ BAD_KVCACHE = {
     "rotary_too_few_positions": (False, lambda c: dict(**_rotary(rows=2)), ValueError, r"rotary_cos"),
     "alibi_slopes_shape": (False, lambda c: dict(alibi_slopes=torch.ones(3)), ValueError, r"alibi_slopes"),
     "num_splits_negative": (False, lambda c: dict(num_splits=-1), ValueError, r"num_splits"),
+    "num_splits_fractional": (False, lambda c: dict(num_splits=1.5), TypeError, r"^num_splits=1\.5 must be an integer"),
+    "cache_seqlens_list": (False, lambda c: dict(cache_seqlens=[3, 5]), TypeError,
+                           r"^cache_seqlens must be an int or an int32 tensor"),
 }
 
 
