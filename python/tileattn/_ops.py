@@ -584,7 +584,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], c
         # One dispatcher call: the operator library's Autograd and backend kernels do the rest. The
         # library's own entry skips the boxing of torch.ops; tracing, __torch_function__ overrides
         # (tensor subclasses, modes) and symbolic sizes take the operator as torch.ops gives it.
-        if (torch.compiler.is_compiling() or type(q) not in _PLAIN or type(k) not in _PLAIN or type(v) not in _PLAIN
+        if (_is_compiling() or type(q) not in _PLAIN or type(k) not in _PLAIN or type(v) not in _PLAIN
                 or type(max_seqlen_q) is not int or type(max_seqlen_k) is not int or _torch_function_mode_enabled()):
             return torch.ops.tileattn.attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                         max_seqlen_k, softmax_scale, causal, window_left,
@@ -595,7 +595,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], c
                                             deterministic, alibi_slopes, dropout_p, dropout_rng)
     options = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, deterministic,
                alibi_slopes, dropout_p, dropout_rng)
-    if torch.compiler.is_compiling() or not _plain_on_one_device(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes):
+    if _is_compiling() or not _plain_on_one_device(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes):
         # Meta and fake tensors, tensor subclasses and mixed devices keep the operator's handling
         # (shape inference, its error messages).
         return torch.ops.tileattn.attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *options)
@@ -606,6 +606,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], c
 
 
 _torch_function_mode_enabled = getattr(torch._C, "_is_torch_function_mode_enabled", lambda: True)
+_is_compiling = torch.compiler.is_compiling  # bound once: dynamo still sees the function itself
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 

@@ -161,9 +161,7 @@ def _is_empty(q: Tensor, k: Tensor, cu_seqlens_q: Optional[Tensor], max_seqlen_q
     if cu_seqlens_q is not None:
         return (q.shape[0] == 0 or q.shape[1] == 0 or k.shape[0] == 0 or cu_seqlens_q.shape[0] <= 1
                 or max_seqlen_q == 0 or max_seqlen_k == 0)
-    if q.numel() and k.numel():  # every call with work; numel() builds no Size, unlike .shape
-        return False
-    shape = q.shape
+    shape = q.shape  # read once: each read of a shape builds it
     return shape[0] == 0 or shape[1] == 0 or shape[2] == 0 or k.shape[1] == 0
 
 
@@ -202,6 +200,11 @@ class _EmptyAttention(torch.autograd.Function):
 
 def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, left, right,
                softcap, deterministic, alibi_slopes=None, dropout_p=0.0, dropout_rng=None):
+    if cu_seqlens_q is None and dropout_p != 1.0 and q.numel() and k.numel():
+        # A fixed-length call with work, as nearly every one is: straight to the operator (each
+        # Python frame on the way is host time that a short call pays in full).
+        return _ops.attention(q, k, v, None, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, left,
+                              right, softcap, deterministic, alibi_slopes, dropout_p, dropout_rng)
     if dropout_p == 1.0:
         # Every weight dropped: out is zeros and so are the gradients (out * 0 carries them); lse is
         # the undropped one, as at any p. The library's rule is p < 1, as flash-attn's kernel's.
@@ -252,9 +255,11 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
     """
     p = _dropout(dropout_p)
     left, right = _window(window_size)
-    rng = _dropout_rng(q, p)
+    rng = _dropout_rng(q, p) if p else None
     out, lse = _attention(q, k, v, None, None, 0, 0, _scale(softmax_scale, "softmax_scale"), bool(causal), left,
                           right, _float32(softcap, "softcap"), bool(deterministic), alibi_slopes, p, rng)
+    if not return_attn_probs:
+        return out
     mask = (rng, p, q.shape[0], q.shape[2], q.shape[1], k.shape[1]) if p > 0.0 and q.dim() == 4 else None
     return _finish(out, lse, return_attn_probs, mask)
 

@@ -11,14 +11,21 @@ transformers' own flash-attention path are served:
 - a padded batch (a 2-D ``attention_mask`` with zeros): the real tokens are gathered into one
   variable-length batch, attended with ``flash_attn_varlen_func`` and scattered back; padded
   positions of the output are zeros. As in transformers, fewer queries than keys (decoding with a
-  cache) assume left padding: the queries are the last tokens of each row.
-- packed sequences (one row holding several sequences, from ``DataCollatorWithFlattening``): the
+  cache) assume left padding: the queries are the last tokens of each row. In cross-attention
+  (a decoder attending to an encoder) the mask is the keys' alone: every query row attends to the
+  real keys of its row. A static cache's unfilled slots are left out the same way, whether or not
+  the batch is padded.
+- packed sequences (rows holding several sequences, from ``DataCollatorWithFlattening``): the
   ``cu_seq_lens_q/k`` and ``max_length_q/k`` keyword arguments, or else ``position_ids`` that
-  restart at each sequence, give the boundaries, and no token attends across one.
+  restart at each sequence (in any row of the batch), give the boundaries, and no token attends
+  across one.
 - everything else: one ``flash_attn_func`` call.
 
 Attention dropout (``attention_dropout`` of the config, in training mode) is applied with the
-library's dropout (flash-attn's semantics).
+library's dropout (flash-attn's semantics). A sliding window is transformers' flash one:
+``sliding_window - 1`` keys on each side (causal: the left side only). What the kernels cannot
+apply -- attention sinks (``s_aux``), an additive ``position_bias``, a 4-D mask -- is refused with
+``NotImplementedError`` rather than left out.
 """
 
 from __future__ import annotations
@@ -49,7 +56,7 @@ def _unpad(x: Tensor, mask: Tensor):
     return rows, indices, _offsets(lengths), int(lengths.max()) if lengths.numel() else 0
 
 
-def _padded(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, **options) -> Tensor:
+def _padded(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, masks_queries: bool, **options) -> Tensor:
     batch, seqlen_q = query.shape[:2]
     mask = mask.bool()
     if key.shape[1] > mask.shape[1]:
@@ -57,6 +64,12 @@ def _padded(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, **options) 
         key, value = key[:, :mask.shape[1]], value[:, :mask.shape[1]]
     k, indices_k, cu_k, max_k = _unpad(key, mask)
     v = value.reshape(-1, *value.shape[2:]).index_select(0, indices_k)
+    if not masks_queries:
+        # The mask is the keys' alone (cross-attention): every query row attends to its row's keys.
+        q = query.reshape(-1, *query.shape[2:])
+        cu_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=query.device)
+        out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, seqlen_q, max_k, **options)
+        return out.view(batch, seqlen_q, *out.shape[1:])
     # Fewer queries than keys (a cache): the queries are the last positions of each row.
     q, indices_q, cu_q, max_q = _unpad(query, mask[:, -seqlen_q:])
     out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, **options)
@@ -65,18 +78,19 @@ def _padded(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, **options) 
 
 
 def _packed_boundaries(position_ids: Optional[Tensor], batch: int, seqlen: int):
-    """cu_seqlens and the longest length when position_ids restart inside one flattened row (the
-    flattening collator's output); None for an ordinary row."""
-    if position_ids is None or batch != 1 or seqlen == 1:
+    """cu_seqlens over the flattened batch and the longest length when position_ids restart inside
+    a row (the flattening collator's output; transformers reads any batch so); None for ordinary
+    rows."""
+    if position_ids is None or seqlen == 1 or position_ids.shape[-1] != seqlen:
         return None
-    positions = position_ids.reshape(-1)
-    if positions.shape[0] != seqlen:
+    positions = position_ids.expand(batch, seqlen)
+    steps = positions.diff(dim=-1) == 1
+    if bool(steps.all()):
         return None
-    start = positions.min()
-    if bool((positions == torch.arange(seqlen, device=positions.device) + start).all()):
-        return None
-    starts = (positions == start).nonzero().flatten().to(torch.int32)
-    cu = torch.cat([starts, starts.new_tensor([seqlen])])
+    # A sequence starts at each row's first token and wherever the position does not step by one.
+    starts = torch.cat([steps.new_zeros(batch, 1), steps], dim=-1).logical_not().flatten()
+    cu = torch.cat([starts.nonzero().flatten(), starts.new_tensor([batch * seqlen], dtype=torch.int64)])
+    cu = cu.to(torch.int32)
     return cu, int(cu.diff().max())
 
 
@@ -89,6 +103,10 @@ def _packed(query: Tensor, key: Tensor, value: Tensor, cu_q: Tensor, cu_k: Tenso
     return out.view(batch, seqlen_q, *out.shape[1:])
 
 
+# Arguments of transformers' attention functions that change the scores; the kernels take neither.
+_NOT_APPLIED = {"s_aux": "attention sinks", "position_bias": "an additive position bias"}
+
+
 def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
                       attention_mask: Optional[Tensor], dropout: float = 0.0, scaling: Optional[float] = None,
                       sliding_window: Optional[int] = None, softcap: Optional[float] = None,
@@ -96,13 +114,16 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     """transformers' attention-function contract: (batch, heads, seqlen, headdim) in,
     (attn_output (batch, seqlen, heads, headdim), attn_weights=None) out. ``attention_mask`` is
     the 2-D padding mask (batch, kv_length) this module's mask function hands over, or None."""
+    for name in _NOT_APPLIED:
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"{name}: {_NOT_APPLIED[name]} is not supported by tileattn's kernels; use "
+                                      "attn_implementation='sdpa' or 'eager' for this model")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    left = -1
+    left = right = -1
     if sliding_window is not None:
-        if not causal:
-            raise NotImplementedError("sliding_window without a causal mask is not supported by this integration")
-        left = sliding_window - 1  # transformers: query i sees keys i - sliding_window < j <= i
-    options = dict(dropout_p=float(dropout), softmax_scale=scaling, causal=bool(causal), window_size=(left, -1),
+        # transformers' flash window: sliding_window - 1 keys on each side (causal drops the right).
+        left = right = sliding_window - 1
+    options = dict(dropout_p=float(dropout), softmax_scale=scaling, causal=bool(causal), window_size=(left, right),
                    softcap=softcap or 0.0)
     query, key, value = (x.transpose(1, 2) for x in (query, key, value))
 
@@ -110,7 +131,10 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
         if attention_mask.dim() != 2:
             raise NotImplementedError(f"attention_mask of shape {tuple(attention_mask.shape)}: this integration takes "
                                       "the 2-D padding mask (batch, kv_length) that its mask function returns")
-        return _padded(query, key, value, attention_mask, **options), None
+        # Cross-attention's mask is the encoder's: it says nothing of the queries.
+        cross = not causal and (getattr(module, "is_cross_attention", False) or getattr(module, "is_decoder", False)
+                                or attention_mask.shape[1] != query.shape[1])
+        return _padded(query, key, value, attention_mask, not cross, **options), None
     boundaries = [kwargs.get(name) for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")]
     if all(b is not None for b in boundaries):
         return _packed(query, key, value, *boundaries, **options), None
@@ -122,10 +146,16 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
 
 
 def _padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None,
-                  **kwargs):
+                  device=None, **kwargs):
     # The kernel masks causally by itself: a mask is handed over only when there is padding, and
     # then as the 2-D (batch, kv_length) padding mask that attention_forward unpads with.
     if attention_mask is None:
+        # A static cache has more key slots than tokens seen (generate drops an all-ones mask): a
+        # mask of the filled length tells attention_forward to leave the rest out. A static
+        # cache's offset is a tensor, read here once per layer.
+        filled = (int(q_offset) if kv_length > q_length else 0) + q_length - kv_offset
+        if filled < kv_length:
+            return torch.ones(batch_size, filled, dtype=torch.bool, device=device)
         return None
     attention_mask = attention_mask[:, -kv_length:]
     if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):

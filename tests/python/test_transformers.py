@@ -1,7 +1,9 @@
 """Drop-in use in a Hugging Face causal LM (random weights from a tiny config, nothing downloaded):
 same logits, loss and parameter gradients as the model's own SDPA attention; greedy generation
-with a KV cache (bottom-right causal with fewer queries than keys) gives the same tokens; padded
-batches and packed sequences give the same loss and gradients."""
+with a KV cache (bottom-right causal with fewer queries than keys; dynamic or static) gives the
+same tokens; padded batches and packed sequences give the same loss and gradients. The attention
+function alone against float64: cross-attention masks, encoder sliding windows, packing in every
+row, and the refusal of score modifiers the kernels lack."""
 
 import copy
 
@@ -195,3 +197,73 @@ def test_llama_training_dropout_reaches_the_kernel():
     _, loss_eval, _ = _run(model, ids)
     assert not torch.equal(loss_a, loss_eval)
     assert all(torch.isfinite(g).all() for g in grads_a)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_static_cache_generation_matches_sdpa(padded):
+    # A static cache holds more key slots than tokens seen; generate() drops an all-ones mask, so
+    # the mask function tells attention_forward how many slots are filled.
+    name = tileattn.hf.register()
+    reference = _tiny_llama(torch.float32, "cpu").eval()
+    ours = copy.deepcopy(reference)
+    _use(ours, name)
+    prompt = torch.randint(1, 256, (2, 9))
+    mask = torch.ones_like(prompt)
+    if padded:
+        mask[1, :4] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                  cache_implementation="static")
+    with torch.no_grad():
+        assert torch.equal(ours.generate(prompt, **kwargs), reference.generate(prompt, **kwargs))
+
+
+class _Module(torch.nn.Module):
+    def __init__(self, **flags):
+        super().__init__()
+        for key, value in flags.items():
+            setattr(self, key, value)
+
+
+def _attention64(q, k, v, visible):
+    """float64 softmax(q k^T / sqrt(d)) v over (batch, heads, seqlen, d), visible (batch, sq, sk)."""
+    s = torch.einsum("bhqd,bhkd->bhqk", q.double(), k.double()) / q.shape[-1] ** 0.5
+    s = s.masked_fill(~visible[:, None], float("-inf"))
+    return torch.einsum("bhqk,bhkd->bqhd", s.softmax(-1), v.double())
+
+
+def test_cross_attention_mask_is_the_keys_alone():
+    # A decoder (3 queries) attending to a right-padded encoder (6 keys): every query row attends
+    # to its row's real keys; the mask says nothing of the queries.
+    q, k, v = torch.randn(2, 4, 3, 16), torch.randn(2, 4, 6, 16), torch.randn(2, 4, 6, 16)
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
+    for flags in (dict(is_decoder=True, is_causal=False), dict(is_cross_attention=True, is_causal=False)):
+        out, _ = tileattn.hf.attention_forward(_Module(**flags), q, k, v, mask)
+        expected = _attention64(q, k, v, mask.bool()[:, None, :].expand(2, 3, 6))
+        assert (out.double() - expected).abs().max() < 1e-5, flags
+
+
+def test_bidirectional_sliding_window_is_symmetric():
+    # transformers' flash window for an encoder: sliding_window - 1 keys on each side.
+    q, k, v = (torch.randn(1, 2, 10, 16) for _ in range(3))
+    out, _ = tileattn.hf.attention_forward(_Module(is_causal=False), q, k, v, None, sliding_window=3)
+    i = torch.arange(10)
+    expected = _attention64(q, k, v, ((i[:, None] - i[None, :]).abs() <= 2)[None])
+    assert (out.double() - expected).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("name", ["s_aux", "position_bias"])
+def test_score_modifiers_the_kernels_lack_are_refused(name):
+    q = torch.randn(1, 2, 4, 16)
+    with pytest.raises(NotImplementedError, match=rf"^{name}: .* is not supported by tileattn's kernels"):
+        tileattn.hf.attention_forward(_Module(is_causal=True), q, q, q, None, **{name: torch.zeros(2)})
+
+
+def test_packed_position_ids_in_every_row():
+    # Two rows, each holding two sequences (position_ids restart): no token attends across one.
+    q, k, v = (torch.randn(2, 2, 8, 16) for _ in range(3))
+    position_ids = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 0, 1]])
+    out, _ = tileattn.hf.attention_forward(_Module(is_causal=True), q, k, v, None, position_ids=position_ids)
+    sequence = (position_ids == 0).cumsum(-1)
+    i = torch.arange(8)
+    visible = (sequence[:, :, None] == sequence[:, None, :]) & (i[None, :, None] >= i[None, None, :])
+    assert (out.double() - _attention64(q, k, v, visible)).abs().max() < 1e-5
