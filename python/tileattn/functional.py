@@ -74,6 +74,10 @@ def dropout_keep_mask(dropout_rng: Optional[Tensor], dropout_p: float, batch: in
 def _float32(value, name: str) -> float:
     # The extension takes float32: a value beyond its range would reach the library's rules as inf
     # (or 0), and the message would name a number the caller never passed.
+    if torch.compiler.is_compiling():
+        # Traced, the value may be symbolic, and these checks would make it a constant (a
+        # recompile per value, or a graph break); the library checks it when the graph runs.
+        return value
     x = float(value)
     if x == 0.0:
         return x
@@ -89,6 +93,8 @@ def _scale(scale: Optional[float], name: str) -> Optional[float]:
 
 
 def _int64(value, name: str) -> int:
+    if torch.compiler.is_compiling():
+        return value  # as in _float32: operator.index would make a symbolic value a constant
     try:
         x = operator.index(value)
     except TypeError:
@@ -472,7 +478,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     q, k, v, finish = _sdpa_operands(query, key, value, enable_gqa)
     if scale is not None:
         scale = _scale(scale, "scale")
-        if not math.isfinite(scale):
+        if not torch.compiler.is_compiling() and not math.isfinite(scale):
             raise ValueError(f"scale={scale} must be finite")
         if scale <= 0.0:
             # The kernels take the row max of the raw products, which needs scale > 0: the sign and

@@ -6,7 +6,9 @@ operators' fake implementations and autograd formulas, without code generation);
 default Inductor backend end to end.
 """
 
+import pytest
 import torch
+import torch._dynamo.testing
 
 import tileattn
 
@@ -88,6 +90,36 @@ def test_compile_sdpa():
     inputs = [torch.randn(2, h, 24, 16, requires_grad=True) for h in (4, 2, 2)]
     _assert_compiled_matches_eager(
         lambda q, k, v: tileattn.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), inputs)
+
+
+@pytest.mark.parametrize("argument", ["softmax_scale", "softcap", "sdpa_scale"])
+def test_compile_with_a_float_argument_that_changes(argument):
+    """A float passed into the compiled function, then another: dynamo makes it symbolic on the
+    second call, and the entry's own checks must not turn it into a graph break."""
+    torch._dynamo.reset()
+    if argument == "sdpa_scale":
+        inputs = [torch.randn(2, h, 24, 16) for h in (4, 2, 2)]
+        fn = lambda q, k, v, x: tileattn.scaled_dot_product_attention(q, k, v, scale=x, enable_gqa=True)  # noqa: E731
+    else:
+        inputs = _fixed_inputs()
+        fn = lambda q, k, v, x: tileattn.flash_attn_func(q, k, v, causal=True, **{argument: x})  # noqa: E731
+    compiled = torch.compile(fn, fullgraph=True, backend="eager")
+    for x in (0.3, 0.2, 2.5):
+        torch.testing.assert_close(compiled(*inputs, x), fn(*inputs, x), rtol=0, atol=0)
+
+
+def test_compile_varlen_with_changing_max_seqlen_does_not_recompile_each_time():
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounter()
+    fn = torch.compile(lambda q, k, v, cu, n: tileattn.flash_attn_varlen_func(q, k, v, cu, cu, n, n, causal=True),
+                       fullgraph=True, backend=counter, dynamic=True)
+    for lengths in ([3, 5], [4, 4, 6], [2, 9], [1, 7], [5, 5, 5], [12, 1]):
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        q, k, v = (torch.randn(sum(lengths), h, 16) for h in (4, 2, 2))
+        out = fn(q, k, v, cu, max(lengths))
+        ref = tileattn.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True)
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    assert counter.frame_count <= 2  # the first shapes, then one dynamic graph
 
 
 def test_compile_course_function():
