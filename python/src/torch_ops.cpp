@@ -211,8 +211,9 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(
 
 // The forward over a key/value cache (tileattn/kvcache.py: flash_attn_with_kvcache, and
 // flash_attn_varlen_func with block_table or seqused_k): the cache tables, the append of k_new and
-// v_new with the rotary embedding, and the attention, validated, planned and run in one call. Not
-// an operator: it writes the caches in place and has no gradient, so Python calls it directly.
+// v_new with the rotary embedding, and the attention, validated, planned and run in one call. An
+// operator that writes the caches in place and has no gradient, so that torch.compile traces it;
+// eager calls enter it through the Python entry below, without the dispatcher's boxing.
 std::tuple<Tensor, Tensor> cache_forward(const Tensor& q_arg, const Tensor& k, const Tensor& v,
                                          const OptTensor& cu_seqlens_q, const OptTensor& cu_seqlens_k,
                                          int64_t max_seqlen_q, int64_t max_seqlen_k,
@@ -384,21 +385,30 @@ TORCH_LIBRARY_FRAGMENT(tileattn, m) {
         "float? softmax_scale, bool causal, SymInt window_left, SymInt window_right, float softcap, "
         "bool deterministic, Tensor? alibi_slopes=None, float dropout_p=0.0, Tensor? dropout_rng=None) "
         "-> (Tensor, Tensor, Tensor)");
+  // k and v are the caches, written in place where k_new and v_new are appended.
+  m.def("cache_forward(Tensor q, Tensor(a!) k, Tensor(b!) v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
+        "SymInt max_seqlen_q, SymInt max_seqlen_k, float? softmax_scale, bool causal, SymInt window_left, "
+        "SymInt window_right, float softcap, Tensor? alibi_slopes, Tensor? seqused_k, Tensor? leftpad_k, "
+        "Tensor? kv_batch_idx, Tensor? block_table, int num_splits, Tensor? k_new=None, Tensor? v_new=None, "
+        "Tensor? rotary_cos=None, Tensor? rotary_sin=None, bool rotary_interleaved=True) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(tileattn, CPU, m) {
   m.impl("attention_forward", &attention_forward);
   m.impl("attention_backward", &attention_backward);
+  m.impl("cache_forward", &cache_forward);
 }
 
 TORCH_LIBRARY_IMPL(tileattn, CUDA, m) {
   m.impl("attention_forward", &attention_forward);
   m.impl("attention_backward", &attention_backward);
+  m.impl("cache_forward", &cache_forward);
 }
 
 TORCH_LIBRARY_IMPL(tileattn, Autograd, m) {
   m.impl("attention_forward", &attention_forward_autograd);
   m.impl("attention_backward", &attention_backward_autograd);
+  m.impl("cache_forward", torch::CppFunction::makeFallthrough());  // inference only: no gradient
 }
 
 namespace py = pybind11;

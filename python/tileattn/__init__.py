@@ -13,7 +13,7 @@
 - ``FlashAttentionFunction``: (batch, seqlen, headdim) autograd function on the kernels;
   ``tileattn.reference.FlashAttentionPytorch`` is its readable pure-PyTorch counterpart.
 
-The others are differentiable and traceable by torch.compile(fullgraph=True); all run on the
+The others are differentiable; all are traceable by torch.compile(fullgraph=True) and run on the
 current CUDA stream (CUDA graphs included) or on the CPU.
 """
 

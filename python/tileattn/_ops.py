@@ -329,14 +329,25 @@ def cache_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor
     """A forward over keys in a cache (seqused_k, leftpad_k, kv_batch_idx, block_table, and the
     append of k_new, v_new with the rotary embedding: problem.hpp's key/value cache fields): returns
     (out, lse). Every rule is checked before anything runs, so a refused call leaves the cache as it
-    was. Inference only: nothing is recorded for autograd."""
+    was. Inference only: nothing is recorded for autograd. Under torch.compile it is the
+    ``tileattn::cache_forward`` operator, which mutates k and v."""
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+            window_right, softcap, alibi_slopes, seqused_k, leftpad_k, kv_batch_idx, block_table, num_splits, k_new,
+            v_new, rotary_cos, rotary_sin, bool(rotary_interleaved))
+    if _is_compiling():
+        return torch.ops.tileattn.cache_forward(*args)
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
         _check_device(t, name)  # the other tensors are checked against q's device by the binding
     if _torch_ops is not None:
-        return _torch_ops.cache_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                                        causal, window_left, window_right, softcap, alibi_slopes, seqused_k,
-                                        leftpad_k, kv_batch_idx, block_table, num_splits, k_new, v_new, rotary_cos,
-                                        rotary_sin, bool(rotary_interleaved))
+        return _torch_ops.cache_forward(*args)
+    return _cache_forward_impl(*args)
+
+
+def _cache_forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                        window_left, window_right, softcap, alibi_slopes, seqused_k, leftpad_k, kv_batch_idx,
+                        block_table, num_splits, k_new=None, v_new=None, rotary_cos=None, rotary_sin=None,
+                        rotary_interleaved=True):
+    # The operator's CPU and CUDA kernel where the operator library is not loaded.
     for t, name in ((cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k"), (alibi_slopes, "alibi_slopes"),
                     (seqused_k, "seqused_k"), (leftpad_k, "leftpad_k"), (kv_batch_idx, "kv_batch_idx"),
                     (block_table, "block_table"), (k_new, "k_new"), (v_new, "v_new"), (rotary_cos, "rotary_cos"),
@@ -467,6 +478,21 @@ def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     _check_same_device(dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, alibi_slopes=alibi_slopes,
                             dropout_rng=dropout_rng))
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+_define("cache_forward",
+        "(Tensor q, Tensor(a!) k, Tensor(b!) v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt max_seqlen_q, "
+        "SymInt max_seqlen_k, float? softmax_scale, bool causal, SymInt window_left, SymInt window_right, "
+        "float softcap, Tensor? alibi_slopes, Tensor? seqused_k, Tensor? leftpad_k, Tensor? kv_batch_idx, "
+        "Tensor? block_table, int num_splits, Tensor? k_new=None, Tensor? v_new=None, Tensor? rotary_cos=None, "
+        "Tensor? rotary_sin=None, bool rotary_interleaved=True) -> (Tensor, Tensor)", _cache_forward_impl)
+
+
+@torch.library.register_fake("tileattn::cache_forward")
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, *options, **kwargs):
+    varlen = cu_seqlens_q is not None
+    _check_same_device(dict(q=q, k=k, v=v))
+    return q.new_empty(_out_shape(q, v)), q.new_empty(_lse_shape(q, varlen), dtype=torch.float32)
 
 
 # attention_backward has no derivative of its own. Where a graph could differentiate its gradients

@@ -143,7 +143,10 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
             raise ValueError(f"cache_seqlens={n} must be in [0, {capacity - seqlen_new}] (the cache holds "
                              f"{capacity} keys per sequence and {seqlen_new} are appended)")
         seqlens = torch.full((batch,), n, dtype=torch.int32, device=device)
-    if seqlens is not None and batch > 0 and (seqlens.device.type == "cpu" or _ops._checks["cu_seqlens"]):
+    # Read back on the CPU (or on request); not while tracing, where the value is not known yet (the
+    # library checks a CPU tensor's values when the graph runs).
+    if (seqlens is not None and batch > 0 and (seqlens.device.type == "cpu" or _ops._checks["cu_seqlens"])
+            and not torch.compiler.is_compiling()):
         low, top = int(seqlens.min()), int(seqlens.max())
         if low < 0 or top + seqlen_new > capacity:
             raise ValueError(f"cache_seqlens must be in [0, {capacity - seqlen_new}] (the cache holds {capacity} "
@@ -181,8 +184,10 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
 def _cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, rotary_interleaved, seqused, cache_leftpad,
                 cache_batch_idx, block_table, capacity, scale, causal, left, right, softcap, alibi_slopes, splits):
     """One library call: every rule is checked before anything runs, so a refused call leaves the
-    cache as it was; then the append (rotary included) and the attention."""
-    with _argument_names():
+    cache as it was; then the append (rotary included) and the attention. Traced, it is an
+    operator of the graph, whose messages keep the library's names."""
+    names = contextlib.nullcontext() if torch.compiler.is_compiling() else _argument_names()
+    with names:
         return _ops.cache_forward(q, k_cache, v_cache, None, None, q.shape[1], capacity, scale, bool(causal), left,
                                   right, softcap, alibi_slopes, seqused, cache_leftpad, cache_batch_idx, block_table,
                                   splits, k_new=k, v_new=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,

@@ -66,8 +66,8 @@ def test_operator_library_serves_eager_calls(monkeypatch):
 
 def test_python_registration_without_the_library():
     """TILEATTN_TORCH_OPS=0 (as a PyTorch the library was not built for) registers the operators in
-    Python: values, gradients, refusals (a second derivative among them) and a fullgraph compile
-    still hold."""
+    Python: values, gradients, refusals (a second derivative among them) and fullgraph compiles (a
+    key/value cache step among them) still hold."""
     script = textwrap.dedent("""
         import torch, tileattn
         from tileattn import _ops
@@ -89,6 +89,13 @@ def test_python_registration_without_the_library():
             assert "k.dtype=float16 must equal q.dtype=float32" in str(e)
         f = torch.compile(lambda a, b, c: tileattn.flash_attn_func(a, b, c), fullgraph=True, backend="eager")
         assert torch.equal(f(q, k, v), tileattn.flash_attn_func(q, k, v))
+        caches = [torch.zeros(2, 9, 2, 16) for _ in range(4)]
+        lengths = torch.tensor([2, 5], dtype=torch.int32)
+        step = lambda a, kc, vc: tileattn.flash_attn_with_kvcache(a, kc, vc, k.detach()[:, :1], v.detach()[:, :1],
+                                                                  cache_seqlens=lengths)
+        out = torch.compile(step, fullgraph=True, backend="aot_eager")(q.detach()[:, :1], caches[0], caches[1])
+        assert torch.equal(out, step(q.detach()[:, :1], caches[2], caches[3]))
+        assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
         (dq,) = torch.autograd.grad(tileattn.flash_attn_func(q, k, v).sum(), q, create_graph=True)
         try:
             torch.autograd.grad(dq.square().sum(), q)

@@ -40,6 +40,15 @@ def test_opcheck_attention_backward():
              (torch.randn_like(out), q, k, v, out, lse, None, None, 0, 0, None, False, -1, -1, 0.0, False))
 
 
+def test_opcheck_cache_forward():
+    # The key/value cache operator: caches k and v written in place (k_new appended at the lengths).
+    q, k_new, v_new = torch.randn(2, 1, 4, 8), torch.randn(2, 1, 2, 8), torch.randn(2, 1, 2, 8)
+    k, v = torch.randn(2, 10, 2, 8), torch.randn(2, 10, 2, 8)
+    seqused = torch.tensor([4, 7], dtype=torch.int32)
+    _opcheck(torch.ops.tileattn.cache_forward.default,
+             (q, k, v, None, None, 1, 10, None, True, -1, -1, 0.0, None, seqused, None, None, None, 0, k_new, v_new))
+
+
 def test_opcheck_softmax_matmul():
     _opcheck(torch.ops.tileattn.softmax_matmul.default,
              (torch.randn(2, 5, 9, requires_grad=True), torch.randn(2, 9, 4, requires_grad=True)))
@@ -120,6 +129,41 @@ def test_compile_varlen_with_changing_max_seqlen_does_not_recompile_each_time():
         ref = tileattn.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True)
         torch.testing.assert_close(out, ref, rtol=0, atol=0)
     assert counter.frame_count <= 2  # the first shapes, then one dynamic graph
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compile_flash_attn_with_kvcache(backend):
+    """A decoding step -- new keys appended with the rotary embedding, then attention over the
+    cache -- compiles as one graph: output and both caches as in eager mode, bit for bit."""
+    torch._dynamo.reset()
+    angle = torch.rand(10, 4)
+    q, k_new, v_new = torch.randn(2, 1, 4, 16), torch.randn(2, 1, 2, 16), torch.randn(2, 1, 2, 16)
+    k_cache, v_cache = torch.randn(2, 10, 2, 16), torch.randn(2, 10, 2, 16)
+    lengths = torch.tensor([3, 6], dtype=torch.int32)
+
+    def step(q, k_cache, v_cache, k_new, v_new, lengths):
+        return tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, rotary_cos=angle.cos(),
+                                                rotary_sin=angle.sin(), cache_seqlens=lengths, causal=True)
+
+    caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
+    expected = step(q, *caches[0], k_new, v_new, lengths)
+    got = torch.compile(step, fullgraph=True, backend=backend)(q, *caches[1], k_new, v_new, lengths)
+    assert torch.equal(got, expected)
+    assert torch.equal(caches[1][0], caches[0][0]) and torch.equal(caches[1][1], caches[0][1])
+    assert not torch.equal(caches[0][0], k_cache)  # the step did append
+
+
+def test_compile_varlen_over_a_paged_cache():
+    torch._dynamo.reset()
+    k, v = torch.randn(6, 4, 2, 16), torch.randn(6, 4, 2, 16)
+    table = torch.tensor([[4, 0, 2], [1, 5, 3]], dtype=torch.int32)
+    cu_q, cu_k = torch.tensor([0, 2, 5], dtype=torch.int32), torch.tensor([0, 5, 14], dtype=torch.int32)
+    q = torch.randn(5, 4, 16)
+
+    def call(q, k, v):
+        return tileattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 9, causal=True, block_table=table)
+
+    assert torch.equal(torch.compile(call, fullgraph=True, backend="aot_eager")(q, k, v), call(q, k, v))
 
 
 def test_compile_course_function():
