@@ -157,16 +157,23 @@ def test_llama_packed_sequences_match_sdpa(boundaries):
     assert float((unpacked[0] - expected[0]).abs().max()) > 1e-3
 
 
-def test_padded_generation_matches_sdpa():
-    # Left-padded prompts, then decoding with a cache: queries are the last tokens of each row.
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_generation_matches_sdpa(cache, padded):
+    # Left-padded prompts, then decoding with a cache: queries are the last tokens of each row. A
+    # static cache holds more key slots than tokens seen; generate() drops an all-ones mask, so the
+    # mask function tells attention_forward how many slots are filled.
     name = tileattn.hf.register()
     reference = _tiny_llama(torch.float32, "cpu").eval()
     ours = copy.deepcopy(reference)
     _use(ours, name)
     prompt = torch.randint(1, 256, (2, 12))
     mask = torch.ones_like(prompt)
-    mask[1, :5] = 0
+    if padded:
+        mask[1, :5] = 0
     kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    if cache == "static":
+        kwargs["cache_implementation"] = "static"
     with torch.no_grad():
         assert torch.equal(ours.generate(prompt, **kwargs), reference.generate(prompt, **kwargs))
 
@@ -197,24 +204,6 @@ def test_llama_training_dropout_reaches_the_kernel():
     _, loss_eval, _ = _run(model, ids)
     assert not torch.equal(loss_a, loss_eval)
     assert all(torch.isfinite(g).all() for g in grads_a)
-
-
-@pytest.mark.parametrize("padded", [False, True])
-def test_static_cache_generation_matches_sdpa(padded):
-    # A static cache holds more key slots than tokens seen; generate() drops an all-ones mask, so
-    # the mask function tells attention_forward how many slots are filled.
-    name = tileattn.hf.register()
-    reference = _tiny_llama(torch.float32, "cpu").eval()
-    ours = copy.deepcopy(reference)
-    _use(ours, name)
-    prompt = torch.randint(1, 256, (2, 9))
-    mask = torch.ones_like(prompt)
-    if padded:
-        mask[1, :4] = 0
-    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
-                  cache_implementation="static")
-    with torch.no_grad():
-        assert torch.equal(ours.generate(prompt, **kwargs), reference.generate(prompt, **kwargs))
 
 
 class _Module(torch.nn.Module):
