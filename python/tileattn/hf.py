@@ -145,17 +145,26 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     return flash_attn_func(query, key, value, **options), None
 
 
+def _causal_pattern(mask_function) -> bool:
+    """Whether transformers' mask function hides key 1 from query 0, as every causal pattern does
+    (plain, sliding, chunked) and a bidirectional one does not."""
+    zero, one = torch.tensor(0), torch.tensor(1)
+    return not bool(mask_function(zero, zero, zero, one))
+
+
 def _padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None,
                   device=None, **kwargs):
     # The kernel masks causally by itself: a mask is handed over only when there is padding, and
     # then as the 2-D (batch, kv_length) padding mask that attention_forward unpads with.
     if attention_mask is None:
-        # A static cache has more key slots than tokens seen (generate drops an all-ones mask): a
-        # mask of the filled length tells attention_forward to leave the rest out. A static
-        # cache's offset is a tensor, read here once per layer.
-        filled = (int(q_offset) if kv_length > q_length else 0) + q_length - kv_offset
-        if filled < kv_length:
-            return torch.ones(batch_size, filled, dtype=torch.bool, device=device)
+        # A static cache has more key slots than tokens seen, and generate() drops an all-ones mask:
+        # a mask of the filled length tells attention_forward to leave the rest out. Only causal
+        # self-attention has a cache to fill (cross-attention's keys, also longer than its queries,
+        # are all real). A static cache's offset is a tensor, read here once per layer.
+        if mask_function is not None and _causal_pattern(mask_function):
+            filled = int(q_offset) + q_length - kv_offset
+            if filled < kv_length:
+                return torch.ones(batch_size, filled, dtype=torch.bool, device=device)
         return None
     attention_mask = attention_mask[:, -kv_length:]
     if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
