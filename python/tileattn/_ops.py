@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import math
 import os
 import warnings
 from typing import Optional
@@ -685,7 +686,10 @@ def _softmax_matmul_backward(ctx, grad_out):
     # With P = softmax(x): dV = P^T dO and dx = P * (dO V^T - rowsum(dO * out)). P is rebuilt here
     # (it is the size of x, which the caller already holds) instead of being saved.
     x, v, out = ctx.saved_tensors
-    p = torch.softmax(x.float(), dim=-1)
+    x = x.float()
+    # A row of -inf throughout is a zero row of out (the forward's rule), so of P too: torch.softmax
+    # would give NaN there, and 0 * NaN would spread it into dV. NaN inputs stay NaN, as in torch.
+    p = torch.softmax(x, dim=-1).masked_fill(x.amax(dim=-1, keepdim=True) == -math.inf, 0.0)
     g = grad_out.float()
     dv = (p.transpose(-1, -2) @ g).to(v.dtype)
     dp = g @ v.float().transpose(-1, -2)

@@ -33,6 +33,11 @@ class FlashAttentionFunction(torch.autograd.Function):
     def forward(ctx, Q: Tensor, K: Tensor, V: Tensor, is_causal: bool = False) -> Tensor:
         for t, name in ((Q, "Q"), (K, "K"), (V, "V")):
             _check_3d(t, name)
+        ctx.is_causal = is_causal
+        if Q.shape[0] == 0 or Q.shape[1] == 0 or K.shape[1] == 0:
+            # Nothing to attend: zeros (empty without queries), as PyTorch's SDPA, and L = -inf.
+            ctx.save_for_backward(Q, K, V, None, None)
+            return Q.new_zeros((*Q.shape[:-1], V.shape[-1]))
         causal, right, keys = _mask(Q, K, is_causal)  # keys past `keys` are seen by no query
         # One head: (batch, seqlen, 1, headdim) is the same memory.
         O, L = torch.ops.tileattn.attention_forward(Q.unsqueeze(2), K[:, :keys].unsqueeze(2),
@@ -40,12 +45,13 @@ class FlashAttentionFunction(torch.autograd.Function):
                                                     right, 0.0, False)
         O, L = O.squeeze(2), L.squeeze(1)
         ctx.save_for_backward(Q, K, V, O, L)
-        ctx.is_causal = is_causal
         return O
 
     @staticmethod
     def backward(ctx, dO: Tensor):
         Q, K, V, O, L = ctx.saved_tensors
+        if O is None:  # an empty problem: its output did not depend on the inputs
+            return torch.zeros_like(Q), torch.zeros_like(K), torch.zeros_like(V), None
         causal, right, keys = _mask(Q, K, ctx.is_causal)
         dQ, dK, dV = torch.ops.tileattn.attention_backward(dO.unsqueeze(2), Q.unsqueeze(2), K[:, :keys].unsqueeze(2),
                                                            V[:, :keys].unsqueeze(2), O.unsqueeze(2), L.unsqueeze(1),

@@ -431,7 +431,8 @@ def _sdpa_operands(query: Tensor, key: Tensor, value: Tensor, enable_gqa: bool):
                 raise ValueError(f"{name}={h} must divide heads_q={heads_q} (GQA)")
         key, value = key.repeat_interleave(heads_q // heads_k, -3), value.repeat_interleave(heads_q // heads_v, -3)
     query = query.expand(*query.shape[:-3], heads, *query.shape[-2:])
-    q, k, v = (t.expand(*batch, *t.shape[-3:]).reshape(-1, *t.shape[-3:]) for t in (query, key, value))
+    flat = math.prod(batch)  # explicit: reshape cannot infer it where a tensor is empty
+    q, k, v = (t.expand(*batch, *t.shape[-3:]).reshape(flat, *t.shape[-3:]) for t in (query, key, value))
     rank = max(ranks)
 
     def finish(out: Tensor) -> Tensor:
@@ -497,11 +498,37 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
 def softmax_matmul(x: Tensor, v: Tensor) -> Tensor:
     """softmax(x, dim=-1) @ v without materialising softmax(x), differentiable.
 
-    x is (batch, d1, d2) and v (batch, d2, d3), or (d1, d2) and (d2, d3); returns (batch, d1, d3)
-    or (d1, d3). A row of x that is -inf throughout gives a zero row (torch.softmax gives NaN).
-    fp32 inputs use the TF32 fast mode on the GPU when ``torch.get_float32_matmul_precision()`` is
+    x is (..., d1, d2) and v (..., d2, d3), their leading dimensions broadcast as in
+    ``torch.matmul`` (3-D tensors of one batch size are read in place; others are brought to that
+    form, with a copy where an expanded batch cannot be viewed); returns (..., d1, d3). A row of x
+    that is -inf throughout gives a zero row and zero gradients (torch.softmax gives NaN). fp32
+    inputs use the TF32 fast mode on the GPU when ``torch.get_float32_matmul_precision()`` is
     "high" or "medium" (or ``torch.backends.cuda.matmul.allow_tf32``), exact fp32 otherwise.
     """
-    if x.dim() == 2 and v.dim() == 2:
-        return torch.ops.tileattn.softmax_matmul(x.unsqueeze(0), v.unsqueeze(0)).squeeze(0)
-    return torch.ops.tileattn.softmax_matmul(x, v)
+    if x.dim() < 2 or v.dim() < 2:
+        raise ValueError(f"x and v must have at least 2 dimensions, (..., d1, d2) and (..., d2, d3), got shapes "
+                         f"{tuple(x.shape)}, {tuple(v.shape)}")
+    if x.shape[-1] != v.shape[-2]:
+        raise ValueError(f"v.shape[-2]={v.shape[-2]} must equal x.shape[-1]={x.shape[-1]} (d2), got shapes "
+                         f"{tuple(x.shape)}, {tuple(v.shape)}")
+    if x.dim() == 3 and v.dim() == 3 and x.shape[0] == v.shape[0]:
+        finish = None
+    else:
+        try:
+            batch = torch.broadcast_shapes(x.shape[:-2], v.shape[:-2])
+        except RuntimeError:
+            raise ValueError(f"the leading dimensions of x {tuple(x.shape)} and v {tuple(v.shape)} do not "
+                             "broadcast") from None
+        x, v = (t.expand(*batch, *t.shape[-2:]).reshape(math.prod(batch), *t.shape[-2:]) for t in (x, v))
+
+        def finish(out: Tensor) -> Tensor:
+            return out.reshape(*batch, *out.shape[-2:])
+    if x.numel() == 0 or v.numel() == 0:
+        # Nothing to run (d2 = 0 gives zeros, as in torch): torch's own ops keep the gradients.
+        out = torch.softmax(x, dim=-1) @ v
+    else:
+        # The library reads rows: a non-contiguous last dimension, or an expanded batch, is copied.
+        x, v = (t.contiguous() if t.stride(-1) != 1 and t.shape[-1] > 1 or t.stride(0) == 0 and t.shape[0] > 1
+                else t for t in (x, v))
+        out = torch.ops.tileattn.softmax_matmul(x, v)
+    return out if finish is None else finish(out)

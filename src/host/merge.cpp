@@ -138,6 +138,10 @@ void validate(const MergeProblem& p, Backend backend) {
                  out_b_span * element_bytes(p.out_b_dtype), "out", "out_b");
   check_disjoint(p.lse, lse_span * 4, p.lse_b, lse_b_span * 4, "lse", "lse_b");
   check_disjoint(p.out.data, out_span * element_bytes(p.out_dtype), p.lse, lse_span * 4, "out", "lse");
+  // Each written tensor against the other side's input too: a row's write must not change what a
+  // later row reads.
+  check_disjoint(p.out.data, out_span * element_bytes(p.out_dtype), p.lse_b, lse_b_span * 4, "out", "lse_b");
+  check_disjoint(p.lse, lse_span * 4, p.out_b.data, out_b_span * element_bytes(p.out_b_dtype), "lse", "out_b");
 }
 
 }  // namespace

@@ -272,6 +272,10 @@ TEST(MergeValidation, EachRuleNamesItsArgument) {
        "lse_b.batch_stride=-1 must not be negative");
   with([](MergeProblem& p) { p.out_b.data = p.out.data; }, K::invalid_argument, "out_b overlaps out");
   with([](MergeProblem& p) { p.lse_b = p.lse + 3; }, K::invalid_argument, "lse_b overlaps lse");
+  // A written tensor against the other side's input: a row's write would change a later row's read.
+  with([](MergeProblem& p) { p.lse_b = static_cast<float*>(p.out.data) + 4; }, K::invalid_argument,
+       "lse_b overlaps out");
+  with([](MergeProblem& p) { p.out_b.data = p.lse + 2; }, K::invalid_argument, "out_b overlaps lse");
   with([](MergeProblem& p) { p.num_threads = -1; }, K::invalid_argument, "num_threads=-1 must be >= 0");
   with([](MergeProblem& p) { p.backend = Backend(9); }, K::invalid_argument, "backend=9 is not a Backend");
 #ifndef TILEATTN_WITH_CUDA

@@ -81,6 +81,17 @@ def test_flash_attention_function_matches_float64(is_causal, seqlen_q, seqlen_k)
         naive.assert_2x_rule(a, n, r, 2e-6, name)
 
 
+@pytest.mark.parametrize("batch, seqlen_q, seqlen_k", [(2, 0, 4), (2, 4, 0), (0, 3, 3)])
+def test_flash_attention_function_empty_problems(batch, seqlen_q, seqlen_k):
+    # As PyTorch's SDPA: zeros (or an empty output) and zero gradients.
+    Q, K, V = _qkv(batch, seqlen_q, seqlen_k, 8)
+    for is_causal in (False, True):
+        O = tileattn.FlashAttentionFunction.apply(Q, K, V, is_causal)
+        assert O.shape == (batch, seqlen_q, 8) and not O.any()
+        grads = torch.autograd.grad(O.sum(), (Q, K, V))
+        assert all(g.shape == t.shape and not g.any() for g, t in zip(grads, (Q, K, V)))
+
+
 FLOAT32_GRADCHECK = dict(eps=1e-3, atol=2e-3, rtol=1e-2)
 
 
@@ -173,6 +184,60 @@ def test_softmax_matmul_fully_masked_row_is_zero():
     keep = torch.ones(2, 6, dtype=torch.bool)
     keep[0, 2] = False
     assert naive.max_error(out[keep], ref[keep]) < 1e-6
+
+
+def test_softmax_matmul_fully_masked_row_has_zero_gradients():
+    # The row is a constant zero: it passes no gradient to x or v, and the other rows' gradients
+    # are the float64 oracle's (torch.softmax's NaN in that row must not reach dV).
+    x, v = torch.randn(2, 6, 40), torch.randn(2, 40, 3)
+    x[0, 2] = -math.inf
+    x.requires_grad_(), v.requires_grad_()
+    dout = torch.randn(2, 6, 3)
+    dx, dv = torch.autograd.grad(tileattn.softmax_matmul(x, v), (x, v), dout)
+    assert torch.equal(dx[0, 2], torch.zeros(40))
+    keep = torch.ones(2, 6, dtype=torch.bool)
+    keep[0, 2] = False
+    xd, vd = x.detach().double()[keep].requires_grad_(), v.detach().double().requires_grad_()
+    batch = torch.arange(2)[:, None].expand(2, 6)[keep]
+    ref = (torch.softmax(xd, -1)[:, None, :] @ vd[batch]).squeeze(1)  # the kept rows alone
+    ref_dx, ref_dv = torch.autograd.grad(ref, (xd, vd), dout[keep].double())
+    assert naive.max_error(dx[keep], ref_dx) < 1e-6 and naive.max_error(dv, ref_dv) < 1e-6
+
+
+# (x shape, v shape): torch.matmul's broadcasting of the leading dimensions.
+SOFTMAX_MATMUL_SHAPES = {
+    "batched_x_2d_v": ((2, 5, 7), (7, 3)),
+    "v_batch_one": ((2, 5, 7), (1, 7, 3)),
+    "x_batch_one": ((1, 5, 7), (2, 7, 3)),
+    "2d_x_batched_v": ((5, 7), (2, 7, 3)),
+    "4d": ((2, 3, 5, 7), (2, 3, 7, 4)),
+    "4d_broadcast": ((2, 1, 5, 7), (1, 3, 7, 4)),
+    "empty_d2": ((2, 5, 0), (2, 0, 3)),
+    "empty_d1": ((5, 0, 7), (7, 3)),
+}
+
+
+@pytest.mark.parametrize("case", list(SOFTMAX_MATMUL_SHAPES))
+def test_softmax_matmul_broadcasts_as_matmul(case):
+    shape_x, shape_v = SOFTMAX_MATMUL_SHAPES[case]
+    x, v = torch.randn(shape_x, requires_grad=True), torch.randn(shape_v, requires_grad=True)
+    out = tileattn.softmax_matmul(x, v)
+    xd, vd = (t.detach().double().requires_grad_() for t in (x, v))
+    ref = torch.softmax(xd, -1) @ vd
+    assert out.shape == ref.shape
+    dout = torch.randn(ref.shape)
+    for a, b in zip((out, *torch.autograd.grad(out, (x, v), dout)),
+                    (ref, *torch.autograd.grad(ref, (xd, vd), dout.double()))):
+        assert naive.max_error(a, b) < 1e-6
+
+
+def test_softmax_matmul_any_strides():
+    # A transposed x, a last dimension of stride 2 and an expanded batch: one copy where needed.
+    x = torch.randn(2, 7, 5).transpose(1, 2)
+    v = torch.randn(2, 7, 6)[..., ::2]
+    v0 = torch.randn(1, 7, 3).expand(2, 7, 3)
+    for xs, vs in ((x, v), (x, v0)):
+        assert naive.max_error(tileattn.softmax_matmul(xs, vs), torch.softmax(xs.double(), -1) @ vs.double()) < 1e-6
 
 
 # ---- what the forward keeps -----------------------------------------------------------------

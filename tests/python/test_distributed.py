@@ -105,12 +105,32 @@ def test_merge_errors_name_the_argument():
         tileattn.merge_attention(out, lse, torch.zeros(1, 3, 2, 8), lse.clone())
     with pytest.raises(TypeError, match="lse_b.dtype=float64 must be float32"):
         tileattn.merge_attention(out, lse, out.clone(), lse.double())
-    with pytest.raises(TypeError, match="out_b_dtype=f16 must equal out_dtype=bf16"):
+    with pytest.raises(TypeError, match="out_b.dtype=float16 must equal out.dtype=bfloat16"):
         tileattn.merge_attention(out.bfloat16(), lse, out.half(), lse.clone())
+    with pytest.raises(TypeError, match="out_b.dtype=float16 must equal out.dtype=bfloat16"):  # empty, too
+        tileattn.merge_attention(out[:0].bfloat16(), lse[:0], out[:0].half(), lse[:0].clone())
     with pytest.raises(ValueError, match="out_b overlaps out"):
         tileattn.merge_attention(out, lse, out, lse.clone())
+    memory = torch.zeros(72)  # each written tensor against the other side's input
+    with pytest.raises(ValueError, match="out_b overlaps lse"):
+        tileattn.merge_attention(out, memory[60:68].view(1, 2, 4), memory[:64].view(1, 4, 2, 8), lse.clone())
+    with pytest.raises(ValueError, match="lse_b overlaps out"):
+        tileattn.merge_attention(memory[:64].view(1, 4, 2, 8), lse, out.clone(), memory[60:68].view(1, 2, 4))
+    with pytest.raises(RuntimeError, match="out requires grad: merge_attention writes in place"):
+        tileattn.merge_attention(out.clone().requires_grad_(), lse, out.clone(), lse.clone())
     with pytest.raises(ValueError, match=r"lse.shape=\(1, 4, 2\) must be \(1, 2, 4\)"):
         tileattn.merge_attention(out, lse.transpose(1, 2), out.clone(), lse.clone())
+
+
+def test_merge_marks_its_outputs_as_written():
+    # A tensor autograd saved, merged into through a detached view: the backward that needed the
+    # old values stops with autograd's in-place error instead of using the new ones.
+    x = torch.randn(1, 4, 2, 8, requires_grad=True)
+    out = x * 2
+    loss = (out * out).sum()
+    tileattn.merge_attention(out.detach(), torch.zeros(1, 2, 4), torch.randn(1, 4, 2, 8), torch.zeros(1, 2, 4))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
 
 
 # ---- the block decomposition: each call's mask is the global mask restricted to it ------------

@@ -78,7 +78,9 @@ def test_wrong_rank_varlen_and_course_function():
         tileattn.flash_attn_varlen_func(q, k, v, cu, cu, 16, 16)
     with pytest.raises(ValueError, match=r"Q must have 3 dimensions \(batch, seqlen, headdim\)"):
         tileattn.FlashAttentionFunction.apply(q, k, v, False)
-    with pytest.raises(ValueError, match=r"x must have 3 dimensions"):
+    with pytest.raises(ValueError, match=r"x and v must have at least 2 dimensions"):
+        tileattn.softmax_matmul(q.flatten(), v)
+    with pytest.raises(ValueError, match=r"v\.shape\[-2\]=2 must equal x\.shape\[-1\]=16 \(d2\)"):
         tileattn.softmax_matmul(q, v)
 
 
