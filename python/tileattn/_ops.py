@@ -107,6 +107,8 @@ def check_cu_seqlens(enabled: bool = True) -> None:
     Off by default. CPU tables are always checked (they need no copy); while a CUDA graph is
     being captured the check is skipped.
     """
+    if not isinstance(enabled, (bool, int)):  # bool("no") would switch it on
+        raise TypeError(f"enabled={enabled!r} must be a bool")
     _checks["cu_seqlens"] = bool(enabled)
     if _torch_ops is not None:
         _torch_ops.set_check_cu_seqlens(bool(enabled))

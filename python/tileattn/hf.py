@@ -30,6 +30,7 @@ apply -- attention sinks (``s_aux``), an additive ``position_bias``, a 4-D mask 
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
@@ -103,6 +104,8 @@ def _packed(query: Tensor, key: Tensor, value: Tensor, cu_q: Tensor, cu_k: Tenso
     return out.view(batch, seqlen_q, *out.shape[1:])
 
 
+_warned = {"output_attentions": False}
+
 # Arguments of transformers' attention functions that change the scores; the kernels take neither.
 _NOT_APPLIED = {"s_aux": "attention sinks", "position_bias": "an additive position bias"}
 
@@ -114,6 +117,10 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     """transformers' attention-function contract: (batch, heads, seqlen, headdim) in,
     (attn_output (batch, seqlen, heads, headdim), attn_weights=None) out. ``attention_mask`` is
     the 2-D padding mask (batch, kv_length) this module's mask function hands over, or None."""
+    if kwargs.get("output_attentions") and not _warned["output_attentions"]:
+        _warned["output_attentions"] = True  # as transformers' sdpa function: said once
+        warnings.warn("tileattn does not return attention weights (output_attentions=True): the kernels never form "
+                      "them; use attn_implementation='eager' for those", stacklevel=2)
     for name in _NOT_APPLIED:
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"{name}: {_NOT_APPLIED[name]} is not supported by tileattn's kernels; use "

@@ -208,3 +208,9 @@ def test_backward_errors_do_not_corrupt_autograd(exc):
     out = tileattn.flash_attn_func(q, k, v)
     grads = torch.autograd.grad(out.sum(), (q, k, v))
     assert all(torch.isfinite(g).all() for g in grads)
+
+
+def test_check_cu_seqlens_takes_a_bool():
+    with pytest.raises(TypeError, match=r"enabled='no' must be a bool"):
+        tileattn.check_cu_seqlens("no")
+    tileattn.check_cu_seqlens(False)  # the default, left as it was

@@ -256,3 +256,12 @@ def test_packed_position_ids_in_every_row():
     i = torch.arange(8)
     visible = (sequence[:, :, None] == sequence[:, None, :]) & (i[None, :, None] >= i[None, None, :])
     assert (out.double() - _attention64(q, k, v, visible)).abs().max() < 1e-5
+
+
+def test_output_attentions_warns_once():
+    import tileattn.hf as hf
+    hf._warned["output_attentions"] = False
+    q = torch.randn(1, 2, 4, 16)
+    with pytest.warns(UserWarning, match="tileattn does not return attention weights"):
+        out, weights = hf.attention_forward(_Module(is_causal=True), q, q, q, None, output_attentions=True)
+    assert weights is None
