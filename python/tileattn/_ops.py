@@ -9,8 +9,9 @@ formula, so that torch.compile(fullgraph=True) traces forward and backward witho
 
 Tensors use flash-attn's layout: (batch, seqlen, heads, headdim), or (total_tokens, heads, headdim)
 when ``cu_seqlens_q``/``cu_seqlens_k`` describe a variable-length batch. Any strides are accepted;
-an operand whose last dimension is not contiguous is copied once (the library reads rows). Outputs and workspaces are allocated with torch, so the
-caching allocator and CUDA-graph capture see every byte, and kernels run on the current stream.
+an operand whose last dimension is not contiguous is copied once (the library reads rows). Outputs
+and workspaces are allocated with torch, so the caching allocator and CUDA-graph capture see every
+byte, and kernels run on the current stream.
 """
 
 from __future__ import annotations
@@ -424,8 +425,7 @@ def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     more keys than k and v (problem.hpp)."""
     cuda = q.is_cuda
     try:
-        if dout.stride(-1) != 1:  # as the checked path: the gradient of a sum is an expanded tensor
-            dout = dout.contiguous()
+        dout = _rows_contiguous(dout)  # as the checked path: the gradient of a sum is an expanded tensor
         dtype, device = q.dtype, q.device
         dq = torch.empty(*q.shape, dtype=dtype, device=device)
         dk = torch.empty(*k.shape, dtype=dtype, device=device)

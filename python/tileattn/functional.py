@@ -391,6 +391,20 @@ def top_left_causal(seqlen_q: int, seqlen_k: int) -> tuple[bool, int, int]:
     return True, 0, seqlen_q
 
 
+def _one_batch(named: dict, inner: int) -> tuple[list, tuple]:
+    """The tensors with their leading dimensions (all but the last ``inner``) broadcast together
+    and flattened into one, as torch.matmul and SDPA read them, and the broadcast shape to restore.
+    A copy where an expanded batch cannot be viewed."""
+    try:
+        batch = torch.broadcast_shapes(*(t.shape[:-inner] for t in named.values()))
+    except RuntimeError:
+        shapes = [f"{name} {tuple(t.shape)}" for name, t in named.items()]
+        raise ValueError(f"the leading dimensions of {', '.join(shapes[:-1])} and {shapes[-1]} do not "
+                         "broadcast") from None
+    flat = math.prod(batch)  # explicit: reshape cannot infer it where a tensor is empty
+    return [t.expand(*batch, *t.shape[-inner:]).reshape(flat, *t.shape[-inner:]) for t in named.values()], batch
+
+
 def _sdpa_operands(query: Tensor, key: Tensor, value: Tensor, enable_gqa: bool):
     """query, key and value as (batch, heads, seqlen, headdim) tensors, and a function that gives
     the output its shape, as PyTorch's SDPA reads (..., heads, seqlen, headdim): leading dimensions
@@ -410,11 +424,6 @@ def _sdpa_operands(query: Tensor, key: Tensor, value: Tensor, enable_gqa: bool):
         # the output stays contiguous.
         return query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1), lambda out: out.squeeze(1)
     query, key, value = (t.unsqueeze(0) if t.dim() == 2 else t for t in (query, key, value))
-    try:
-        batch = torch.broadcast_shapes(query.shape[:-3], key.shape[:-3], value.shape[:-3])
-    except RuntimeError:
-        raise ValueError(f"the leading dimensions of query {tuple(query.shape)}, key {tuple(key.shape)} and value "
-                         f"{tuple(value.shape)} do not broadcast") from None
     heads_q, heads_k, heads_v = query.shape[-3], key.shape[-3], value.shape[-3]
     heads = heads_q
     if not enable_gqa:
@@ -431,8 +440,7 @@ def _sdpa_operands(query: Tensor, key: Tensor, value: Tensor, enable_gqa: bool):
                 raise ValueError(f"{name}={h} must divide heads_q={heads_q} (GQA)")
         key, value = key.repeat_interleave(heads_q // heads_k, -3), value.repeat_interleave(heads_q // heads_v, -3)
     query = query.expand(*query.shape[:-3], heads, *query.shape[-2:])
-    flat = math.prod(batch)  # explicit: reshape cannot infer it where a tensor is empty
-    q, k, v = (t.expand(*batch, *t.shape[-3:]).reshape(flat, *t.shape[-3:]) for t in (query, key, value))
+    (q, k, v), batch = _one_batch(dict(query=query, key=key, value=value), 3)
     rank = max(ranks)
 
     def finish(out: Tensor) -> Tensor:
@@ -514,12 +522,7 @@ def softmax_matmul(x: Tensor, v: Tensor) -> Tensor:
     if x.dim() == 3 and v.dim() == 3 and x.shape[0] == v.shape[0]:
         finish = None
     else:
-        try:
-            batch = torch.broadcast_shapes(x.shape[:-2], v.shape[:-2])
-        except RuntimeError:
-            raise ValueError(f"the leading dimensions of x {tuple(x.shape)} and v {tuple(v.shape)} do not "
-                             "broadcast") from None
-        x, v = (t.expand(*batch, *t.shape[-2:]).reshape(math.prod(batch), *t.shape[-2:]) for t in (x, v))
+        (x, v), batch = _one_batch(dict(x=x, v=v), 2)
 
         def finish(out: Tensor) -> Tensor:
             return out.reshape(*batch, *out.shape[-2:])

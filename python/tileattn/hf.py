@@ -167,7 +167,8 @@ def _padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask
         # A static cache has more key slots than tokens seen, and generate() drops an all-ones mask:
         # a mask of the filled length tells attention_forward to leave the rest out. Only causal
         # self-attention has a cache to fill (cross-attention's keys, also longer than its queries,
-        # are all real). A static cache's offset is a tensor, read here once per layer.
+        # are all real). A static cache's offset is a tensor, read here once per forward (the model
+        # builds each mask once for all its layers).
         if mask_function is not None and _causal_pattern(mask_function):
             filled = int(q_offset) + q_length - kv_offset
             if filled < kv_length:
