@@ -13,7 +13,9 @@
 #include <ATen/ops/zeros_like.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
-#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/saved_variable.h>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
@@ -263,50 +265,63 @@ const c10::TypedOperatorHandle<BackwardSig>& backward_op() {
   return op;
 }
 
-// The gradient of (out, lse) -> (q, k, v): only Q, K, V, O and L are kept (nothing of size
-// seqlen_q x seqlen_k); dropout's mask is regenerated from dropout_rng, never stored. Both passes
-// call the operators through the dispatcher, so a torch.compile trace records them.
-struct AttentionFunction : torch::autograd::Function<AttentionFunction> {
-  static torch::autograd::variable_list forward(
-      torch::autograd::AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
-      const OptTensor& cu_seqlens_q, const OptTensor& cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k,
-      std::optional<double> softmax_scale, bool causal, SymInt window_left, SymInt window_right, double softcap,
-      bool deterministic, const OptTensor& alibi_slopes, double dropout_p, const OptTensor& dropout_rng) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [out, lse] = forward_op().call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                        softmax_scale, causal, window_left, window_right, softcap, deterministic,
-                                        alibi_slopes, dropout_p, dropout_rng);
-    auto or_undefined = [](const OptTensor& t) { return t ? *t : Tensor(); };
-    ctx->save_for_backward({q, k, v, out, lse, or_undefined(cu_seqlens_q), or_undefined(cu_seqlens_k),
-                            or_undefined(alibi_slopes), or_undefined(dropout_rng)});
-    // The scalars as one tuple under one key: each key of saved_data is a string hashed and stored.
-    ctx->saved_data["scalars"] =
-        c10::ivalue::Tuple::create({max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
-                                    softcap, deterministic, dropout_p});
-    ctx->mark_non_differentiable({lse});
-    // lse never has a gradient: without this every backward would allocate zeros for it.
-    ctx->set_materialize_grads(false);
-    return {out, lse};
+// Forward-mode AD (dual tensors) has no formula here: refused rather than returning outputs
+// without tangents, as PyTorch does for its own operators that lack one.
+void refuse_forward_ad(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& dout = Tensor()) {
+  for (const Tensor* t : {&q, &k, &v, &dout})
+    TORCH_CHECK_NOT_IMPLEMENTED(!t->defined() || !t->_fw_grad(/*level=*/0).defined(),
+                                "tileattn: forward-mode AD (dual tensors, torch.func.jvp) through attention is not "
+                                "supported; its gradients are reverse-mode only");
+}
+
+// attention_forward's node in the autograd graph: the gradient of out -> (q, k, v). Only Q, K, V,
+// O and L are kept (nothing of size seqlen_q x seqlen_k); dropout's mask is regenerated from
+// dropout_rng, never stored. A Node of its own, as PyTorch's generated ones are, rather than a
+// torch::autograd::Function: that generic wrapper cost a tiny call about twice SDPA's autograd
+// bookkeeping (docs/perf-log.md) and is refused by torch.func's transforms. The backward calls the
+// operator through the dispatcher, so a torch.compile trace records it and a second derivative
+// meets attention_backward's Autograd kernel.
+struct AttentionBackward : torch::autograd::Node {
+  torch::autograd::SavedVariable q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_rng;
+  SymInt max_seqlen_q, max_seqlen_k, window_left, window_right;
+  std::optional<double> softmax_scale;
+  double softcap = 0.0, dropout_p = 0.0;
+  bool causal = false, deterministic = false;
+
+  std::string name() const override { return "tileattn::AttentionBackward"; }
+
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    const Tensor saved_out = out.unpack(getptr());
+    auto optional = [](const torch::autograd::SavedVariable& s) {
+      Tensor t = s.unpack();
+      return t.defined() ? OptTensor(std::move(t)) : std::nullopt;
+    };
+    const Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(saved_out);
+    auto [dq, dk, dv] = backward_op().call(dout, q.unpack(), k.unpack(), v.unpack(), saved_out, lse.unpack(),
+                                           optional(cu_seqlens_q), optional(cu_seqlens_k), max_seqlen_q,
+                                           max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
+                                           deterministic, optional(alibi_slopes), dropout_p, optional(dropout_rng));
+    return {dq, dk, dv};
   }
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
-    auto optional = [](const Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; };
-    const Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(out);
-    const auto& a = ctx->saved_data["scalars"].toTupleRef().elements();
-    auto [dq, dk, dv] = backward_op().call(
-        dout, q, k, v, out, lse, optional(saved[5]), optional(saved[6]), a[0].toSymInt(), a[1].toSymInt(),
-        a[2].toOptional<double>(), a[3].toBool(), a[4].toSymInt(), a[5].toSymInt(), a[6].toDouble(), a[7].toBool(),
-        optional(saved[7]), a[8].toDouble(), optional(saved[8]));
-    torch::autograd::variable_list grad_inputs(16);  // one per forward argument
-    grad_inputs[0] = dq;
-    grad_inputs[1] = dk;
-    grad_inputs[2] = dv;
-    return grad_inputs;
+  void release_variables() override {
+    for (auto* s : {&q, &k, &v, &out, &lse, &cu_seqlens_q, &cu_seqlens_k, &alibi_slopes, &dropout_rng})
+      s->reset_data();
   }
 };
+
+// A new node as the torch being built against holds one: Node became an intrusive_ptr target in
+// recent releases (std::shared_ptr before, with deleteNode as its deleter, found here by ADL so
+// that the name is only needed where it exists).
+template <class N>
+auto make_node() {
+  using Ptr = decltype(std::declval<torch::autograd::Node&>().getptr());
+  if constexpr (std::is_same_v<Ptr, std::shared_ptr<torch::autograd::Node>>) {
+    return std::shared_ptr<N>(new N(), [](N* node) { deleteNode(node); });
+  } else {
+    return c10::make_intrusive<N>();
+  }
+}
 
 // The message every route gives where a graph differentiates attention's gradients.
 constexpr const char* kNoSecondDerivative =
@@ -314,26 +329,13 @@ constexpr const char* kNoSecondDerivative =
     "(gradients taken with create_graph=True, then differentiated) is not supported";
 
 // attention_backward's Autograd kernel: the gradients it returns where a graph could differentiate
-// them (create_graph=True) carry a node whose backward stops with kNoSecondDerivative. Without a
-// kernel here the dispatcher's fallback would let such a graph run on with a zero second
-// derivative and only a warning.
-struct AttentionBackwardFunction : torch::autograd::Function<AttentionBackwardFunction> {
-  static torch::autograd::variable_list forward(
-      torch::autograd::AutogradContext*, const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
-      const Tensor& out, const Tensor& lse, const OptTensor& cu_seqlens_q, const OptTensor& cu_seqlens_k,
-      SymInt max_seqlen_q, SymInt max_seqlen_k, std::optional<double> softmax_scale, bool causal, SymInt window_left,
-      SymInt window_right, double softcap, bool deterministic, const OptTensor& alibi_slopes, double dropout_p,
-      const OptTensor& dropout_rng) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [dq, dk, dv] = backward_op().call(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                           max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-                                           deterministic, alibi_slopes, dropout_p, dropout_rng);
-    return {dq, dk, dv};
-  }
-
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*, torch::autograd::variable_list) {
+// them (create_graph=True, or torch.func's nested transforms) carry a node whose backward stops with
+// kNoSecondDerivative. Without a kernel here the dispatcher's fallback would let such a graph run on
+// with a zero second derivative and only a warning.
+struct AttentionBackwardBackward : torch::autograd::Node {
+  std::string name() const override { return "tileattn::AttentionBackwardBackward"; }
+  torch::autograd::variable_list apply(torch::autograd::variable_list&&) override {
     TORCH_CHECK_NOT_IMPLEMENTED(false, kNoSecondDerivative);
-    return {};
   }
 };
 
@@ -342,17 +344,21 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward_autograd(
     const OptTensor& cu_seqlens_q, const OptTensor& cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k,
     std::optional<double> softmax_scale, bool causal, SymInt window_left, SymInt window_right, double softcap,
     bool deterministic, const OptTensor& alibi_slopes, double dropout_p, const OptTensor& dropout_rng) {
-  if (!at::GradMode::is_enabled() ||
-      !(dout.requires_grad() || q.requires_grad() || k.requires_grad() || v.requires_grad() || out.requires_grad())) {
+  refuse_forward_ad(q, k, v, dout);
+  Tensor dq, dk, dv;
+  {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return backward_op().call(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                              softmax_scale, causal, window_left, window_right, softcap, deterministic, alibi_slopes,
-                              dropout_p, dropout_rng);
+    std::tie(dq, dk, dv) = backward_op().call(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                              max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
+                                              deterministic, alibi_slopes, dropout_p, dropout_rng);
   }
-  auto grads = AttentionBackwardFunction::apply(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                max_seqlen_k, softmax_scale, causal, window_left, window_right,
-                                                softcap, deterministic, alibi_slopes, dropout_p, dropout_rng);
-  return std::make_tuple(grads[0], grads[1], grads[2]);
+  if (at::GradMode::is_enabled() &&
+      (dout.requires_grad() || q.requires_grad() || k.requires_grad() || v.requires_grad() || out.requires_grad())) {
+    auto node = make_node<AttentionBackwardBackward>();
+    node->set_next_edges(torch::autograd::collect_next_edges(dout, q, k, v, out));
+    torch::autograd::set_history(std::vector<Tensor>{dq, dk, dv}, node);
+  }
+  return std::make_tuple(dq, dk, dv);
 }
 
 std::tuple<Tensor, Tensor> attention_forward_autograd(
@@ -360,16 +366,41 @@ std::tuple<Tensor, Tensor> attention_forward_autograd(
     SymInt max_seqlen_q, SymInt max_seqlen_k, std::optional<double> softmax_scale, bool causal, SymInt window_left,
     SymInt window_right, double softcap, bool deterministic, const OptTensor& alibi_slopes, double dropout_p,
     const OptTensor& dropout_rng) {
-  // Nothing to differentiate (inference, or no input that requires grad): no graph node to build.
-  if (!at::GradMode::is_enabled() || !(q.requires_grad() || k.requires_grad() || v.requires_grad())) {
+  refuse_forward_ad(q, k, v);
+  Tensor out, lse;
+  {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return forward_op().call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                             window_left, window_right, softcap, deterministic, alibi_slopes, dropout_p, dropout_rng);
+    std::tie(out, lse) =
+        forward_op().call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                          window_left, window_right, softcap, deterministic, alibi_slopes, dropout_p, dropout_rng);
   }
-  auto outputs = AttentionFunction::apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                          softmax_scale, causal, window_left, window_right, softcap, deterministic,
-                                          alibi_slopes, dropout_p, dropout_rng);
-  return std::make_tuple(outputs[0], outputs[1]);
+  // Nothing to differentiate (inference, or no input that requires grad): no graph node to build.
+  if (!at::GradMode::is_enabled() || !(q.requires_grad() || k.requires_grad() || v.requires_grad()))
+    return std::make_tuple(out, lse);
+  using torch::autograd::SavedVariable;
+  auto node = make_node<AttentionBackward>();
+  node->set_next_edges(torch::autograd::collect_next_edges(q, k, v));
+  auto saved = [](const OptTensor& t) { return t ? SavedVariable(*t, false) : SavedVariable(); };
+  node->q = SavedVariable(q, false);
+  node->k = SavedVariable(k, false);
+  node->v = SavedVariable(v, false);
+  node->lse = SavedVariable(lse, false);  // not differentiable: never attached to the node
+  node->cu_seqlens_q = saved(cu_seqlens_q);
+  node->cu_seqlens_k = saved(cu_seqlens_k);
+  node->alibi_slopes = saved(alibi_slopes);
+  node->dropout_rng = saved(dropout_rng);
+  node->max_seqlen_q = std::move(max_seqlen_q);
+  node->max_seqlen_k = std::move(max_seqlen_k);
+  node->window_left = std::move(window_left);
+  node->window_right = std::move(window_right);
+  node->softmax_scale = softmax_scale;
+  node->softcap = softcap;
+  node->dropout_p = dropout_p;
+  node->causal = causal;
+  node->deterministic = deterministic;
+  torch::autograd::set_history(out, node);
+  node->out = SavedVariable(out, true);  // after set_history: saved as the node's own output
+  return std::make_tuple(out, lse);
 }
 
 }  // namespace

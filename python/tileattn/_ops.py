@@ -25,6 +25,7 @@ import warnings
 from typing import Optional
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 import torch.utils.dlpack
 from torch import Tensor
 
@@ -510,6 +511,17 @@ def _no_second_derivative(ctx, *grads):
     raise NotImplementedError(NO_SECOND_DERIVATIVE)
 
 
+# Forward-mode AD has no formula here: refused rather than returning outputs without tangents (the
+# operator library's message, word for word).
+NO_FORWARD_AD = ("tileattn: forward-mode AD (dual tensors, torch.func.jvp) through attention is not supported; "
+                 "its gradients are reverse-mode only")
+
+
+def _refuse_forward_ad(*tensors) -> None:
+    if _forward_ad._current_level >= 0 and any(_forward_ad.unpack_dual(t).tangent is not None for t in tensors):
+        raise NotImplementedError(NO_FORWARD_AD)
+
+
 if _torch_ops is None:  # torch_ops.cpp registers the same kernel
     torch.library.register_autograd("tileattn::attention_backward", _no_second_derivative,
                                     setup_context=lambda ctx, inputs, output: None)
@@ -624,6 +636,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], c
                                             deterministic, alibi_slopes, dropout_p, dropout_rng)
     options = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, deterministic,
                alibi_slopes, dropout_p, dropout_rng)
+    _refuse_forward_ad(q, k, v)
     if _is_compiling() or not _plain_on_one_device(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes):
         # Meta and fake tensors, tensor subclasses and mixed devices keep the operator's handling
         # (shape inference, its error messages).

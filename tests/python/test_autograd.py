@@ -10,6 +10,7 @@ How gradients are checked, honestly:
 """
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -150,6 +151,91 @@ def test_second_derivative_is_refused_not_zero(path):
     for g in grads:
         with pytest.raises(NotImplementedError, match=_SECOND_DERIVATIVE):
             torch.autograd.grad((g * g).sum() + q.sum(), (q, k, v), allow_unused=True)
+
+
+def _entry(path):
+    """(q, k, v) of shape (2, 5, 2, 8) and a function of them through one public entry, (B, N, H, D) out."""
+    q, k, v = (torch.randn(2, 5, 2, 8, dtype=torch.float64).float().requires_grad_() for _ in range(3))
+    if path == "flash_attn_varlen_func":
+        cu = torch.tensor([0, 5, 10], dtype=torch.int32)
+        fn = lambda a, b, c: tileattn.flash_attn_varlen_func(  # noqa: E731
+            a.flatten(0, 1), b.flatten(0, 1), c.flatten(0, 1), cu, cu, 5, 5, causal=True).unflatten(0, (2, 5))
+    elif path == "sdpa":
+        fn = lambda a, b, c: tileattn.scaled_dot_product_attention(  # noqa: E731
+            a.transpose(1, 2), b.transpose(1, 2), c.transpose(1, 2), is_causal=True).transpose(1, 2)
+    else:
+        fn = lambda a, b, c: tileattn.flash_attn_func(a, b, c, causal=True)  # noqa: E731
+    return (q, k, v), fn
+
+
+@pytest.mark.parametrize("path", ["flash_attn_func", "flash_attn_varlen_func", "sdpa"])
+def test_forward_mode_ad_is_refused(path):
+    """Dual tensors (forward-mode AD) raise, as PyTorch's fused SDPA backends do: attention has no
+    forward derivative here, and an output without its tangent would be a silent wrong answer."""
+    import torch.autograd.forward_ad as fwAD
+
+    (q, k, v), fn = _entry(path)
+    for which in range(3):
+        args = [t.detach() for t in (q, k, v)]
+        with fwAD.dual_level():
+            args[which] = fwAD.make_dual(args[which], torch.randn_like(args[which]))
+            with pytest.raises(NotImplementedError, match="forward-mode AD"):
+                fn(*args)
+    with pytest.raises(NotImplementedError, match="forward-mode AD"):
+        torch.func.jvp(lambda a: fn(a, k.detach(), v.detach()), (q.detach(),), (torch.ones_like(q),))
+
+
+@pytest.mark.skipif(tileattn._ops._torch_ops is None, reason="torch.func needs the operator library's autograd node")
+@pytest.mark.parametrize("path", ["flash_attn_func", "flash_attn_varlen_func", "sdpa"])
+def test_torch_func_grad_and_vjp_match_float64(path):
+    """torch.func.grad, vjp and vmap over grad run through attention as through PyTorch's SDPA, to
+    the float64 oracle's gradients; a second derivative taken by nesting them is refused, as with
+    create_graph."""
+    (q, k, v), fn = _entry(path)
+    q, k, v = (t.detach() for t in (q, k, v))
+    qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
+    ref, _ = naive.attention(qd, kd, vd, causal=True)
+    dout = torch.randn(ref.shape, dtype=torch.float64).float()
+    oracle = torch.autograd.grad(ref, (qd, kd, vd), dout.double())
+    out, pullback = torch.func.vjp(fn, q, k, v)
+    assert naive.max_error(out, ref) < 1e-5
+    for ours, exact in zip(pullback(dout), oracle):
+        assert naive.max_error(ours, exact) < 1e-4
+    dq = torch.func.grad(lambda a: (fn(a, k, v) * dout).sum())(q)
+    assert naive.max_error(dq, oracle[0]) < 1e-4
+    with warnings.catch_warnings():  # no batching rule: vmap runs the operator once per mapped entry
+        warnings.simplefilter("ignore")
+        grads = torch.func.vmap(torch.func.grad(lambda a, g: (fn(a, k, v) * g).sum()), in_dims=(None, 0))(
+            q, torch.stack([dout, -dout]))
+    assert naive.max_error(grads[0], oracle[0]) < 1e-4 and naive.max_error(grads[1], -oracle[0].double()) < 1e-4
+    with pytest.raises(NotImplementedError, match=_SECOND_DERIVATIVE):
+        torch.func.grad(lambda a: torch.func.grad(lambda b: fn(b, k, v).sum())(a).square().sum())(q)
+
+
+def test_saved_tensors_follow_pytorchs_rules():
+    """What the forward keeps for the backward is checked as PyTorch checks its own: an input or the
+    output changed in place since the forward raises, a second backward needs retain_graph (and then
+    gives the same gradients), and gradients asked of some inputs only are those of the full call."""
+    (q, k, v), fn = _entry("flash_attn_func")
+    dout = torch.randn(2, 5, 2, 8)
+    full = torch.autograd.grad(fn(q, k, v), (q, k, v), dout)
+    out = fn(q, k, v)
+    once = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    twice = torch.autograd.grad(out, (q, k, v), dout)
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(full, once, twice))
+    with pytest.raises(RuntimeError, match="second time"):
+        torch.autograd.grad(out, (q, k, v), dout)
+    for some in ((1,), (2, 0)):
+        got = torch.autograd.grad(fn(q, k, v), [(q, k, v)[i] for i in some], dout)
+        assert all(torch.equal(g, full[i]) for g, i in zip(got, some))
+    for changed in ("input", "output"):
+        leaf = torch.randn(2, 5, 2, 8, requires_grad=True)
+        q2 = leaf * 1.0  # a non-leaf that may be changed in place
+        out = fn(q2, k, v)
+        with torch.no_grad():
+            (q2 if changed == "input" else out).add_(1.0)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            torch.autograd.grad(out, (leaf, k, v), dout)
 
 
 @pytest.mark.filterwarnings("ignore:Input #\\d+ requires gradient and is not a double")

@@ -66,8 +66,8 @@ def test_operator_library_serves_eager_calls(monkeypatch):
 
 def test_python_registration_without_the_library():
     """TILEATTN_TORCH_OPS=0 (as a PyTorch the library was not built for) registers the operators in
-    Python: values, gradients, refusals (a second derivative among them) and fullgraph compiles (a
-    key/value cache step among them) still hold."""
+    Python: values, gradients, refusals (a second derivative and forward-mode AD among them) and
+    fullgraph compiles (a key/value cache step among them) still hold."""
     script = textwrap.dedent("""
         import torch, tileattn
         from tileattn import _ops
@@ -102,6 +102,13 @@ def test_python_registration_without_the_library():
             raise SystemExit("a second derivative through attention was not refused")
         except NotImplementedError as e:
             assert "attention's backward has no derivative of its own" in str(e)
+        import torch.autograd.forward_ad as fwAD
+        with fwAD.dual_level():
+            try:
+                tileattn.flash_attn_func(fwAD.make_dual(q.detach(), torch.ones_like(q)), k.detach(), v.detach())
+                raise SystemExit("forward-mode AD was not refused")
+            except NotImplementedError as e:
+                assert "forward-mode AD" in str(e)
         print("ok")
     """)
     env = dict(os.environ, TILEATTN_TORCH_OPS="0")
