@@ -5,6 +5,7 @@
 
 #include <cstring>
 
+#include "cpu/gemm_kernels.hpp"
 #include "support/host_problem.hpp"
 #include "tileattn/attention.hpp"
 
@@ -84,6 +85,21 @@ TEST(Invariance, BitwiseAcrossThreadCountsPackedDecode) {
 
 // fp32 in (B, H, N, D) is read in place; strided fp32 and 16-bit rows go through per-call dense
 // panels (the forward's K and V) or per-task copies.
+// The tile products' AVX-512 instance (taken where the CPU has it) and the build target's give the
+// same outputs and gradients bit for bit, for fp32 and bf16, GQA, a window and unequal head dims.
+TEST(Invariance, BitwiseAcrossTileProductInstances) {
+  const cpu::GemmKernels in_use = cpu::gemm_kernels();
+  if (!cpu::use_gemm_kernels(cpu::GemmKernels::avx512)) GTEST_SKIP() << "no AVX-512 in this build or on this CPU";
+  for (DType dt : {DType::f32, DType::bf16}) {
+    HostProblem hp(gqa_shape(dt));
+    cpu::use_gemm_kernels(cpu::GemmKernels::avx512);
+    const Outputs wide = run(hp, 2);
+    cpu::use_gemm_kernels(cpu::GemmKernels::target);
+    EXPECT_TRUE(wide == run(hp, 2)) << "dtype " << int(dt);
+  }
+  cpu::use_gemm_kernels(in_use);
+}
+
 TEST(Invariance, BitwiseAcrossLayouts) {
   for (DType dt : {DType::f16, DType::f32}) {
     ProblemShape s = gqa_shape(dt);

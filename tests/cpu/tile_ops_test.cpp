@@ -3,8 +3,10 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <random>
 
+#include "cpu/gemm_kernels.hpp"
 #include "cpu/tile_ops.hpp"
 #include "support/host_problem.hpp"
 
@@ -42,7 +44,7 @@ TEST(TileOps, GemmMatchesDoubleOnFullBlocksAndEdges) {
   std::mt19937 rng(test::fresh_seed() & 0xffffffffu);
   std::normal_distribution<float> dist;
   for (int64_t m : {1, 2, 5, 64})
-    for (int64_t n : {1, 15, 16, 17, 64})
+    for (int64_t n : {1, 15, 16, 17, 50, 64})
       for (int64_t k : {1, 7, 64})
         for (bool transposed_a : {false, true}) {
           const int64_t lda = 70, ldb = 80, ldc = 90;
@@ -78,7 +80,7 @@ TEST(TileOps, GemmRoundsTheSameWhateverTheBlocking) {
   std::mt19937 rng(test::fresh_seed() & 0xffffffffu);
   std::normal_distribution<float> dist;
   for (int64_t m : {1, 3, 4, 6, 64})
-    for (int64_t n : {1, 8, 16, 24, 64})
+    for (int64_t n : {1, 8, 16, 24, 40, 64})
       for (int64_t k : {1, 16, 17, 64, 100})
         for (bool transposed_a : {false, true})
           for (bool accumulate : {false, true}) {
@@ -98,6 +100,37 @@ TEST(TileOps, GemmRoundsTheSameWhateverTheBlocking) {
                 ASSERT_EQ(c[size_t(i * ldc + j)], alone) << m << " " << n << " " << k << " at " << i << "," << j;
               }
           }
+}
+
+// The AVX-512 instance and the build target's give the same bits, so that a result does not depend
+// on the CPU the process runs on: whole blocks, strips of one vector, masked tails, both ways of
+// reading A, overwrite and accumulate.
+TEST(TileOps, Avx512AndTargetKernelsGiveTheSameBits) {
+  const GemmKernels in_use = gemm_kernels();
+  if (!use_gemm_kernels(GemmKernels::avx512)) GTEST_SKIP() << "no AVX-512 in this build or on this CPU";
+  std::mt19937 rng(test::fresh_seed() & 0xffffffffu);
+  std::normal_distribution<float> dist;
+  for (int64_t m : {1, 5, 64})
+    for (int64_t n : {3, 16, 40, 64, 100, 256})
+      for (int64_t k : {0, 9, 64, 128})
+        for (bool transposed_a : {false, true})
+          for (bool accumulate : {false, true}) {
+            const int64_t lda = 260, ldb = 264, ldc = 270;
+            std::vector<float> a(size_t(lda * 260)), b(size_t(ldb * 128)), c(size_t(ldc * 64));
+            for (auto& e : a) e = dist(rng);
+            for (auto& e : b) e = dist(rng);
+            for (auto& e : c) e = dist(rng);
+            const int64_t a_row = transposed_a ? 1 : lda, a_col = transposed_a ? lda : 1;
+            const auto product = accumulate ? gemm_accumulate : gemm;
+            std::vector<float> wide = c, narrow = c;
+            use_gemm_kernels(GemmKernels::avx512);
+            product(a.data(), a_row, a_col, b.data(), ldb, wide.data(), ldc, m, n, k);
+            use_gemm_kernels(GemmKernels::target);
+            product(a.data(), a_row, a_col, b.data(), ldb, narrow.data(), ldc, m, n, k);
+            ASSERT_EQ(std::memcmp(wide.data(), narrow.data(), wide.size() * sizeof(float)), 0)
+                << m << " " << n << " " << k << " transposed " << transposed_a << " accumulate " << accumulate;
+          }
+  use_gemm_kernels(in_use);
 }
 
 }  // namespace
