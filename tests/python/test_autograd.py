@@ -119,13 +119,10 @@ def test_kernel_gradcheck_float32(path):
 _SECOND_DERIVATIVE = r"attention's backward has no derivative of its own"
 
 
-@pytest.mark.parametrize("path", ["flash_attn_func", "flash_attn_varlen_func", "sdpa", "course", "compiled"])
-def test_second_derivative_is_refused_not_zero(path):
-    """A double backward (gradients taken with create_graph=True, then differentiated) raises where it
-    reaches the kernels' backward: PyTorch's fallback for an operator without an Autograd kernel
-    would let it through as a zero second derivative. The first derivatives themselves, taken with
-    create_graph=True, are still the float64 oracle's."""
-    q, k, v = (torch.randn(2, 5, 2, 8, requires_grad=True) for _ in range(3))
+def _entry(path):
+    """(q, k, v) of shape (2, 5, 2, 8) (one head for the course function) and a function of them
+    through one public entry, causal, (B, N, H, D) out."""
+    q, k, v = (torch.randn(2, 5, 2, 8, dtype=torch.float64).float().requires_grad_() for _ in range(3))
     if path == "flash_attn_varlen_func":
         cu = torch.tensor([0, 5, 10], dtype=torch.int32)
         fn = lambda a, b, c: tileattn.flash_attn_varlen_func(  # noqa: E731
@@ -141,6 +138,16 @@ def test_second_derivative_is_refused_not_zero(path):
         fn = lambda a, b, c: tileattn.flash_attn_func(a, b, c, causal=True)  # noqa: E731
         if path == "compiled":
             fn = torch.compile(fn, fullgraph=True, backend="eager")
+    return (q, k, v), fn
+
+
+@pytest.mark.parametrize("path", ["flash_attn_func", "flash_attn_varlen_func", "sdpa", "course", "compiled"])
+def test_second_derivative_is_refused_not_zero(path):
+    """A double backward (gradients taken with create_graph=True, then differentiated) raises where it
+    reaches the kernels' backward: PyTorch's fallback for an operator without an Autograd kernel
+    would let it through as a zero second derivative. The first derivatives themselves, taken with
+    create_graph=True, are still the float64 oracle's."""
+    (q, k, v), fn = _entry(path)
     dout = torch.randn(2, 5, q.shape[2], 8)
     grads = torch.autograd.grad(fn(q, k, v), (q, k, v), dout, create_graph=True)
     qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
@@ -151,21 +158,6 @@ def test_second_derivative_is_refused_not_zero(path):
     for g in grads:
         with pytest.raises(NotImplementedError, match=_SECOND_DERIVATIVE):
             torch.autograd.grad((g * g).sum() + q.sum(), (q, k, v), allow_unused=True)
-
-
-def _entry(path):
-    """(q, k, v) of shape (2, 5, 2, 8) and a function of them through one public entry, (B, N, H, D) out."""
-    q, k, v = (torch.randn(2, 5, 2, 8, dtype=torch.float64).float().requires_grad_() for _ in range(3))
-    if path == "flash_attn_varlen_func":
-        cu = torch.tensor([0, 5, 10], dtype=torch.int32)
-        fn = lambda a, b, c: tileattn.flash_attn_varlen_func(  # noqa: E731
-            a.flatten(0, 1), b.flatten(0, 1), c.flatten(0, 1), cu, cu, 5, 5, causal=True).unflatten(0, (2, 5))
-    elif path == "sdpa":
-        fn = lambda a, b, c: tileattn.scaled_dot_product_attention(  # noqa: E731
-            a.transpose(1, 2), b.transpose(1, 2), c.transpose(1, 2), is_causal=True).transpose(1, 2)
-    else:
-        fn = lambda a, b, c: tileattn.flash_attn_func(a, b, c, causal=True)  # noqa: E731
-    return (q, k, v), fn
 
 
 @pytest.mark.parametrize("path", ["flash_attn_func", "flash_attn_varlen_func", "sdpa"])
