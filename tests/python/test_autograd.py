@@ -180,9 +180,9 @@ def test_forward_mode_ad_is_refused(path):
 @pytest.mark.skipif(tileattn._ops._torch_ops is None, reason="torch.func needs the operator library's autograd node")
 @pytest.mark.parametrize("path", ["flash_attn_func", "flash_attn_varlen_func", "sdpa"])
 def test_torch_func_grad_and_vjp_match_float64(path):
-    """torch.func.grad, vjp and vmap over grad run through attention as through PyTorch's SDPA, to
-    the float64 oracle's gradients; a second derivative taken by nesting them is refused, as with
-    create_graph."""
+    """torch.func.grad, vjp, vmap over grad and jacrev run through attention as through PyTorch's
+    SDPA, to the float64 oracle's gradients (jacrev to autograd's jacobian); a second derivative
+    taken by nesting them is refused, as with create_graph."""
     (q, k, v), fn = _entry(path)
     q, k, v = (t.detach() for t in (q, k, v))
     qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
@@ -199,7 +199,9 @@ def test_torch_func_grad_and_vjp_match_float64(path):
         warnings.simplefilter("ignore")
         grads = torch.func.vmap(torch.func.grad(lambda a, g: (fn(a, k, v) * g).sum()), in_dims=(None, 0))(
             q, torch.stack([dout, -dout]))
+        jacobian = torch.func.jacrev(lambda a: fn(a, k, v))(q)  # vmap over the pullback
     assert naive.max_error(grads[0], oracle[0]) < 1e-4 and naive.max_error(grads[1], -oracle[0].double()) < 1e-4
+    assert torch.equal(jacobian, torch.autograd.functional.jacobian(lambda a: fn(a, k, v), q))
     with pytest.raises(NotImplementedError, match=_SECOND_DERIVATIVE):
         torch.func.grad(lambda a: torch.func.grad(lambda b: fn(b, k, v).sum())(a).square().sum())(q)
 
