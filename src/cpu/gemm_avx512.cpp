@@ -17,7 +17,7 @@ namespace {
 struct Avx512Lanes {
   using vec = __m512;
   static constexpr int kLanes = 16;
-  static constexpr int kRows = 4;  // 4 x 4 vectors measured best on Zen 4 (8 x 2, 6 x 4, 12 x 2: 3-10% slower)
+  static constexpr int kRows = 4;  // 4 rows of 4 vectors: the best block measured on Zen 4 (docs/perf-log.md)
   static constexpr int kVecs = 4;
   static constexpr bool kMaskedTail = true;
   static vec zero() { return _mm512_setzero_ps(); }

@@ -1,11 +1,11 @@
 #pragma once
 // The register-blocked tile products (tile_ops.hpp's gemm and gemm_accumulate), written once over
 // a SIMD width: gemm.cpp instantiates them for the build's target, gemm_avx512.cpp for AVX-512,
-// and gemm.cpp picks one per process (gemm_kernels.hpp). Each instantiating file passes a lane type of its own in an
-// anonymous namespace, so every instantiation has internal linkage: the two objects, compiled for
-// different instruction sets, share no out-of-line function the linker could merge (an AVX-512
-// copy taken for the build target's callers would fault on a CPU without it). For the same
-// reason nothing here calls a library function; this header includes only <cstdint>.
+// and gemm.cpp picks one per process (gemm_kernels.hpp). Each instantiating file passes a lane
+// type of its own in an anonymous namespace, so every instantiation has internal linkage: the two
+// objects, compiled for different instruction sets, share no out-of-line function the linker
+// could merge (an AVX-512 copy taken for the build target's callers would fault on a CPU without
+// it). For the same reason this header calls nothing of the backend's and includes only <cstdint>.
 //
 // A lane type V provides: `vec`, `kLanes`, `kRows` and `kVecs` (the register block: kRows rows of
 // kVecs vectors), `zero()`, `load(p)`, `store(p, v)`, `broadcast(x)`, `fma(a, b, c)` (one
