@@ -83,8 +83,6 @@ TEST(Invariance, BitwiseAcrossThreadCountsPackedDecode) {
   }
 }
 
-// fp32 in (B, H, N, D) is read in place; strided fp32 and 16-bit rows go through per-call dense
-// panels (the forward's K and V) or per-task copies.
 // The tile products' AVX-512 instance (taken where the CPU has it) and the build target's give the
 // same outputs and gradients bit for bit, for fp32 and bf16, GQA, a window and unequal head dims.
 TEST(Invariance, BitwiseAcrossTileProductInstances) {
@@ -100,6 +98,8 @@ TEST(Invariance, BitwiseAcrossTileProductInstances) {
   cpu::use_gemm_kernels(in_use);
 }
 
+// fp32 in (B, H, N, D) is read in place; strided fp32 and 16-bit rows go through per-call dense
+// panels (the forward's K and V) or per-task copies.
 TEST(Invariance, BitwiseAcrossLayouts) {
   for (DType dt : {DType::f16, DType::f32}) {
     ProblemShape s = gqa_shape(dt);
