@@ -107,15 +107,14 @@ bool uses_atomic_dq(const AttentionProblem& p, const BwdPlan& plan) {
 }
 
 // The workspace, carved in this order: lse2, dsum, row_sum (fp32 only), one float per padded
-// query row each, then, when dQ is summed by atomics, the fp32 dQ accumulator and one count per
-// 64 rows (the smallest query tile whose additions the Hopper backward counts).
+// query row each, then the fp32 dQ accumulator when dQ is summed by atomics.
 struct WorkspaceLayout {
   int64_t rows = 0;
   int dim = 0;
-  size_t lse2 = 0, dsum = 0, row_sum = 0, accum = 0, tiles_left = 0;
+  size_t lse2 = 0, dsum = 0, row_sum = 0, accum = 0;
   size_t total() const {
     return Workspace::round_up(lse2) + Workspace::round_up(dsum) + Workspace::round_up(row_sum) +
-           Workspace::round_up(accum) + Workspace::round_up(tiles_left);
+           Workspace::round_up(accum);
   }
 };
 
@@ -128,7 +127,6 @@ WorkspaceLayout workspace_layout(const AttentionProblem& p, const BwdPlan& plan)
   w.lse2 = w.dsum = size_t(w.rows) * sizeof(float);
   w.row_sum = p.dtype == DType::f32 ? size_t(w.rows) * sizeof(float) : 0;
   w.accum = uses_atomic_dq(p, plan) ? size_t(w.rows) * size_t(w.dim) * sizeof(float) : 0;
-  w.tiles_left = w.accum > 0 ? size_t(w.rows / 64) * sizeof(int) : 0;
   return w;
 }
 
@@ -223,9 +221,7 @@ class BackwardPlan final : public detail::BackendPlan {
     params.dsum = ws.take<float>(layout_.dsum);
     params.row_sum = layout_.row_sum > 0 ? ws.take<float>(layout_.row_sum) : nullptr;
     params.dq_accum = layout_.accum > 0 ? ws.take<float>(layout_.accum) : nullptr;
-    params.dq_tiles_left = layout_.tiles_left > 0 ? ws.take<int>(layout_.tiles_left) : nullptr;
-    // dq_accum starts at zero and the tiles' counts at theirs: the preprocess kernel sets both
-    // (bwd_preprocess.cuh).
+    // dq_accum starts at zero: the preprocess kernel zeroes it (bwd_preprocess.cuh).
     if (plan_.sm90) {
       BwdSm90Params sm90 = plan_.params;
       sm90.bwd = params;

@@ -81,23 +81,6 @@ __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.comm
 // be in flight; they complete before the grid does).
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 
-// Until every bulk group of this thread but the kPending most recent has completed, its global
-// writes made (bulk_wait_read waits only for the reads of shared memory).
-template <int kPending>
-__device__ __forceinline__ void bulk_wait() {
-  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
-// Orders this thread's global-memory accesses through the async proxy (bulk copies, TMA) with its
-// ordinary ones, both ways: completed bulk writes before a release that publishes them, and an
-// acquire before a bulk read of what it published.
-__device__ __forceinline__ void fence_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
-// atomicAdd with acquire-release semantics at GPU scope; returns the old value.
-__device__ __forceinline__ int atomic_add_acq_rel(int* at, int v) {
-  int old;
-  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;\n" : "=r"(old) : "l"(at), "r"(v) : "memory");
-  return old;
-}
-
 // Adds a contiguous run of `bytes` fp32 values (a multiple of 16, both addresses 16-byte aligned)
 // from shared memory into global memory, element by element at the L2, as one bulk copy of this
 // thread's bulk group: the summing costs the issuing SM one instruction, not one per element.

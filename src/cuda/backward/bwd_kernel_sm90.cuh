@@ -20,9 +20,8 @@
 // and the consumers drift apart, one's gradients beside the other's products (perf-log: +1-6%; a
 // start half a step apart, forced by a barrier, measured the same).
 // Each consumer's part of the dQ tile leaves in fp32 through shared memory: a warp of the producer
-// warpgroup adds it to the workspace accumulator with one bulk reduction, off the consumers' path.
-// The block whose addition to a tile lands last hands it to a third producer warp, which writes
-// its dQ (bwd_dq_tiles_sm90.cuh). The tile is stored in the order the consumers
+// warpgroup adds it to the workspace accumulator with one bulk reduction, off the consumers' path,
+// and convert_dq_tiles_sm90 scales and converts it. The tile is stored in the order the consumers
 // hold it (DqTileOrder, bwd_dq_tiles_sm90.cuh), so their shared-memory writes are whole 512-byte
 // runs per warp and each part is one contiguous run (row by row, the 256-byte reductions at D = 64
 // cost 28% of the backward's time; docs/perf-log.md). Reductions land in any order, so dQ's low
@@ -83,27 +82,18 @@ struct BwdSm90Traits {
   static constexpr int kDqPartBytes = DqOrder::kPartFloats * 4;
   using Stages = BwdStages<QTile, kBlockM, kStages>;
   using Barriers = BwdBarriers<kStages>;
-  // Finished dQ tiles, from the dQ warp to the conversion warp.
-  static constexpr int kHandOffSlots = 4;
-  using HandOffRing = sm90::StageRing<kHandOffSlots>;
-  static constexpr int kDqParts = kDqSplitRows ? 2 : (kHeadDim + DqOrder::kPartCols - 1) / DqOrder::kPartCols;
   // K, V, then per stage: Q, dO, L * log2(e), D (rounded up to 1024 bytes: dS^T's swizzle is on
-  // address bits); then dS^T, the dQ tile, one part of a finished tile (the three only with
-  // kFusedDq) and the barriers (dS^T's ring after the stages', kv_free, the hand-off ring, the
-  // part's load, then the hand-off ring's entries).
-  enum Region { kK, kV, kStagesRegion, kDs, kDq, kConvert, kBarriers };
+  // address bits); then dS^T, the dQ tile (both only with kFusedDq) and the barriers (dS^T's ring
+  // after the stages', then kv_free).
+  enum Region { kK, kV, kStagesRegion, kDs, kDq, kBarriers };
   using Smem = sm90::SmemRegions<KVTile::kBytes, KVTile::kBytes, (kStages * Stages::kBytes + 1023) / 1024 * 1024,
                                  kFusedDq ? kDsBuffers * DsTile::kBytes : 0, kFusedDq ? kDqTileBytes : 0,
-                                 kFusedDq ? kDqPartBytes : 0,
-                                 Barriers::kBytes + (kFusedDq ? DsRing::kBarrierBytes + 16 + HandOffRing::kBarrierBytes +
-                                                                    8 * kHandOffSlots
-                                                              : 0)>;
+                                 Barriers::kBytes + (kFusedDq ? DsRing::kBarrierBytes + 8 : 0)>;
   static constexpr int kSmemBytes = Smem::kBytes;
   // bar.sync count: one consumer and the dQ warp.
   static constexpr int kDqPartBarrierThreads = 128 + 32;
   static_assert(kHeadDim % 16 == 0 && kHeadDim <= 128, "sm90 backward: head dims 16..128 in steps of 16");
   static_assert(DqOrder::kBlockM == kBlockM, "one tile shape");
-  static_assert(kDqParts == kConsumers, "a part of the dQ tile per consumer");
   static_assert(bwd::kWorkspaceRowTile % kBlockM == 0, "query tiles never reach past the workspace padding");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory");
 };
@@ -135,9 +125,6 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
   const typename Traits::DsRing ds_ring{ring.end()};
   // kPersistent: K and V's buffer read to the end (one release per consumer warp).
   uint64_t* kv_free = ds_ring.end();
-  const typename Traits::HandOffRing hand_off{kv_free + 1};
-  uint64_t* part_loaded = hand_off.end();
-  int64_t* handed_rows = reinterpret_cast<int64_t*>(part_loaded + 1);
 
   const BwdSm90Schedule<kPersistent, BN, BM> schedule(p);
   if constexpr (!kPersistent) {
@@ -149,8 +136,6 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
     if (threadIdx.x == 0) {
       ds_ring.init(4 * Traits::kConsumers, 4 * Traits::kConsumers);
       if constexpr (kPersistent) sm90::barrier_init(kv_free, 4 * Traits::kConsumers);
-      hand_off.init(1, 1);
-      sm90::barrier_init(part_loaded, 1);
     }
   bars.init(4 * Traits::kConsumers);  // one release per consumer warp
 
@@ -162,30 +147,19 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
         // The dQ warp: a consumer's part of the one tile is free again once its reduction has read
         // it, except after the walk's last tile.
         const int total = kPersistent ? schedule.steps(p) : 0;
-        DqTileCountdown<BM, Traits::kDqParts, Traits::kHandOffSlots> countdown{hand_off, handed_rows, p.dq_tiles_left};
-        DqTileCountdown<BM, Traits::kDqParts, Traits::kHandOffSlots>* counts = &countdown;
         int g0 = 0;
         for (BwdWalk w = schedule.begin(); schedule.more(w); schedule.next(w)) {
           const BwdKeyBlock<BN, BM> kb = schedule.key_block(p, w);
           const int left = kPersistent ? total - g0 : kb.n_iter;  // tiles from this key block's first on
           reduce_dq_tiles<kHeadDim, Traits::kDqTileBytes, Traits::kConsumers, Traits::kDqPartBytes,
                           sm90::kBwdDqPartFull0, Traits::kDqPartBarrierThreads>(
-              p, kb, kb.n_iter, [sdq](int) { return sdq; },
-              [counts](int, int part, int64_t row) {
-                if (part + 1 == Traits::kDqParts) counts->issued(row);
-              },
+              p, kb, kb.n_iter, [sdq](int) { return sdq; }, [](int, int) {},
               [left](int it, int part) {
                 if (it + 1 < left)
                   sm90::named_barrier_arrive(sm90::kBwdDqPartEmpty0 + part, Traits::kDqPartBarrierThreads);
               });
           g0 += kb.n_iter;
         }
-        if (threadIdx.x == 32) countdown.finish();
-        return;
-      }
-      if (threadIdx.x / 32 == 2) {
-        convert_handed_dq_tiles<T, kHeadDim, Traits::kHandOffSlots, Traits::kDqPartBytes>(
-            p, hand_off, handed_rows, smem.template at<Traits::kConvert, float>(), part_loaded, int(threadIdx.x) % 32);
         return;
       }
     }

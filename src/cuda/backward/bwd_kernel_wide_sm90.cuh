@@ -9,8 +9,7 @@
 //   dV_c += P^T dO_c    dK_c += dS^T Q_c    dQ_c = dS K_c      A from shared memory (dS M-major)
 // dQ_c leaves through the stage's own Q and dO buffers (an fp32 tile is exactly their size): the
 // dQ warp adds the tile to the workspace accumulator with one bulk reduction and only then frees
-// the stage, so the producer reloads it. The block whose addition to a tile lands last hands it to
-// the conversion warp, which writes its dQ (bwd_dq_tiles_sm90.cuh, as in bwd_kernel_sm90.cuh). dK and dV sum over the group in registers and are
+// the stage, so the producer reloads it. dK and dV sum over the group in registers and are
 // written once. Named barriers (pipeline_sm90.cuh): kBwdPdsReady the step's P^T and dS^T
 // written; kBwdDqFull a dQ tile written (consumers arrive, the dQ warp waits); kBwdStepDone both
 // consumers' products of the step done.
@@ -49,18 +48,11 @@ struct BwdWideSm90Traits {
   static constexpr int kCols0 = DqOrder::kPartCols;  // consumer 0's columns; consumer 1 has the rest
   using Stages = BwdStages<QTile, kBlockM, kStages>;
   using Barriers = BwdBarriers<kStages>;
-  // Finished dQ tiles, from the dQ warp to the conversion warp, which converts them in runs of
-  // kConvertBytes (half a consumer's part).
-  static constexpr int kHandOffSlots = 4;
-  using HandOffRing = sm90::StageRing<kHandOffSlots>;
-  static constexpr int kConvertBytes = 16 * 1024;
   // K, V, then per stage: Q, dO (the dQ tile after them), L * log2(e), D (rounded up to 1024
-  // bytes: the swizzle is on address bits); then P^T, dS^T, a run of a finished dQ tile and the
-  // barriers (the stage ring's, the hand-off ring, the run's load, then the hand-off entries).
-  enum Region { kK, kV, kStagesRegion, kP, kDs, kConvert, kBarriers };
+  // bytes: the swizzle is on address bits); then P^T, dS^T and the barriers.
+  enum Region { kK, kV, kStagesRegion, kP, kDs, kBarriers };
   using Smem = sm90::SmemRegions<KVTile::kBytes, KVTile::kBytes, (kStages * Stages::kBytes + 1023) / 1024 * 1024,
-                                 PTile::kBytes, PTile::kBytes, kConvertBytes,
-                                 Barriers::kBytes + HandOffRing::kBarrierBytes + 8 + 8 * kHandOffSlots>;
+                                 PTile::kBytes, PTile::kBytes, Barriers::kBytes>;
   static constexpr int kSmemBytes = Smem::kBytes;
   static constexpr int kConsumerThreads = 128 * kConsumers;
   static constexpr int kDqBarrierThreads = kConsumerThreads + 32;
@@ -92,18 +84,11 @@ __global__ void __launch_bounds__(BwdWideSm90Traits<T, kHeadDim>::kThreads, 1)
   unsigned char* sdS = smem.template at<Traits::kDs>();
   const typename Traits::Barriers bars(smem.template at<Traits::kBarriers, uint64_t>());
   const auto& ring = bars.ring;
-  const typename Traits::HandOffRing hand_off{ring.end()};
-  uint64_t* run_loaded = hand_off.end();
-  int64_t* handed_rows = reinterpret_cast<int64_t*>(run_loaded + 1);
 
   const BwdKeyBlock<BN, BM> kb(p);
   if (kb.k0 >= kb.seq.sk) return;
   const int n_iter = kb.n_iter;
 
-  if (threadIdx.x == 0) {
-    hand_off.init(1, 1);
-    sm90::barrier_init(run_loaded, 1);
-  }
   bars.init(1);  // the dQ warp frees a stage once the stage's dQ tile is read
 
   const Roles roles;
@@ -112,21 +97,9 @@ __global__ void __launch_bounds__(BwdWideSm90Traits<T, kHeadDim>::kThreads, 1)
     if (threadIdx.x / 32 == 1) {
       // The dQ warp: the tile lies over its stage's Q and dO, so the stage is free once the
       // reduction has read it.
-      DqTileCountdown<BM, 1, Traits::kHandOffSlots> countdown{hand_off, handed_rows, p.dq_tiles_left};
-      DqTileCountdown<BM, 1, Traits::kHandOffSlots>* counts = &countdown;
       reduce_dq_tiles<kHeadDim, 2 * QTile::kBytes, 1, 2 * QTile::kBytes, sm90::kBwdDqFull, Traits::kDqBarrierThreads>(
           p, kb, n_iter, [stages](int it) { return reinterpret_cast<const float*>(stages.q(it % kStages)); },
-          [ring, counts](int it, int, int64_t row) {
-            ring.release(it);
-            counts->issued(row);
-          },
-          [](int, int) {});
-      if (threadIdx.x == 32) countdown.finish();
-      return;
-    }
-    if (threadIdx.x / 32 == 2) {
-      convert_handed_dq_tiles<T, kHeadDim, Traits::kHandOffSlots, Traits::kConvertBytes>(
-          p, hand_off, handed_rows, smem.template at<Traits::kConvert, float>(), run_loaded, int(threadIdx.x) % 32);
+          [ring](int it, int) { ring.release(it); }, [](int, int) {});
       return;
     }
     if (threadIdx.x == 0 && n_iter > 0) load_key_block<KVTile>(params, kb, sK, sV, stages, bars);

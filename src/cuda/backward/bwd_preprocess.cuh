@@ -2,9 +2,7 @@
 // The two light kernels around the main backward pass:
 //  - preprocess: D = rowsum(O * dO) (16-bit, and fp32 with given_stats; otherwise fp32's D comes
 //    from bwd_row_stats.cuh) and L * log2(e) (fp32: L) per query row, into the workspace,
-//    and the row's fp32 dQ accumulator (when dQ is summed by atomics) zeroed; for the Hopper
-//    backward that converts dQ itself, each query tile's count of key blocks to add into it,
-//    and dQ = 0 on the rows of tiles that none adds into (no block converts those);
+//    and the row's fp32 dQ accumulator (when dQ is summed by atomics) zeroed;
 //  - convert: the fp32 dQ accumulator, scaled, into dQ in the problem's dtype and strides.
 // One warp per query row, or for 16-bit O and dO that take 16-byte loads (vec_io) a few lanes per
 // row (launch_preprocess); rows past a sequence's end are workspace padding. Both kernels move
@@ -60,18 +58,6 @@ __device__ __forceinline__ void store_row_stats(const BwdParams& p, const SeqInf
   p.dsum[w] = acc;
 }
 
-// How many key blocks add into query tile t of sequence b (dq_tile_rows > 0).
-__device__ __forceinline__ int tile_key_blocks(const BwdParams& p, const SeqInfo& s, int t) {
-  return query_tile_key_blocks(seq_mask(p, s), t, p.dq_tile_keys, p.dq_tile_rows);
-}
-
-// dQ = 0 on row i of (b, h), elements c0, c0 + step, ...: a row whose tile no key block adds into.
-template <class T>
-__device__ __forceinline__ void zero_dq_row(const BwdParams& p, int b, int h, int i, int c0, int step) {
-  T* dq = query_row<T>(p, p.dq, b, h, i);
-  for (int c = c0; c < p.headdim_qk; c += step) dq[c] = from_float<T>(0.0f);
-}
-
 // Any dtype and layout: one warp per workspace row.
 template <class T>
 __global__ void __launch_bounds__(kRowKernelThreads) preprocess_kernel(const BwdParams p) {
@@ -85,11 +71,6 @@ __global__ void __launch_bounds__(kRowKernelThreads) preprocess_kernel(const Bwd
   if (p.dq_accum != nullptr) {
     float4* a = reinterpret_cast<float4*>(p.dq_accum + w * p.dq_accum_dim);
     for (int c = lane; c < p.dq_accum_dim / 4; c += 32) a[c] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  }
-  if (p.dq_tile_rows > 0) {
-    const int n = tile_key_blocks(p, s, i / p.dq_tile_rows);
-    if (lane == 0 && i % p.dq_tile_rows == 0) p.dq_tiles_left[w / p.dq_tile_rows] = n;
-    if (n == 0 && i < s.sq) zero_dq_row<T>(p, b, h, i, lane, 32);
   }
   float acc = 0.0f;
   if (i < s.sq) {
@@ -157,23 +138,6 @@ __global__ void __launch_bounds__(kRowKernelThreads) preprocess_vec_kernel(const
     float4* a = reinterpret_cast<float4*>(p.dq_accum + first * p.dq_accum_dim);
     for (int x = threadIdx.x; x < Rows::kBlock * p.dq_accum_dim / 4; x += kRowKernelThreads)
       a[x] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  }
-  if (p.dq_tile_rows > 0) {
-    // The block's rows meet at most two tiles (kBlock <= 128, tiles of 64 or 128 rows); the block
-    // holding a tile's first row sets its count.
-    __shared__ int tile_blocks[2];
-    const int rows = p.dq_tile_rows, ib = int(first % p.seqlen_q_rounded), t0 = ib / rows;
-    const int x = int(threadIdx.x);
-    if (x < 2 && (t0 + x) * rows < ib + Rows::kBlock) {
-      tile_blocks[x] = tile_key_blocks(p, s, t0 + x);
-      if ((t0 + x) * rows >= ib) p.dq_tiles_left[first / rows + x] = tile_blocks[x];
-    }
-    __syncthreads();
-#pragma unroll
-    for (int r = 0; r < kR; ++r) {
-      const int i = i0 + r * Rows::kPass;
-      if (i < s.sq && tile_blocks[i / rows - t0] == 0) zero_dq_row<T>(p, b, h, i, sub, kRowLanes);
-    }
   }
 #pragma unroll
   for (int r = 0; r < kR; ++r) {

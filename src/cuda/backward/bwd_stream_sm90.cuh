@@ -36,7 +36,7 @@ struct BwdKeyBlock {
   __device__ __forceinline__ BwdKeyBlock(const bwd::BwdParams& p, int block, int b_, int hk_)
       : seq(bwd::seq_info(p, b_)), mask(bwd::seq_mask(p, seq)), b(b_), hk(hk_), group(p.group), k0(block * kBlockN) {
     k1 = min(k0 + kBlockN, seq.sk);
-    queries = bwd::key_block_queries(mask, block, kBlockN, kBlockM);
+    queries = bwd::tile_span(mask.tile_begin_query(k0), mask.tile_end_query(k1), kBlockM);
     n_iter = queries.count * group;
   }
   __device__ __forceinline__ int head(int it) const { return hk * group + it / queries.count; }
@@ -139,9 +139,9 @@ __device__ __forceinline__ void load_key_block(const BwdSm90Params& params, cons
 // the consumers write on their own (named barrier kFullBarrier0 + part, kBarrierThreads taking
 // part), each added to its place in the workspace accumulator with one bulk reduction as soon as
 // it is written (a tile's order keeps each part one run there too; rows past the sequence land in
-// workspace padding). tile(it) is where step it's tile lies; read(it, part, row) runs on the
-// warp's first thread (block thread 32) once the reduction has read the part (row: the tile's
-// first workspace row), done(it, part) on the whole warp after that. Callers' lambdas capture by value: captured by reference, they changed the
+// workspace padding). tile(it) is where step it's tile lies; read(it, part) runs on the warp's
+// first thread (block thread 32) once the reduction has read the part, done(it, part) on the whole
+// warp after that. Callers' lambdas capture by value: captured by reference, they changed the
 // consumers' code before the loop (fused kernel) and throughout (wide kernel; SASS).
 template <int kHeadDim, int kTileBytes, int kParts, int kPartBytes, int kFullBarrier0, int kBarrierThreads,
           int kBlockN, int kBlockM, class Tile, class Read, class Done>
@@ -154,12 +154,12 @@ __device__ __forceinline__ void reduce_dq_tiles(const bwd::BwdParams& p, const B
       constexpr int kLast = kTileBytes - (kParts - 1) * kPartBytes;
       sm90::named_barrier_sync(kFullBarrier0 + part, kBarrierThreads);
       if (threadIdx.x == 32) {
-        const int64_t row = bwd::ws_row(p, kb.b, kb.head(it)) + kb.q0(it);
-        sm90::bulk_reduce_add(p.dq_accum + row * kHeadDim + part * (kPartBytes / 4), tile(it) + part * (kPartBytes / 4),
+        const int64_t at = (bwd::ws_row(p, kb.b, kb.head(it)) + kb.q0(it)) * kHeadDim + part * (kPartBytes / 4);
+        sm90::bulk_reduce_add(p.dq_accum + at, tile(it) + part * (kPartBytes / 4),
                               part + 1 < kParts ? kPartBytes : kLast);
         sm90::bulk_commit();
         sm90::bulk_wait_read();
-        read(it, part, row);
+        read(it, part);
       }
       __syncwarp();
       done(it, part);

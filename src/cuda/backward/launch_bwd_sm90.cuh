@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
-#include <type_traits>
 
 #include "cuda/common/check.cuh"
 #include "cuda/common/runtime_cache.hpp"
@@ -99,17 +98,9 @@ void launch_main_sm90(const BwdSm90Params& params, cudaStream_t stream) {
 }  // namespace detail
 
 template <class T, int kHeadDim>
-void BwdSm90<T, kHeadDim>::run(const BwdSm90Params& given, cudaStream_t stream) {
-  if (!bwd_sm90_has_work(given.bwd)) return;
-  BwdSm90Params params = given;
-  bwd::BwdParams& p = params.bwd;
-  // The backward turns its summed dQ tiles into dQ itself, counting each tile's key blocks down
-  // from what the preprocess sets.
-  if (p.dq_accum != nullptr) {
-    using Traits = std::conditional_t<(kHeadDim > 128), BwdWideSm90Traits<T, kHeadDim>, BwdSm90Traits<T, kHeadDim, true>>;
-    p.dq_tile_rows = Traits::kBlockM;
-    p.dq_tile_keys = Traits::kBlockN;
-  }
+void BwdSm90<T, kHeadDim>::run(const BwdSm90Params& params, cudaStream_t stream) {
+  const bwd::BwdParams& p = params.bwd;
+  if (!bwd_sm90_has_work(p)) return;
 
   bwd::launch_preprocess<T>(p, stream);
   TA_CUDA_CHECK_LAUNCH("backward preprocess");
@@ -117,6 +108,9 @@ void BwdSm90<T, kHeadDim>::run(const BwdSm90Params& given, cudaStream_t stream) 
 
   if (p.mod.has_alibi()) detail::launch_main_sm90<T, kHeadDim, true>(params, stream);
   else detail::launch_main_sm90<T, kHeadDim, false>(params, stream);
+  if (p.dq_accum == nullptr) return;  // dQ had its own pass
+  launch_convert_dq_tiles_sm90<T, kHeadDim>(p, stream);
+  TA_CUDA_CHECK_LAUNCH("backward dQ convert");
 }
 
 }  // namespace tileattn::cuda

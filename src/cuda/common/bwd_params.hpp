@@ -7,7 +7,6 @@
 #include "common/philox.hpp"
 #include "common/score_mod.hpp"
 #include "common/varlen.hpp"
-#include "cuda/common/query_tiles.hpp"
 #include "tileattn/problem.hpp"
 
 namespace tileattn::cuda::bwd {
@@ -62,12 +61,6 @@ struct BwdParams {
   float* row_sum;   // fp32 only: sum of exp(score - row max); 1 where P = 0; null otherwise
   float* dsum;      // D = rowsum(O * dO); 0 for padding
   float* dq_accum;  // fp32 dQ / scale, summed by atomics; null when dQ has its own pass
-  // The Hopper backward's in-kernel dQ conversion (bwd_kernel_sm90.cuh): one count per query tile
-  // of dq_tile_rows workspace rows, the key blocks of dq_tile_keys keys yet to add into it, set
-  // by the preprocess (bwd_preprocess.cuh). dq_tile_rows 0: no counts; a kernel of its own
-  // converts the accumulator.
-  int* dq_tiles_left;
-  int dq_tile_rows, dq_tile_keys;
 };
 
 struct SeqInfo {
@@ -125,6 +118,15 @@ __device__ __forceinline__ Mask seq_mask(const BwdParams& p, const SeqInfo& s) {
   return Mask{s.sq, s.sk, p.window_left, p.window_right};
 }
 
+// The tiles of `width` rows that cover [begin, end): the first one's index and how many
+// (none when the mask leaves the range empty).
+struct TileSpan {
+  int first, count;
+};
+__device__ __forceinline__ TileSpan tile_span(int begin, int end, int width) {
+  const int first = begin / width;
+  return {first, end > begin ? (end + width - 1) / width - first : 0};
+}
 #endif
 
 }  // namespace tileattn::cuda::bwd
