@@ -302,9 +302,10 @@ inline float dot_chunked(const float* x, const float* y, int64_t k) {
 }
 
 // C = A B (overwrites the m x n block of C; the same values as zeroing C, then gemm_accumulate).
+// It and gemm_accumulate run the build target's lanes or AVX-512's, one instance per process
+// (gemm_kernels.hpp).
 void gemm(const float* a, int64_t a_row, int64_t a_col, const float* b, int64_t ldb, float* c, int64_t ldc,
           int64_t m, int64_t n, int64_t k);
-// Both run the target's lanes or AVX-512's, one per process (gemm_kernels.hpp).
 
 // x rounded to an integer, ties either way (exp2_lanes needs only |x - result| <= 1/2): one
 // instruction with SSE 4.1 or AVX; else floor(x + 1/2) from conversions, which truncate toward zero.
