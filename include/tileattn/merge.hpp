@@ -8,8 +8,9 @@
 //     L = log(exp(L_a) + exp(L_b)),   O = exp(L_a - L) O_a + exp(L_b - L) O_b,
 // which merge_attention() writes in place into (O_a, L_a). A side whose L is -inf (its keys are
 // all masked for that row, or it holds no keys yet) contributes nothing, whatever its O holds: an
-// accumulator may start with L = -inf and O uninitialised. When both sides are -inf, O = 0 and
-// L = -inf, as a row that sees no key is everywhere in tileattn. The arithmetic is fp32.
+// accumulator may start with L = -inf and O uninitialised. +inf is such a side too (flash-attn's
+// mark of a row without keys, which tileattn's flash-attn entries return). When both sides are
+// empty, O = 0 and L = -inf, as forward() writes a row that sees no key. The arithmetic is fp32.
 #include <cstdint>
 
 #include "tileattn/error.hpp"

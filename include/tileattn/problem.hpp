@@ -28,6 +28,9 @@ struct TensorView {
   int64_t head_stride = 0;
 };
 
+// The largest headdim_qk and headdim_v any backend takes.
+inline constexpr int64_t kMaxHeadDim = 256;
+
 struct AttentionProblem {
   // ---- sizes ----------------------------------------------------------------------------
   int64_t batch = 0;      // sequences in the batch (varlen: cu_seqlens have batch + 1 entries)
@@ -35,8 +38,8 @@ struct AttentionProblem {
   int64_t seqlen_k = 0;
   int64_t heads_q = 0;
   int64_t heads_kv = 0;   // GQA/MQA: heads_q % heads_kv == 0; query head h reads kv head h / (heads_q / heads_kv)
-  int64_t headdim_qk = 0; // 1..256
-  int64_t headdim_v = 0;  // 1..256; may differ from headdim_qk
+  int64_t headdim_qk = 0; // 1..kMaxHeadDim
+  int64_t headdim_v = 0;  // 1..kMaxHeadDim; may differ from headdim_qk
   DType dtype = DType::f16;  // of Q, K, V, O, dO, dQ, dK, dV alike; L is always fp32
 
   // ---- tensors --------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 // tileattn._ext: the binding layer for any DLPack producer. Tensors arrive through DLPack
 // (nb::ndarray), so the module never links libtorch. Its checks are tensor_args.hpp's, shared with
 // the PyTorch operator library (torch_ops.cpp); every other rule is the library's
-// (src/host/validate.cpp). tileattn::Error becomes ValueError / TypeError / NotImplementedError /
-// RuntimeError by its kind.
+// (src/host/validate.cpp). tileattn::Error becomes tileattn.errors' InvalidArgumentError or
+// InvalidTypeError, NotImplementedError or RuntimeError by its kind.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
@@ -15,12 +15,14 @@
 #include <vector>
 
 #include "common/philox.hpp"
+#include "error_classes.hpp"
 #include "tensor_args.hpp"
 #include "tileattn/tileattn.hpp"
 
 namespace nb = nanobind;
 using tileattn::Error;
 using tileattn::ErrorKind;
+using tileattn::python::error_class;
 using namespace tileattn::bind;
 
 namespace {
@@ -171,8 +173,8 @@ NB_MODULE(_ext, m) {
     } catch (const Error& err) {
       PyObject* type = PyExc_RuntimeError;
       switch (err.kind()) {
-        case ErrorKind::invalid_argument: type = PyExc_ValueError; break;
-        case ErrorKind::invalid_type: type = PyExc_TypeError; break;
+        case ErrorKind::invalid_argument: type = error_class("InvalidArgumentError", PyExc_ValueError); break;
+        case ErrorKind::invalid_type: type = error_class("InvalidTypeError", PyExc_TypeError); break;
         case ErrorKind::unsupported: type = PyExc_NotImplementedError; break;
         case ErrorKind::device: type = PyExc_RuntimeError; break;
       }
@@ -262,6 +264,7 @@ NB_MODULE(_ext, m) {
         nb::arg("d3"));
   m.def("cuda_available", &tileattn::cuda_available);
   m.def("version", &tileattn::version);
+  m.attr("max_headdim") = tileattn::kMaxHeadDim;
 #ifdef TILEATTN_WITH_CUDA
   m.attr("built_with_cuda") = true;
 #else

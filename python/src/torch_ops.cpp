@@ -13,16 +13,21 @@
 #include <ATen/ops/zeros_like.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
+#include <numeric>
+#include <vector>
 #include <optional>
 #include <tuple>
 
+#include "error_classes.hpp"
 #include "tensor_args.hpp"
 #include "tileattn/tileattn.hpp"
 
@@ -86,6 +91,17 @@ TensorRef tensor_ref(const Tensor& t) {
 }
 OptRef tensor_ref(const OptTensor& t) { return t && t->defined() ? OptRef(tensor_ref(*t)) : std::nullopt; }
 
+// A refused call as tileattn.errors' class. torch's bindings (torch.ops, the autograd engine) raise
+// a PyTorchError as its python_type(), so the class survives the dispatcher; c10::ValueError would
+// arrive as a plain ValueError.
+struct Refusal : torch::PyTorchError {
+  Refusal(const char* name, PyObject* fallback, std::string message)
+      : PyTorchError(std::move(message)), name(name), fallback(fallback) {}
+  PyObject* python_type() override { return tileattn::python::error_class(name, fallback); }
+  const char* name;
+  PyObject* fallback;
+};
+
 // tileattn::Error as the Python exception the same rule raises through tileattn._ext.
 template <typename F>
 auto translate_errors(F&& f) {
@@ -93,8 +109,8 @@ auto translate_errors(F&& f) {
     return f();
   } catch (const tileattn::Error& e) {
     switch (e.kind()) {
-      case tileattn::ErrorKind::invalid_argument: C10_THROW_ERROR(ValueError, e.what());
-      case tileattn::ErrorKind::invalid_type: C10_THROW_ERROR(TypeError, e.what());
+      case tileattn::ErrorKind::invalid_argument: throw Refusal("InvalidArgumentError", PyExc_ValueError, e.what());
+      case tileattn::ErrorKind::invalid_type: throw Refusal("InvalidTypeError", PyExc_TypeError, e.what());
       case tileattn::ErrorKind::unsupported: C10_THROW_ERROR(NotImplementedError, e.what());
       default: C10_THROW_ERROR(Error, e.what());
     }
@@ -156,6 +172,29 @@ void plan_and_run(tileattn::AttentionProblem p, const Tensor& q, bool backward) 
   plan.run(bytes ? workspace.data_ptr() : nullptr, bytes);
 }
 
+// A tensor shaped as `like` but for its last dimension (`last`), laid out as `like` is: its other
+// dimensions in the order of their strides (flash-attn allocates with empty_like, and PyTorch's
+// SDPA returns the query's layout), the last one contiguous. Where `like` is expanded (a stride 0)
+// or the order is the usual one, the plain contiguous tensor (_ops.py's _empty_like, the same rule).
+Tensor empty_like_layout(const Tensor& like, int64_t last) {
+  const int64_t n = like.dim();
+  std::vector<int64_t> order(n);
+  std::iota(order.begin(), order.end(), 0);
+  bool expanded = false;
+  for (int64_t d = 0; d + 1 < n; ++d) expanded |= like.stride(d) == 0;
+  std::stable_sort(order.begin(), order.end() - 1,
+                   [&](int64_t a, int64_t b) { return like.stride(a) > like.stride(b); });
+  auto sizes = like.sizes().vec();
+  sizes.back() = last;
+  if (expanded || std::is_sorted(order.begin(), order.end())) return at::empty(sizes, like.options());
+  std::vector<int64_t> permuted(n), inverse(n);
+  for (int64_t d = 0; d < n; ++d) {
+    permuted[d] = sizes[order[d]];
+    inverse[order[d]] = d;
+  }
+  return at::empty(permuted, like.options()).permute(inverse);
+}
+
 // flash-attn's Python entries (maybe_contiguous) and PyTorch's SDPA take operands of any strides;
 // the library reads rows, so an operand whose last dimension is not contiguous is copied once.
 Tensor rows_contiguous(const Tensor& t) { return t.dim() > 0 && t.size(-1) > 1 && t.stride(-1) != 1 ? t.contiguous() : t; }
@@ -172,9 +211,7 @@ std::tuple<Tensor, Tensor> attention_forward(const Tensor& q_arg, const Tensor& 
     const Tensor q = rows_contiguous(q_arg), k = rows_contiguous(k_arg), v = rows_contiguous(v_arg);
     const bool varlen = cu_seqlens_q.has_value();
     check_inputs(tensor_ref(q), tensor_ref(k), tensor_ref(v), varlen);
-    auto out_shape = q.sizes().vec();
-    out_shape.back() = v.size(-1);
-    Tensor out = at::empty(out_shape, q.options());
+    Tensor out = empty_like_layout(q, v.size(-1));
     Tensor lse = varlen ? at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat))
                         : at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
     const AttentionTensors t = tensors_of(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_rng);
@@ -196,9 +233,9 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(
     check_inputs(tensor_ref(q), tensor_ref(k), tensor_ref(v), cu_seqlens_q.has_value());
     // dout comes from whatever follows attention (the gradient of a sum is an expanded tensor).
     const Tensor dout = rows_contiguous(dout_arg);
-    Tensor dq = at::empty(q.sizes(), q.options());
-    Tensor dk = at::empty(k.sizes(), k.options());
-    Tensor dv = at::empty(v.sizes(), v.options());
+    Tensor dq = empty_like_layout(q, q.size(-1));
+    Tensor dk = empty_like_layout(k, k.size(-1));
+    Tensor dv = empty_like_layout(v, v.size(-1));
     AttentionTensors t = tensors_of(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_rng);
     t.dout = tensor_ref(dout);
     t.dq = tensor_ref(dq);
@@ -232,9 +269,8 @@ std::tuple<Tensor, Tensor> cache_forward(const Tensor& q_arg, const Tensor& k, c
     const OptTensor k_new = rows_contiguous(k_new_arg), v_new = rows_contiguous(v_new_arg);
     const bool varlen = cu_seqlens_q.has_value();
     check_rank(tensor_ref(q), "q", varlen ? 3 : 4, varlen ? kVarlenDims : kFixedDims);
-    auto out_shape = q.sizes().vec();
-    out_shape.back() = v.dim() > 0 ? v.size(-1) : 0;  // a v of the wrong rank is named by attention_problem
-    Tensor out = at::empty(out_shape, q.options());
+    // A v of the wrong rank is named by attention_problem.
+    Tensor out = empty_like_layout(q, v.dim() > 0 ? v.size(-1) : 0);
     Tensor lse = varlen ? at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat))
                         : at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
     AttentionTensors t = tensors_of(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, std::nullopt);
@@ -445,15 +481,13 @@ TORCH_LIBRARY_IMPL(tileattn, Autograd, m) {
 namespace py = pybind11;
 
 PYBIND11_MODULE(_torch_ops, m) {
-  // The errors the kernels raise (translate_errors) as the Python exceptions torch's own bindings
-  // give for them; this module's pybind11 may not share torch's translators.
-  py::register_exception_translator([](std::exception_ptr e) {
+  // The errors the kernels raise (translate_errors) as the Python exceptions tileattn._ext gives
+  // for the same rules. Local: torch's own functions keep torch's translation.
+  py::register_local_exception_translator([](std::exception_ptr e) {
     try {
       if (e) std::rethrow_exception(e);
-    } catch (const c10::ValueError& err) {
-      PyErr_SetString(PyExc_ValueError, err.what_without_backtrace());
-    } catch (const c10::TypeError& err) {
-      PyErr_SetString(PyExc_TypeError, err.what_without_backtrace());
+    } catch (torch::PyTorchError& err) {
+      PyErr_SetString(err.python_type(), err.what());
     } catch (const c10::NotImplementedError& err) {
       PyErr_SetString(PyExc_NotImplementedError, err.what_without_backtrace());
     } catch (const c10::Error& err) {

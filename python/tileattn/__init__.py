@@ -10,6 +10,8 @@
 - ``softmax_matmul``: softmax(x, dim=-1) @ v without materialising softmax(x).
 - ``merge_attention``: merges two partial results (out, lse) over disjoint keys, in place;
   ``tileattn.distributed`` builds context-parallel attention on it.
+- ``InvalidArgumentError`` / ``InvalidTypeError``: what a refused call raises (ValueError /
+  TypeError, and RuntimeError as flash-attn's and SDPA's checks).
 - ``FlashAttentionFunction``: (batch, seqlen, headdim) autograd function on the kernels;
   ``tileattn.reference.FlashAttentionPytorch`` is its readable pure-PyTorch counterpart.
 
@@ -25,6 +27,7 @@ from .functional import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_q
 from .kvcache import flash_attn_with_kvcache
 from . import reference
 from ._ops import check_cu_seqlens
+from .errors import InvalidArgumentError, InvalidTypeError
 from .distributed.merge import merge_attention
 
 __version__ = _ext.version()
@@ -42,6 +45,8 @@ def cuda_available() -> bool:
 
 __all__ = [
     "FlashAttentionFunction",
+    "InvalidArgumentError",
+    "InvalidTypeError",
     "attention_backward_flops",
     "attention_forward_flops",
     "check_cu_seqlens",

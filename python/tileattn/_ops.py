@@ -29,6 +29,7 @@ import torch.autograd.forward_ad as _forward_ad
 import torch.utils.dlpack
 from torch import Tensor
 
+from .errors import InvalidArgumentError, InvalidTypeError
 from . import _ext
 
 
@@ -71,7 +72,7 @@ def _capsule(t: Tensor):
 
 def _check_device(t: Tensor, name: str) -> None:
     if t.device.type not in _SUPPORTED_DEVICES:
-        raise ValueError(f"{name} is on {t.device}; tileattn runs on cpu and cuda tensors")
+        raise InvalidArgumentError(f"{name} is on {t.device}; tileattn runs on cpu and cuda tensors")
 
 
 # torch.cuda.current_stream() and torch.cuda.device() build Python objects on every call (about
@@ -110,7 +111,7 @@ def check_cu_seqlens(enabled: bool = True) -> None:
     being captured the check is skipped.
     """
     if not isinstance(enabled, (bool, int)):  # bool("no") would switch it on
-        raise TypeError(f"enabled={enabled!r} must be a bool")
+        raise InvalidTypeError(f"enabled={enabled!r} must be a bool")
     _checks["cu_seqlens"] = bool(enabled)
     if _torch_ops is not None:
         _torch_ops.set_check_cu_seqlens(bool(enabled))
@@ -143,8 +144,21 @@ def _lse_shape(q: Tensor, varlen: bool) -> tuple:
     return (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
 
 
-def _out_shape(q: Tensor, v: Tensor) -> tuple:
-    return (*q.shape[:-1], v.shape[-1])
+def _empty_like(like: Tensor, last: int, dtype: Optional[torch.dtype] = None) -> Tensor:
+    """A tensor shaped as ``like`` but for its last dimension, laid out as ``like`` is: the other
+    dimensions in the order of their strides (flash-attn allocates with empty_like, and PyTorch's
+    SDPA returns the query's layout), the last one contiguous; plain contiguous where ``like`` is
+    expanded or in the usual order. torch_ops.cpp's empty_like_layout, the same rule (the fake
+    kernels use this one for both)."""
+    strides = like.stride()[:-1]
+    shape = (*like.shape[:-1], last)
+    dtype = like.dtype if dtype is None else dtype
+    order = sorted(range(len(strides)), key=lambda d: -strides[d])  # stable: ties keep their order
+    if 0 in strides or order == sorted(order):
+        return like.new_empty(shape, dtype=dtype)
+    order.append(len(strides))
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    return like.new_empty([shape[d] for d in order], dtype=dtype).permute(inverse)
 
 
 def _check_same_device(named: dict) -> None:
@@ -153,14 +167,14 @@ def _check_same_device(named: dict) -> None:
     first_name, first = tensors[0]
     for name, t in tensors[1:]:
         if t.device != first.device:
-            raise ValueError(f"{name} is on {t.device} but {first_name} is on {first.device}; "
-                             "all tensors must share one device")
+            raise InvalidArgumentError(f"{name} is on {t.device} but {first_name} is on {first.device}; "
+                                       "all tensors must share one device")
 
 
 def _check_rank(t: Tensor, name: str, rank: int, dims: str) -> None:
     # Ranks are checked before outputs are shaped from them; the extension checks the rest.
     if t.dim() != rank:
-        raise ValueError(f"{name} must have {rank} dimensions {dims}, got shape {tuple(t.shape)}")
+        raise InvalidArgumentError(f"{name} must have {rank} dimensions {dims}, got shape {tuple(t.shape)}")
 
 
 def _check_attention_ranks(q: Tensor, k: Tensor, v: Tensor, varlen: bool) -> None:
@@ -278,13 +292,12 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor
     try:
         dtype, device = q.dtype, q.device
         # Sizes as separate arguments: torch.empty parses them faster than a tuple.
+        out = _empty_like(q, v.shape[-1])
         if cu_seqlens_q is None:
             batch, seqlen, heads, _ = q.shape
-            out = torch.empty(batch, seqlen, heads, v.shape[-1], dtype=dtype, device=device)
             lse = torch.empty(batch, heads, seqlen, dtype=torch.float32, device=device)
         else:
             total, heads, _ = q.shape
-            out = torch.empty(total, heads, v.shape[-1], dtype=dtype, device=device)
             lse = torch.empty(heads, total, dtype=torch.float32, device=device)
         options = _call_options(q, cuda, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
                                 window_right, softcap, deterministic, dropout_p)
@@ -314,7 +327,7 @@ def _checked_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     _check_device(q, "q")
     varlen = cu_seqlens_q is not None
     _check_attention_ranks(q, k, v, varlen)
-    out = torch.empty(_out_shape(q, v), dtype=q.dtype, device=q.device)
+    out = _empty_like(q, v.shape[-1])
     lse = torch.empty(_lse_shape(q, varlen), dtype=torch.float32, device=q.device)
     call = _attention(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                       causal, window_left, window_right, softcap, deterministic, alibi_slopes=alibi_slopes,
@@ -363,7 +376,7 @@ def _cache_forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     _check_rank(q, "q", 3 if varlen else 4, "(total_tokens, heads, headdim)" if varlen else
                 "(batch, seqlen, heads, headdim)")
     q, k_new, v_new = _rows_contiguous(q), _rows_contiguous(k_new), _rows_contiguous(v_new)  # not the caches
-    out = torch.empty(_out_shape(q, v), dtype=q.dtype, device=q.device)
+    out = _empty_like(q, v.shape[-1])
     lse = torch.empty(_lse_shape(q, varlen), dtype=torch.float32, device=q.device)
     options = _options(max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, False,
                        _fp32_fast(q), _num_threads(q.device), _checks["cu_seqlens"], num_splits,
@@ -409,7 +422,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_s
     _check_same_device(dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                             alibi_slopes=alibi_slopes, dropout_rng=dropout_rng))
     _check_attention_ranks(q, k, v, varlen)
-    out = q.new_empty(_out_shape(q, v))
+    out = _empty_like(_rows_contiguous(q), v.shape[-1])  # as the operator's copy of a strided last dimension
     lse = q.new_empty(_lse_shape(q, varlen), dtype=torch.float32)
     return out, lse
 
@@ -428,9 +441,7 @@ def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     try:
         dout = _rows_contiguous(dout)  # as the checked path: the gradient of a sum is an expanded tensor
         dtype, device = q.dtype, q.device
-        dq = torch.empty(*q.shape, dtype=dtype, device=device)
-        dk = torch.empty(*k.shape, dtype=dtype, device=device)
-        dv = torch.empty(*v.shape, dtype=dtype, device=device)
+        dq, dk, dv = (_empty_like(t, t.shape[-1], dtype) for t in (q, k, v))
         options = _call_options(q, cuda, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
                                 window_right, softcap, deterministic, dropout_p, partial_keys)
         call = _ext.Attention(_to_dlpack(q), _to_dlpack(k), _to_dlpack(v), _to_dlpack(out), _to_dlpack(lse),
@@ -456,9 +467,7 @@ def _checked_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_s
     _check_device(dout, "dout")
     _check_attention_ranks(q, k, v, cu_seqlens_q is not None)
     dout = _rows_contiguous(dout)  # it comes from whatever follows attention
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    dq, dk, dv = (_empty_like(t, t.shape[-1]) for t in (q, k, v))
     call = _attention(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                       causal, window_left, window_right, softcap, deterministic, grads=(dout, dq, dk, dv),
                       alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_rng=dropout_rng,
@@ -481,7 +490,9 @@ def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
       window_left, window_right, softcap, deterministic, alibi_slopes=None, dropout_p=0.0, dropout_rng=None):
     _check_same_device(dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, alibi_slopes=alibi_slopes,
                             dropout_rng=dropout_rng))
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    # The operator's rows_contiguous copy of an operand whose last dimension is strided is contiguous.
+    q, k, v = _rows_contiguous(q), _rows_contiguous(k), _rows_contiguous(v)
+    return _empty_like(q, q.shape[-1]), _empty_like(k, k.shape[-1]), _empty_like(v, v.shape[-1])
 
 
 _define("cache_forward",
@@ -496,7 +507,8 @@ _define("cache_forward",
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, *options, **kwargs):
     varlen = cu_seqlens_q is not None
     _check_same_device(dict(q=q, k=k, v=v))
-    return q.new_empty(_out_shape(q, v)), q.new_empty(_lse_shape(q, varlen), dtype=torch.float32)
+    q = _rows_contiguous(q)
+    return _empty_like(q, v.shape[-1]), q.new_empty(_lse_shape(q, varlen), dtype=torch.float32)
 
 
 # attention_backward has no derivative of its own. Where a graph could differentiate its gradients

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .errors import InvalidArgumentError
 from . import _ops  # noqa: F401  (registers torch.ops.tileattn.*)
 from .functional import top_left_causal
 
@@ -19,7 +20,8 @@ __all__ = ["FlashAttentionFunction"]
 
 def _check_3d(t: Tensor, name: str) -> None:
     if t.dim() != 3:
-        raise ValueError(f"{name} must have 3 dimensions (batch, seqlen, headdim), got shape {tuple(t.shape)}")
+        raise InvalidArgumentError(
+            f"{name} must have 3 dimensions (batch, seqlen, headdim), got shape {tuple(t.shape)}")
 
 
 def _mask(Q: Tensor, K: Tensor, is_causal: bool) -> tuple[bool, int, int]:

@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import _ops
+from .errors import InvalidArgumentError, InvalidTypeError
+from . import _ext, _ops
 
 __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
            "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "scaled_dot_product_attention",
@@ -42,7 +43,7 @@ def _dropout(dropout_p: float) -> float:
         return dropout_p
     p = float(dropout_p)
     if not 0.0 <= p <= 1.0:  # NaN fails too
-        raise ValueError(f"dropout_p={dropout_p!r} must be in [0, 1]")
+        raise InvalidArgumentError(f"dropout_p={dropout_p!r} must be in [0, 1]")
     # The library takes float32: a p just below 1 must not round up to it.
     return p if p == 1.0 else min(p, _BELOW_ONE)
 
@@ -79,17 +80,36 @@ def _float32(value, name: str) -> float:
         # recompile per value, or a graph break); the library checks it when the graph runs.
         return value
     x = float(value)
-    if x == 0.0:
-        return x
     if math.isfinite(x) and abs(x) > _FLOAT32_MAX:
-        raise ValueError(f"{name}={value!r} is outside float32's range (|{name}| <= {_FLOAT32_MAX:.7g})")
-    if x != 0.0 and struct.unpack("f", struct.pack("f", x))[0] == 0.0:
-        raise ValueError(f"{name}={value!r} rounds to 0 in float32")
-    return x
+        raise InvalidArgumentError(f"{name}={value!r} is outside float32's range (|{name}| <= {_FLOAT32_MAX:.7g})")
+    # Below float32's range a value is 0 there, as in flash-attn's float parameters.
+    return x if x == 0.0 or struct.unpack("f", struct.pack("f", x))[0] != 0.0 else math.copysign(0.0, x)
 
 
-def _scale(scale: Optional[float], name: str) -> Optional[float]:
-    return None if scale is None else _float32(scale, name)
+def _scaled_query(q: Tensor, scale: Optional[float], name: str) -> tuple[Tensor, Optional[float]]:
+    """(q, scale) with a scale the kernels take: they track each row's max of the raw products,
+    which needs scale > 0, so a negative scale flips q's sign instead (exact) and 0 zeroes q (every
+    visible key gets the same weight, as in flash-attn and PyTorch)."""
+    if scale is None:
+        return q, None
+    scale = _float32(scale, name)
+    if not torch.compiler.is_compiling() and not math.isfinite(scale):
+        raise InvalidArgumentError(f"{name}={scale} must be finite")
+    if scale > 0.0:
+        return q, scale
+    return (-q, -scale) if scale < 0.0 else (q * 0.0, 1.0)
+
+
+def _softcap(softcap) -> float:
+    # flash-attn soft-caps only where softcap > 0: any other value is "off".
+    cap = _float32(softcap, "softcap")
+    return cap if cap > 0.0 else 0.0
+
+
+def _flash_attn_lse(lse: Tensor) -> Tensor:
+    """softmax_lse as flash-attn returns it: +inf on a row that sees no key (its kernels' mark, so
+    that exp(score - lse) is 0 there), where the library writes log(0) = -inf."""
+    return torch.nan_to_num(lse, nan=math.nan, posinf=math.inf, neginf=math.inf)
 
 
 def _int64(value, name: str) -> int:
@@ -98,9 +118,9 @@ def _int64(value, name: str) -> int:
     try:
         x = operator.index(value)
     except TypeError:
-        raise TypeError(f"{name}={value!r} must be an integer") from None
+        raise InvalidTypeError(f"{name}={value!r} must be an integer") from None
     if not -_INT64_MAX - 1 <= x <= _INT64_MAX:
-        raise ValueError(f"{name}={x} does not fit in int64")
+        raise InvalidArgumentError(f"{name}={x} does not fit in int64")
     return x
 
 
@@ -112,8 +132,10 @@ def _window(window_size: Sequence[int]) -> tuple[int, int]:
             and type(window_size[1]) is int):  # the default
         return _NO_WINDOW
     if len(window_size) != 2:
-        raise ValueError(f"window_size={tuple(window_size)} must be a pair (left, right)")
-    return _int64(window_size[0], "window_size[0]"), _int64(window_size[1], "window_size[1]")
+        raise InvalidArgumentError(f"window_size={tuple(window_size)} must be a pair (left, right)")
+    left, right = _int64(window_size[0], "window_size[0]"), _int64(window_size[1], "window_size[1]")
+    # Any negative side is unbounded, as in flash-attn.
+    return (left if left >= 0 else -1), (right if right >= 0 else -1)
 
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -121,6 +143,22 @@ _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+
+
+def _autocast(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Inside torch.autocast, the operands in its lower-precision dtype, as PyTorch's SDPA takes them
+    (its autocast policy: every floating operand but float64 is cast)."""
+    if not _any_autocast() and not torch.compiler.is_compiling():  # the one check outside autocast
+        return q, k, v
+    device = q.device.type
+    if not torch.is_autocast_enabled(device):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) if t.is_floating_point() and t.dtype not in (dtype, torch.float64) else t
+                 for t in (q, k, v))
 
 
 def _check_empty_call(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
@@ -131,33 +169,33 @@ def _check_empty_call(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Te
     _ops._check_same_device(dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k))
     _ops._check_attention_ranks(q, k, v, varlen)
     if q.dtype not in _KERNEL_DTYPES:
-        raise TypeError(f"q.dtype={_dtype_name(q.dtype)} is not supported (float16, bfloat16 or float32)")
+        raise InvalidTypeError(f"q.dtype={_dtype_name(q.dtype)} is not supported (float16, bfloat16 or float32)")
     for t, name in ((k, "k"), (v, "v")):
         if t.dtype != q.dtype:
-            raise TypeError(f"{name}.dtype={_dtype_name(t.dtype)} must equal q.dtype={_dtype_name(q.dtype)}")
+            raise InvalidTypeError(f"{name}.dtype={_dtype_name(t.dtype)} must equal q.dtype={_dtype_name(q.dtype)}")
     if k.shape[-1] != q.shape[-1]:
-        raise ValueError(f"k.shape={tuple(k.shape)} must be {(*k.shape[:-1], q.shape[-1])} "
-                         "(its head dim must equal q.shape[-1])")
+        raise InvalidArgumentError(f"k.shape={tuple(k.shape)} must be {(*k.shape[:-1], q.shape[-1])} "
+                                   "(its head dim must equal q.shape[-1])")
     if v.shape[:-1] != k.shape[:-1]:
-        raise ValueError(f"v.shape={tuple(v.shape)} must be {(*k.shape[:-1], v.shape[-1])} "
-                         "(all dimensions but the last must equal k's)")
+        raise InvalidArgumentError(f"v.shape={tuple(v.shape)} must be {(*k.shape[:-1], v.shape[-1])} "
+                                   "(all dimensions but the last must equal k's)")
     if not varlen and k.shape[0] != q.shape[0]:
-        raise ValueError(f"k.shape[0]={k.shape[0]} must equal q.shape[0]={q.shape[0]} (batch)")
+        raise InvalidArgumentError(f"k.shape[0]={k.shape[0]} must equal q.shape[0]={q.shape[0]} (batch)")
     heads_q, heads_kv = q.shape[-2], k.shape[-2]
     if heads_q % heads_kv if heads_kv else heads_q:
-        raise ValueError(f"heads_kv={heads_kv} must divide heads_q={heads_q} (GQA)")
+        raise InvalidArgumentError(f"heads_kv={heads_kv} must divide heads_q={heads_q} (GQA)")
     if varlen:
         if cu_seqlens_q is None or cu_seqlens_k is None:
-            raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together (variable length)")
+            raise InvalidArgumentError("cu_seqlens_q and cu_seqlens_k must be given together (variable length)")
         for t, name in ((cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k")):
             if t.dtype != torch.int32:
-                raise TypeError(f"{name}.dtype={_dtype_name(t.dtype)} must be int32")
+                raise InvalidTypeError(f"{name}.dtype={_dtype_name(t.dtype)} must be int32")
             if t.dim() != 1 or t.shape[0] < 1:
-                raise ValueError(f"{name} must be 1-D (batch + 1,) with at least one offset, got shape "
-                                 f"{tuple(t.shape)}")
+                raise InvalidArgumentError(f"{name} must be 1-D (batch + 1,) with at least one offset, got shape "
+                                           f"{tuple(t.shape)}")
         if cu_seqlens_k.shape != cu_seqlens_q.shape:
-            raise ValueError(f"cu_seqlens_k.shape={tuple(cu_seqlens_k.shape)} must be "
-                             f"{tuple(cu_seqlens_q.shape)} (the shape of cu_seqlens_q)")
+            raise InvalidArgumentError(f"cu_seqlens_k.shape={tuple(cu_seqlens_k.shape)} must be "
+                                       f"{tuple(cu_seqlens_q.shape)} (the shape of cu_seqlens_q)")
 
 
 def _is_empty(q: Tensor, k: Tensor, cu_seqlens_q: Optional[Tensor], max_seqlen_q: int,
@@ -180,22 +218,28 @@ def _check_empty_offsets(cu: Tensor, name: str, max_len: int, max_name: str) -> 
     lengths = (cu[1:] - cu[:-1]).tolist()
     for b, n in enumerate(lengths):
         if n > max_len:
-            raise ValueError(f"{name}: sequence {b} has length {n} > {max_name}={max_len} ({max_name} is the "
-                             "maximum length of a variable-length batch)")
+            raise InvalidArgumentError(f"{name}: sequence {b} has length {n} > {max_name}={max_len} ({max_name} is the "
+                                       "maximum length of a variable-length batch)")
 
 
 class _EmptyAttention(torch.autograd.Function):
     """What PyTorch's SDPA returns where nothing is computed: out of zeros (empty when there are
-    no query rows), lse = -inf, and zero gradients."""
+    no query rows), lse = -inf, and zero gradients. Written with setup_context, as torch.func's
+    transforms require."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, q, k, v, varlen: bool):
-        ctx.shapes = (q.shape, k.shape, v.shape)
+    def forward(q, k, v, varlen: bool):
         out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
         lse_shape = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
-        lse = torch.full(lse_shape, -math.inf, dtype=torch.float32, device=q.device)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+        return out, torch.full(lse_shape, -math.inf, dtype=torch.float32, device=q.device)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, _ = inputs
+        ctx.shapes = (q.shape, k.shape, v.shape)
+        ctx.mark_non_differentiable(output[1])
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
@@ -233,6 +277,7 @@ def _finish(out: Tensor, lse: Tensor, return_attn_probs: bool, dropout=None):
         return out
     # flash-attn returns S_dmask only when dropout is on (None without). In its place tileattn
     # returns the keep mask as a bool tensor (docs/python.md). lse is not differentiable.
+    lse = _flash_attn_lse(lse)
     if dropout is None:
         return out, lse, None
     # Computed on the host; on the output's device like flash-attn's (a no-op on the CPU).
@@ -261,9 +306,11 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
     """
     p = _dropout(dropout_p)
     left, right = _window(window_size)
+    q, k, v = _autocast(q, k, v)
+    q, scale = _scaled_query(q, softmax_scale, "softmax_scale")
     rng = _dropout_rng(q, p) if p else None
-    out, lse = _attention(q, k, v, None, None, 0, 0, _scale(softmax_scale, "softmax_scale"), bool(causal), left,
-                          right, _float32(softcap, "softcap"), bool(deterministic), alibi_slopes, p, rng)
+    out, lse = _attention(q, k, v, None, None, 0, 0, scale, bool(causal), left, right, _softcap(softcap),
+                          bool(deterministic), alibi_slopes, p, rng)
     if not return_attn_probs:
         return out
     mask = (rng, p, q.shape[0], q.shape[2], q.shape[1], k.shape[1]) if p > 0.0 and q.dim() == 4 else None
@@ -288,28 +335,30 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     ``block_table`` (batch, max_pages) int32 makes k and v paged caches (num_pages, page_size,
     heads_kv, headdim): the keys of sequence b are its cu_seqlens_k length of rows through its row
     of pages (chunked prefill). ``seqused_k`` (batch,) int32 uses only the first seqused_k[b] keys
-    of sequence b. Either makes the call forward-only (no autograd), as in flash-attn.
+    of sequence b. Where gradients are wanted, such a call gathers the keys it reads into a plain
+    variable-length batch first (flash-attn's backward does not take these arguments), and the
+    gradients of k and v are those of the cache tensors; so does a call with dropout.
     """
     p = _dropout(dropout_p)
     left, right = _window(window_size)
     if block_table is not None or seqused_k is not None:
-        if p > 0.0:
-            raise NotImplementedError(f"dropout_p={dropout_p} with block_table or seqused_k: a key/value cache call "
-                                      "is inference only; pass dropout_p=0.0")
-        if torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in (q, k, v)):
-            raise NotImplementedError("block_table and seqused_k are forward-only (no backward, as in flash-attn); "
-                                      "call under torch.no_grad() or with inputs that do not require grad")
-        from .kvcache import cache_varlen_forward  # noqa: PLC0415
-        out, lse = cache_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, _int64(max_seqlen_q, "max_seqlen_q"),
-                                        _int64(max_seqlen_k, "max_seqlen_k"), _scale(softmax_scale, "softmax_scale"),
-                                        bool(causal), left, right, _float32(softcap, "softcap"), alibi_slopes,
-                                        seqused_k, block_table)
-        return _finish(out, lse, return_attn_probs)
+        from .kvcache import cache_varlen_forward, gathered_keys  # noqa: PLC0415
+        if p > 0.0 or torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in (q, k, v)):
+            # Gradients or dropout: the keys read, gathered into a plain variable-length batch (whose
+            # gradient adds into the caches), through the path below.
+            k, v, cu_seqlens_k = gathered_keys(k, v, cu_seqlens_k, seqused_k, block_table)
+        else:
+            q, scale = _scaled_query(q, softmax_scale, "softmax_scale")
+            out, lse = cache_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, _int64(max_seqlen_q, "max_seqlen_q"),
+                                            _int64(max_seqlen_k, "max_seqlen_k"), scale, bool(causal), left, right,
+                                            _softcap(softcap), alibi_slopes, seqused_k, block_table)
+            return _finish(out, lse, return_attn_probs)
+    q, k, v = _autocast(q, k, v)
+    q, scale = _scaled_query(q, softmax_scale, "softmax_scale")
     rng = _dropout_rng(q, p)
     max_q, max_k = _int64(max_seqlen_q, "max_seqlen_q"), _int64(max_seqlen_k, "max_seqlen_k")
-    out, lse = _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, _scale(softmax_scale, "softmax_scale"),
-                          bool(causal), left, right, _float32(softcap, "softcap"), bool(deterministic),
-                          alibi_slopes, p, rng)
+    out, lse = _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, bool(causal), left, right,
+                          _softcap(softcap), bool(deterministic), alibi_slopes, p, rng)
     mask = (rng, p, cu_seqlens_q.shape[0] - 1, q.shape[1], max_q, max_k) if p > 0.0 and q.dim() == 3 else None
     return _finish(out, lse, return_attn_probs, mask)
 
@@ -318,8 +367,9 @@ def _unpack(packed: Tensor, name: str, count: int, rank: int, dims: str) -> tupl
     # Views into the packed tensor (its strides carry over, nothing is copied); unbind's gradient
     # stacks the parts' gradients into one tensor of the packed shape.
     if packed.dim() != rank or packed.shape[-3] != count:
-        raise ValueError(f"{name} must have {rank} dimensions {dims} with {count} at dimension {rank - 3}, got "
-                         f"shape {tuple(packed.shape)}")
+        raise InvalidArgumentError(
+            f"{name} must have {rank} dimensions {dims} with {count} at dimension {rank - 3}, got "
+            f"shape {tuple(packed.shape)}")
     return packed.unbind(rank - 3)
 
 
@@ -399,8 +449,8 @@ def _one_batch(named: dict, inner: int) -> tuple[list, tuple]:
         batch = torch.broadcast_shapes(*(t.shape[:-inner] for t in named.values()))
     except RuntimeError:
         shapes = [f"{name} {tuple(t.shape)}" for name, t in named.items()]
-        raise ValueError(f"the leading dimensions of {', '.join(shapes[:-1])} and {shapes[-1]} do not "
-                         "broadcast") from None
+        raise InvalidArgumentError(f"the leading dimensions of {', '.join(shapes[:-1])} and {shapes[-1]} do not "
+                                   "broadcast") from None
     flat = math.prod(batch)  # explicit: reshape cannot infer it where a tensor is empty
     return [t.expand(*batch, *t.shape[-inner:]).reshape(flat, *t.shape[-inner:]) for t in named.values()], batch
 
@@ -413,8 +463,9 @@ def _sdpa_operands(query: Tensor, key: Tensor, value: Tensor, enable_gqa: bool):
     unchanged (no copy); a broadcast batch is copied by reshape where it cannot be viewed."""
     ranks = (query.dim(), key.dim(), value.dim())
     if min(ranks) < 2:
-        raise ValueError("query, key and value must have at least 2 dimensions (..., seqlen, headdim), got shapes "
-                         f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+        raise InvalidArgumentError(
+            "query, key and value must have at least 2 dimensions (..., seqlen, headdim), got shapes "
+            f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
     if ranks == (4, 4, 4) and query.shape[0] == key.shape[0] == value.shape[0]:
         heads_q, heads_kv = query.shape[1], key.shape[1]
         if value.shape[1] == heads_kv and (heads_kv in (1, heads_q) or enable_gqa):
@@ -430,14 +481,14 @@ def _sdpa_operands(query: Tensor, key: Tensor, value: Tensor, enable_gqa: bool):
         heads = max(heads_q, heads_k, heads_v)  # a single head broadcasts, as a leading dimension does
         if any(h not in (1, heads) for h in (heads_q, heads_k, heads_v)):
             kv = heads_k if heads_k == heads_v else f"{heads_k}/{heads_v}"
-            raise ValueError(f"query has {heads_q} heads but key/value have {kv}; pass enable_gqa=True for "
-                             "grouped-query attention")
+            raise InvalidArgumentError(f"query has {heads_q} heads but key/value have {kv}; pass enable_gqa=True for "
+                                       "grouped-query attention")
         if heads_k != heads_v or heads_q != heads:  # else one key/value head serves all: MQA, no copy
             key, value = (t.expand(*t.shape[:-3], heads, *t.shape[-2:]) for t in (key, value))
     elif heads_k != heads_v:
         for name, h in (("heads_k", heads_k), ("heads_v", heads_v)):
             if heads_q % h:
-                raise ValueError(f"{name}={h} must divide heads_q={heads_q} (GQA)")
+                raise InvalidArgumentError(f"{name}={h} must divide heads_q={heads_q} (GQA)")
         key, value = key.repeat_interleave(heads_q // heads_k, -3), value.repeat_interleave(heads_q // heads_v, -3)
     query = query.expand(*query.shape[:-3], heads, *query.shape[-2:])
     (q, k, v), batch = _one_batch(dict(query=query, key=key, value=value), 3)
@@ -450,19 +501,41 @@ def _sdpa_operands(query: Tensor, key: Tensor, value: Tensor, enable_gqa: bool):
     return q, k, v, finish
 
 
-_warned_attn_mask = False
+_warned = set()
+_ARBITRARY_MASK = ("a call with attn_mask is computed by torch.nn.functional.scaled_dot_product_attention "
+                   "(tileattn's kernels take causal masks, windows, ALiBi and variable-length batches, not an "
+                   "arbitrary mask)")
+_OTHER_OPERANDS = ("a call in float64 (or another dtype than float16, bfloat16 and float32), or with a head dim "
+                   f"outside 1..{_ext.max_headdim}, is computed by torch.nn.functional.scaled_dot_product_attention")
 
 
-def _torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
-    global _warned_attn_mask
-    if not _warned_attn_mask:
-        _warned_attn_mask = True
-        warnings.warn("tileattn.scaled_dot_product_attention: a call with attn_mask is computed by "
-                      "torch.nn.functional.scaled_dot_product_attention (tileattn's kernels take causal masks, "
-                      "windows, ALiBi and variable-length batches, not an arbitrary mask)", stacklevel=3)
+def _kernels_take(query: Tensor, value: Tensor) -> bool:
+    # Ranks below 2 are refused by the usual rules, with their message.
+    return query.dim() < 2 or value.dim() < 2 or (query.dtype in _KERNEL_DTYPES
+                                                   and 0 < query.size(-1) <= _ext.max_headdim
+                                                   and 0 < value.size(-1) <= _ext.max_headdim)
+
+
+def _torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, why=_ARBITRARY_MASK):
+    if why not in _warned and not torch.compiler.is_compiling():  # a traced warn() breaks the graph
+        _warned.add(why)
+        warnings.warn(f"tileattn.scaled_dot_product_attention: {why} (once per process)", stacklevel=3)
     kwargs = dict(enable_gqa=True) if enable_gqa else {}  # the argument is new in PyTorch 2.5
     return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                                           is_causal=is_causal, scale=scale, **kwargs)
+
+
+def _check_sdpa_operands(query: Tensor, key: Tensor, value: Tensor) -> None:
+    for t, name in ((key, "key"), (value, "value")):
+        if t.dtype != query.dtype:
+            raise InvalidTypeError(
+                f"{name}.dtype={_dtype_name(t.dtype)} must equal query.dtype={_dtype_name(query.dtype)}")
+    if key.shape[-1] != query.shape[-1]:
+        raise InvalidArgumentError(f"key.shape={tuple(key.shape)} must end in query's head dim {query.shape[-1]} "
+                                   f"(query.shape={tuple(query.shape)})")
+    if value.shape[-2] != key.shape[-2]:
+        raise InvalidArgumentError(f"value.shape={tuple(value.shape)} must have key's sequence length "
+                                   f"{key.shape[-2]} at dimension -2 (key.shape={tuple(key.shape)})")
 
 
 def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
@@ -471,7 +544,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     """``torch.nn.functional.scaled_dot_product_attention`` on (..., heads, seqlen, headdim) tensors.
 
     4-D (batch, heads, seqlen, headdim) tensors are read in place through their strides (no copy)
-    and the result is a (batch, heads, seqlen_q, headdim_v) view. As in PyTorch: leading dimensions
+    and the result takes the query's layout. As in PyTorch: leading dimensions
     broadcast among the three tensors, a 3-D tensor is (heads, seqlen, headdim) and a 2-D one
     (seqlen, headdim); key/value with one head serve every query head, and with ``enable_gqa`` any
     head count that divides the query's; ``is_causal`` is top-left aligned; ``scale`` may be any
@@ -481,24 +554,24 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     """
     if attn_mask is not None:
         if is_causal:
-            raise ValueError("attn_mask and is_causal=True: pass one mask, not both (as PyTorch's SDPA)")
+            raise InvalidArgumentError("attn_mask and is_causal=True: pass one mask, not both (as PyTorch's SDPA)")
         return _torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if not _kernels_take(query, value):
+        return _torch_sdpa(query, key, value, None, dropout_p, is_causal, scale, enable_gqa, _OTHER_OPERANDS)
+    query, key, value = _autocast(query, key, value)
     p = _dropout(dropout_p)
     q, k, v, finish = _sdpa_operands(query, key, value, enable_gqa)
-    if scale is not None:
-        scale = _scale(scale, "scale")
-        if not torch.compiler.is_compiling() and not math.isfinite(scale):
-            raise ValueError(f"scale={scale} must be finite")
-        if scale <= 0.0:
-            # The kernels take the row max of the raw products, which needs scale > 0: the sign and
-            # size go into q instead (0 gives every visible key the same weight, as in PyTorch).
-            q, scale = q * scale, 1.0
+    q, scale = _scaled_query(q, scale, "scale")
     causal, right = False, -1
     if is_causal and q.numel() > 0 and k.numel() > 0:  # an empty problem has no mask to draw
         causal, right, keys = top_left_causal(q.shape[2], k.shape[2])
         k, v = k[:, :, :keys], v[:, :, :keys]
-    out, _ = _attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, 0, 0,
-                        scale, causal, -1, right, 0.0, False, None, p, _dropout_rng(q, p))
+    try:
+        out, _ = _attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, 0, 0,
+                            scale, causal, -1, right, 0.0, False, None, p, _dropout_rng(q, p))
+    except (ValueError, TypeError):
+        _check_sdpa_operands(query, key, value)  # the rule in SDPA's names and layout, where it is one of these
+        raise
     out = out.transpose(1, 2)
     return out if finish is None else finish(out)
 
@@ -514,11 +587,12 @@ def softmax_matmul(x: Tensor, v: Tensor) -> Tensor:
     "high" or "medium" (or ``torch.backends.cuda.matmul.allow_tf32``), exact fp32 otherwise.
     """
     if x.dim() < 2 or v.dim() < 2:
-        raise ValueError(f"x and v must have at least 2 dimensions, (..., d1, d2) and (..., d2, d3), got shapes "
-                         f"{tuple(x.shape)}, {tuple(v.shape)}")
+        raise InvalidArgumentError(
+            f"x and v must have at least 2 dimensions, (..., d1, d2) and (..., d2, d3), got shapes "
+            f"{tuple(x.shape)}, {tuple(v.shape)}")
     if x.shape[-1] != v.shape[-2]:
-        raise ValueError(f"v.shape[-2]={v.shape[-2]} must equal x.shape[-1]={x.shape[-1]} (d2), got shapes "
-                         f"{tuple(x.shape)}, {tuple(v.shape)}")
+        raise InvalidArgumentError(f"v.shape[-2]={v.shape[-2]} must equal x.shape[-1]={x.shape[-1]} (d2), got shapes "
+                                   f"{tuple(x.shape)}, {tuple(v.shape)}")
     if x.dim() == 3 and v.dim() == 3 and x.shape[0] == v.shape[0]:
         finish = None
     else:

@@ -26,6 +26,14 @@ library's dropout (flash-attn's semantics). A sliding window is transformers' fl
 ``sliding_window - 1`` keys on each side (causal: the left side only). What the kernels cannot
 apply -- attention sinks (``s_aux``), an additive ``position_bias``, a 4-D mask -- is refused with
 ``NotImplementedError`` rather than left out.
+
+Under ``torch.compile`` (``fullgraph=True`` included) nothing reads a tensor's values on the host:
+a padding mask is kept even when it is all ones, the padded batch is laid out with static shapes
+(each row's real tokens, then each row's padding as a sequence of its own, whose outputs are
+zeroed), a static cache's filled length stays a tensor in the graph, and the queries of a cache
+step are the slots that end at each row's last real key (left padding's last columns, as above).
+Packing marked by ``position_ids`` alone cannot be laid out there: a graph that meets it raises when
+it runs (on a GPU, a device-side assertion); pass the flash keyword arguments instead.
 """
 
 from __future__ import annotations
@@ -78,6 +86,60 @@ def _padded(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, masks_queri
     return full.index_copy(0, indices_q, out).view(batch, seqlen_q, *out.shape[1:])
 
 
+def _real_first(mask: Tensor):
+    """_unpad's layout with static shapes (traceable): for the flattened (batch, seqlen) mask, the
+    order that puts every row's real tokens first (as _unpad), then each row's padding; its
+    inverse; and cu_seqlens (2 * batch + 1): one sequence of real tokens per row, then one of
+    padding per row."""
+    flat = mask.flatten()
+    lengths = mask.sum(dim=-1, dtype=torch.int32)
+    real, padding = flat.cumsum(0), flat.logical_not().cumsum(0)
+    dest = torch.where(flat, real - 1, flat.sum() + padding - 1)
+    order = torch.zeros_like(dest).scatter(0, dest, torch.arange(dest.shape[0], device=dest.device))
+    return order, dest, _offsets(torch.cat([lengths, mask.shape[1] - lengths]))
+
+
+def _trailing_queries(mask: Tensor, seqlen_q: int) -> Tensor:
+    """Which of seqlen_q queries (fewer than the keys) are real: the queries are the seqlen_q slots
+    ending at each row's last real key. With left padding that is _padded's last columns; traced,
+    a static cache's mask covers its unfilled slots too, and they are passed over."""
+    slots = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+    end = torch.where(mask, slots, 0).amax(dim=-1, keepdim=True)
+    q_slots = end - seqlen_q + torch.arange(seqlen_q, device=mask.device)
+    return (q_slots >= 0) & mask.gather(1, q_slots.clamp(min=0))
+
+
+def _padded_traceable(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, masks_queries: bool,
+                      **options) -> Tensor:
+    """_padded under torch.compile: nonzero and the longest length would be data-dependent shapes.
+    The padding rides along as sequences of its own (each query of one sees a key of it, so all
+    stay finite) and max_seqlen is the padded length, which bounds every sequence."""
+    batch, seqlen_q = query.shape[:2]
+    mask = mask.bool()
+    if key.shape[1] > mask.shape[1]:
+        key, value = key[:, :mask.shape[1]], value[:, :mask.shape[1]]
+    seqlen_k = mask.shape[1]
+    order_k, _, cu_k = _real_first(mask)
+    k, v = (x.reshape(-1, *x.shape[2:]).index_select(0, order_k) for x in (key, value))
+    if not masks_queries:
+        # Every query row is real; the padding sequences hold keys only.
+        q = query.reshape(-1, *query.shape[2:])
+        rows = torch.arange(2 * batch + 1, device=query.device).clamp(max=batch)
+        out = flash_attn_varlen_func(q, k, v, (rows * seqlen_q).to(torch.int32), cu_k, seqlen_q, seqlen_k, **options)
+        return out.view(batch, seqlen_q, *out.shape[1:])
+    q_mask = mask if seqlen_q == seqlen_k else _trailing_queries(mask, seqlen_q)
+    order_q, dest_q, cu_q = _real_first(q_mask)
+    q = query.reshape(-1, *query.shape[2:]).index_select(0, order_q)
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, seqlen_q, seqlen_k, **options).index_select(0, dest_q)
+    out = torch.where(q_mask.reshape(-1, 1, 1), out, 0)  # zeros at padding, as _padded
+    return out.view(batch, seqlen_q, *out.shape[1:])
+
+
+_PACKED_UNDER_COMPILE = ("tileattn.hf: position_ids restart inside a row (packed sequences) in a torch.compile "
+                         "graph, where they cannot steer the layout; pass cu_seq_lens_q/k and max_length_q/k "
+                         "(DataCollatorWithFlattening(return_flash_attn_kwargs=True))")
+
+
 def _packed_boundaries(position_ids: Optional[Tensor], batch: int, seqlen: int):
     """cu_seqlens over the flattened batch and the longest length when position_ids restart inside
     a row (the flattening collator's output; transformers reads any batch so); None for ordinary
@@ -86,6 +148,11 @@ def _packed_boundaries(position_ids: Optional[Tensor], batch: int, seqlen: int):
         return None
     positions = position_ids.expand(batch, seqlen)
     steps = positions.diff(dim=-1) == 1
+    if torch.compiler.is_compiling():
+        # The number of sequences would be a data-dependent shape: packing is refused when the
+        # graph runs rather than attended as one sequence (module docstring).
+        torch._assert_async(steps.all(), _PACKED_UNDER_COMPILE)
+        return None
     if bool(steps.all()):
         return None
     # A sequence starts at each row's first token and wherever the position does not step by one.
@@ -99,8 +166,13 @@ def _packed(query: Tensor, key: Tensor, value: Tensor, cu_q: Tensor, cu_k: Tenso
             **options) -> Tensor:
     batch, seqlen_q = query.shape[:2]
     q, k, v = (x.reshape(-1, *x.shape[2:]) for x in (query, key, value))
-    out = flash_attn_varlen_func(q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k),
-                                 **options)
+    if torch.compiler.is_compiling():
+        # A tensor's value can't be read while tracing; the flattened lengths bound every sequence.
+        max_q = q.shape[0] if isinstance(max_q, Tensor) else max_q
+        max_k = k.shape[0] if isinstance(max_k, Tensor) else max_k
+    else:
+        max_q, max_k = int(max_q), int(max_k)
+    out = flash_attn_varlen_func(q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k, **options)
     return out.view(batch, seqlen_q, *out.shape[1:])
 
 
@@ -141,7 +213,8 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
         # Cross-attention's mask is the encoder's: it says nothing of the queries.
         cross = not causal and (getattr(module, "is_cross_attention", False) or getattr(module, "is_decoder", False)
                                 or attention_mask.shape[1] != query.shape[1])
-        return _padded(query, key, value, attention_mask, not cross, **options), None
+        padded = _padded_traceable if torch.compiler.is_compiling() else _padded
+        return padded(query, key, value, attention_mask, not cross, **options), None
     boundaries = [kwargs.get(name) for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")]
     if all(b is not None for b in boundaries):
         return _packed(query, key, value, *boundaries, **options), None
@@ -159,11 +232,28 @@ def _causal_pattern(mask_function) -> bool:
     return not bool(mask_function(zero, zero, zero, one))
 
 
+def _unfilled_traceable(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, device):
+    """_padding_mask's cache-slot mask under torch.compile: a static cache's offset is a tensor and
+    transformers' combined mask functions answer with tensors, so neither can steer Python; the
+    mask of filled slots (all of them where the pattern is not causal) is built in the graph."""
+    if mask_function is None:
+        return None
+    filled = q_offset + q_length - kv_offset
+    if not isinstance(filled, Tensor) and filled >= kv_length:
+        return None  # no cache, or one that grows: every key is real
+    zero = torch.zeros((), dtype=torch.long, device=device)
+    not_causal = mask_function(zero, zero, zero, zero + 1)
+    visible = (torch.arange(kv_length, device=device) < filled) | not_causal
+    return visible.expand(batch_size, kv_length)
+
+
 def _padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None,
                   device=None, **kwargs):
     # The kernel masks causally by itself: a mask is handed over only when there is padding, and
     # then as the 2-D (batch, kv_length) padding mask that attention_forward unpads with.
     if attention_mask is None:
+        if torch.compiler.is_compiling():
+            return _unfilled_traceable(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, device)
         # A static cache has more key slots than tokens seen, and generate() drops an all-ones mask:
         # a mask of the filled length tells attention_forward to leave the rest out. Only causal
         # self-attention has a cache to fill (cross-attention's keys, also longer than its queries,
@@ -175,6 +265,8 @@ def _padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask
                 return torch.ones(batch_size, filled, dtype=torch.bool, device=device)
         return None
     attention_mask = attention_mask[:, -kv_length:]
+    if torch.compiler.is_compiling():
+        return attention_mask  # all ones or not can't steer a trace; the padded path is exact either way
     if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
         return None
     return attention_mask

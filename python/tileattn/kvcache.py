@@ -17,21 +17,22 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from .errors import InvalidArgumentError, InvalidTypeError
 from . import _ops
-from .functional import _dtype_name, _float32, _int64, _scale, _window
+from .functional import _dtype_name, _flash_attn_lse, _int64, _scaled_query, _softcap, _window
 
 
 def _int32_table(t: Optional[Tensor], name: str, shape: tuple, device: torch.device) -> Optional[Tensor]:
     if t is None:
         return None
     if not isinstance(t, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of int32, got {type(t).__name__}")
+        raise InvalidTypeError(f"{name} must be a torch.Tensor of int32, got {type(t).__name__}")
     if t.dtype != torch.int32:
-        raise TypeError(f"{name}.dtype={_dtype_name(t.dtype)} must be int32")
+        raise InvalidTypeError(f"{name}.dtype={_dtype_name(t.dtype)} must be int32")
     if t.device != device:
-        raise ValueError(f"{name} is on {t.device} but q is on {device}; all tensors must share one device")
+        raise InvalidArgumentError(f"{name} is on {t.device} but q is on {device}; all tensors must share one device")
     if tuple(t.shape) != shape:
-        raise ValueError(f"{name}.shape={tuple(t.shape)} must be {shape}")
+        raise InvalidArgumentError(f"{name}.shape={tuple(t.shape)} must be {shape}")
     return t.contiguous()
 
 
@@ -74,25 +75,28 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     the tensors.
     """
     if not isinstance(q, Tensor) or q.dim() != 4:
-        raise ValueError(f"q must have 4 dimensions (batch, seqlen_q, heads, headdim), got shape "
-                         f"{tuple(q.shape) if isinstance(q, Tensor) else type(q).__name__}")
+        raise InvalidArgumentError(f"q must have 4 dimensions (batch, seqlen_q, heads, headdim), got shape "
+                                   f"{tuple(q.shape) if isinstance(q, Tensor) else type(q).__name__}")
     for t, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
         if not isinstance(t, Tensor) or t.dim() != 4:
-            raise ValueError(f"{name} must have 4 dimensions (batch_cache, seqlen_cache, heads_kv, headdim) or, "
-                             "paged, (num_pages, page_size, heads_kv, headdim)")
+            raise InvalidArgumentError(
+                f"{name} must have 4 dimensions (batch_cache, seqlen_cache, heads_kv, headdim) or, "
+                "paged, (num_pages, page_size, heads_kv, headdim)")
     if (k is None) != (v is None):
-        raise ValueError("k and v must be given together (the new keys and values to append)")
+        raise InvalidArgumentError("k and v must be given together (the new keys and values to append)")
     if k_cache.shape[:-1] != v_cache.shape[:-1]:
-        raise ValueError(f"v_cache.shape={tuple(v_cache.shape)} must equal k_cache.shape={tuple(k_cache.shape)} "
-                         "in all dimensions but the last")
+        raise InvalidArgumentError(
+            f"v_cache.shape={tuple(v_cache.shape)} must equal k_cache.shape={tuple(k_cache.shape)} "
+            "in all dimensions but the last")
     if (rotary_cos is None) != (rotary_sin is None):
-        raise ValueError("rotary_cos and rotary_sin must be given together")
+        raise InvalidArgumentError("rotary_cos and rotary_sin must be given together")
     if rotary_cos is not None and k is None:
-        raise ValueError("rotary_cos/rotary_sin need the new k and v (the rotary embedding is applied to the keys "
-                         "being appended and to q)")
+        raise InvalidArgumentError(
+            "rotary_cos/rotary_sin need the new k and v (the rotary embedding is applied to the keys "
+            "being appended and to q)")
     for t, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
         if t.dtype != q.dtype:
-            raise TypeError(f"{name}.dtype={_dtype_name(t.dtype)} must equal q.dtype={_dtype_name(q.dtype)}")
+            raise InvalidTypeError(f"{name}.dtype={_dtype_name(t.dtype)} must equal q.dtype={_dtype_name(q.dtype)}")
     batch, seqlen_q = q.shape[0], q.shape[1]
     device = q.device
     splits = _splits(num_splits)
@@ -101,20 +105,22 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
 
     if paged:
         if not isinstance(block_table, Tensor) or block_table.dim() != 2 or block_table.shape[0] != batch:
-            raise ValueError(f"block_table must be (batch, max_pages)=({batch}, max_pages), got shape "
-                             f"{tuple(block_table.shape) if isinstance(block_table, Tensor) else block_table!r}")
+            raise InvalidArgumentError(
+                f"block_table must be (batch, max_pages)=({batch}, max_pages), got shape "
+                f"{tuple(block_table.shape) if isinstance(block_table, Tensor) else block_table!r}")
         block_table = _int32_table(block_table, "block_table", tuple(block_table.shape), device)
         if cache_batch_idx is not None:
-            raise ValueError("cache_batch_idx cannot be combined with block_table (a paged cache is indexed by "
-                             "its page table)")
+            raise InvalidArgumentError(
+                "cache_batch_idx cannot be combined with block_table (a paged cache is indexed by "
+                "its page table)")
         if cache_leftpad is not None:
-            raise ValueError("cache_leftpad cannot be combined with block_table")
+            raise InvalidArgumentError("cache_leftpad cannot be combined with block_table")
         capacity = block_table.shape[1] * k_cache.shape[1]
     else:
         capacity = k_cache.shape[1]
         if cache_batch_idx is None and k_cache.shape[0] != batch:
-            raise ValueError(f"k_cache.shape[0]={k_cache.shape[0]} must equal q.shape[0]={batch} (batch), or "
-                             "cache_batch_idx must say which cache row each sequence uses")
+            raise InvalidArgumentError(f"k_cache.shape[0]={k_cache.shape[0]} must equal q.shape[0]={batch} (batch), or "
+                                       "cache_batch_idx must say which cache row each sequence uses")
     cache_batch_idx = _int32_table(cache_batch_idx, "cache_batch_idx", (batch,), device)
     cache_leftpad = _int32_table(cache_leftpad, "cache_leftpad", (batch,), device)
 
@@ -123,10 +129,11 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
         # The shapes of k and v are the library's to check; their length places the append.
         seqlen_new = k.shape[1] if isinstance(k, Tensor) and k.dim() == 4 else 0
         if seqlen_new > capacity:
-            raise ValueError(f"k.shape[1]={seqlen_new} new keys exceed the cache's capacity={capacity} (keys per "
-                             "sequence)")
+            raise InvalidArgumentError(
+                f"k.shape[1]={seqlen_new} new keys exceed the cache's capacity={capacity} (keys per "
+                "sequence)")
         if cache_seqlens is None:
-            raise ValueError("cache_seqlens is needed with k and v (where to append them)")
+            raise InvalidArgumentError("cache_seqlens is needed with k and v (where to append them)")
 
     # Cached lengths as an int32 tensor on q's device.
     if cache_seqlens is None:
@@ -137,11 +144,11 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
         try:
             n = operator.index(cache_seqlens)
         except TypeError:
-            raise TypeError(f"cache_seqlens must be an int or an int32 tensor (batch,), got "
-                            f"{type(cache_seqlens).__name__}") from None
+            raise InvalidTypeError(f"cache_seqlens must be an int or an int32 tensor (batch,), got "
+                                   f"{type(cache_seqlens).__name__}") from None
         if not 0 <= n <= capacity - seqlen_new:
-            raise ValueError(f"cache_seqlens={n} must be in [0, {capacity - seqlen_new}] (the cache holds "
-                             f"{capacity} keys per sequence and {seqlen_new} are appended)")
+            raise InvalidArgumentError(f"cache_seqlens={n} must be in [0, {capacity - seqlen_new}] (the cache holds "
+                                       f"{capacity} keys per sequence and {seqlen_new} are appended)")
         seqlens = torch.full((batch,), n, dtype=torch.int32, device=device)
     # Read back on the CPU (or on request); not while tracing, where the value is not known yet (the
     # library checks a CPU tensor's values when the graph runs).
@@ -149,13 +156,14 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
             and not torch.compiler.is_compiling()):
         low, top = int(seqlens.min()), int(seqlens.max())
         if low < 0 or top + seqlen_new > capacity:
-            raise ValueError(f"cache_seqlens must be in [0, {capacity - seqlen_new}] (the cache holds {capacity} "
-                             f"keys per sequence and {seqlen_new} are appended), got values in [{low}, {top}]")
+            raise InvalidArgumentError(
+                f"cache_seqlens must be in [0, {capacity - seqlen_new}] (the cache holds {capacity} "
+                f"keys per sequence and {seqlen_new} are appended), got values in [{low}, {top}]")
 
     if rotary_cos is not None:
         for t, name in ((rotary_cos, "rotary_cos"), (rotary_sin, "rotary_sin")):
             if not isinstance(t, Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+                raise InvalidTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         # flash-attn takes the tables in q's dtype only; another float dtype is rounded to it once.
         rotary_cos, rotary_sin = (t.to(q.dtype) if t.dtype != q.dtype and t.is_floating_point() else t
                                   for t in (rotary_cos, rotary_sin))
@@ -164,7 +172,8 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     if seqused is None and (cache_leftpad is not None or paged):
         seqused = torch.full((batch,), capacity, dtype=torch.int32, device=device)
 
-    scale, cap = _scale(softmax_scale, "softmax_scale"), _float32(softcap, "softcap")
+    q, scale = _scaled_query(q, softmax_scale, "softmax_scale")
+    cap = _softcap(softcap)
     if q.numel() == 0 or capacity == 0:
         # Nothing to attend (no query rows, or a cache of no keys): what a fully masked row gives.
         out = q.new_zeros((*q.shape[:-1], v_cache.shape[-1]))
@@ -174,11 +183,11 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
             _cache_call(q.new_zeros((batch, 1, *q.shape[2:])), k_cache, v_cache, k, v, rotary_cos, rotary_sin,
                         rotary_interleaved, seqused, cache_leftpad, cache_batch_idx, block_table, capacity, scale,
                         causal, left, right, cap, alibi_slopes, splits)
-        return (out, lse) if return_softmax_lse else out
+        return (out, _flash_attn_lse(lse)) if return_softmax_lse else out
     out, lse = _cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, rotary_interleaved, seqused,
                            cache_leftpad, cache_batch_idx, block_table, capacity, scale, causal, left, right, cap,
                            alibi_slopes, splits)
-    return (out, lse) if return_softmax_lse else out
+    return (out, _flash_attn_lse(lse)) if return_softmax_lse else out
 
 
 def _cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, rotary_interleaved, seqused, cache_leftpad,
@@ -221,8 +230,52 @@ def _argument_names():
 def _splits(num_splits) -> int:
     n = _int64(num_splits, "num_splits")
     if n < 0:
-        raise ValueError(f"num_splits={num_splits} must be >= 0 (0 = chosen by the library)")
+        raise InvalidArgumentError(f"num_splits={num_splits} must be >= 0 (0 = chosen by the library)")
     return n
+
+
+def gathered_keys(k: Tensor, v: Tensor, cu_seqlens_k: Tensor, seqused_k: Optional[Tensor],
+                  block_table: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """The keys and values a ``flash_attn_varlen_func`` call with ``block_table`` and/or
+    ``seqused_k`` reads, gathered into a plain variable-length batch: (k', v', cu_seqlens_k'). The
+    gather is differentiable, its gradient adding into k and v, so such a call can have gradients.
+    Tables are checked as the library checks them (CPU tables, or any with check_cu_seqlens());
+    unchecked, an index out of range is clamped: unspecified values, never a read outside k, v."""
+    if not isinstance(cu_seqlens_k, Tensor) or cu_seqlens_k.dim() != 1 or cu_seqlens_k.shape[0] < 1:
+        raise InvalidArgumentError("cu_seqlens_k must be a 1-D tensor (batch + 1,) of int32 offsets")
+    batch, device = cu_seqlens_k.shape[0] - 1, k.device
+    seqused_k = _int32_table(seqused_k, "seqused_k", (batch,), device)
+    starts = cu_seqlens_k[:-1].long()
+    lengths = cu_seqlens_k[1:].long() - starts if seqused_k is None else seqused_k.long()
+    cu = torch.nn.functional.pad(lengths.clamp_min(0).cumsum(0), (1, 0))
+    row = torch.arange(int(cu[-1]), device=device)  # the one wait for the device: the gathered length
+    b = torch.searchsorted(cu, row, right=True) - 1
+    j = row - cu[b]
+    if block_table is None:
+        index, rows, flat_k, flat_v = starts[b] + j, k.shape[0], k, v
+        ok = lambda: bool((lengths <= cu_seqlens_k[1:].long() - starts).all())  # noqa: E731
+        rule = "seqused_k[b] must be at most sequence b's length in cu_seqlens_k"
+    else:
+        if not isinstance(block_table, Tensor) or block_table.dim() != 2 or block_table.shape[0] != batch:
+            raise InvalidArgumentError(
+                f"block_table must be (batch, max_pages)=({batch}, max_pages), got shape "
+                f"{tuple(block_table.shape) if isinstance(block_table, Tensor) else block_table!r}")
+        block_table = _int32_table(block_table, "block_table", tuple(block_table.shape), device)
+        for t, name in ((k, "k"), (v, "v")):
+            if t.dim() != 4:
+                raise InvalidArgumentError(f"{name} must be a paged cache (num_pages, page_size, heads_kv, headdim) "
+                                           f"with block_table, got shape {tuple(t.shape)}")
+        page, max_pages = k.shape[1], block_table.shape[1]
+        slot = j // page
+        pages = block_table.long()[b, slot.clamp_max(max_pages - 1)]
+        index, rows, flat_k, flat_v = pages * page + j % page, k.shape[0] * page, k.flatten(0, 1), v.flatten(0, 1)
+        ok = lambda: bool((slot < max_pages).all() and ((pages >= 0) & (pages < k.shape[0])).all())  # noqa: E731
+        rule = "every key must lie on a page of block_table in [0, num_pages)"
+    if device.type == "cpu" or _ops._checks["cu_seqlens"]:
+        if not bool((lengths >= 0).all()) or not ok():
+            raise InvalidArgumentError(f"the key tables break a rule: {rule}, and lengths must be >= 0")
+    index = index.clamp(0, max(rows - 1, 0))
+    return flat_k[index], flat_v[index], cu.to(torch.int32)
 
 
 def cache_varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
@@ -233,21 +286,24 @@ def cache_varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, 
     forward, returning (out, lse (heads, total_q))."""
     for t, name in ((cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k")):
         if not isinstance(t, Tensor) or t.dim() != 1 or t.shape[0] < 1:
-            raise ValueError(f"{name} must be a 1-D tensor (batch + 1,) of int32 offsets")
+            raise InvalidArgumentError(f"{name} must be a 1-D tensor (batch + 1,) of int32 offsets")
     batch = cu_seqlens_q.shape[0] - 1
     device = q.device
     if block_table is not None:
         if not isinstance(block_table, Tensor) or block_table.dim() != 2 or block_table.shape[0] != batch:
-            raise ValueError(f"block_table must be (batch, max_pages)=({batch}, max_pages), got shape "
-                             f"{tuple(block_table.shape) if isinstance(block_table, Tensor) else block_table!r}")
+            raise InvalidArgumentError(
+                f"block_table must be (batch, max_pages)=({batch}, max_pages), got shape "
+                f"{tuple(block_table.shape) if isinstance(block_table, Tensor) else block_table!r}")
         block_table = _int32_table(block_table, "block_table", tuple(block_table.shape), device)
         for t, name in ((k, "k"), (v, "v")):
             if t.dim() != 4:
-                raise ValueError(f"{name} must be a paged cache (num_pages, page_size, heads_kv, headdim) with "
-                                 f"block_table, got shape {tuple(t.shape)}")
+                raise InvalidArgumentError(
+                    f"{name} must be a paged cache (num_pages, page_size, heads_kv, headdim) with "
+                    f"block_table, got shape {tuple(t.shape)}")
     seqused_k = _int32_table(seqused_k, "seqused_k", (batch,), device)
     if q.dim() != 3:
-        raise ValueError(f"q must have 3 dimensions (total_tokens, heads, headdim), got shape {tuple(q.shape)}")
+        raise InvalidArgumentError(
+            f"q must have 3 dimensions (total_tokens, heads, headdim), got shape {tuple(q.shape)}")
     if q.numel() == 0 or batch == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:
         out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
         return out, torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=device)

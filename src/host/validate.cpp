@@ -14,8 +14,6 @@
 namespace tileattn::host {
 namespace {
 
-constexpr int64_t kMaxHeadDim = 256;
-
 [[noreturn]] void fail(ErrorKind kind, const std::string& message) { throw Error(kind, message); }
 [[noreturn]] void invalid(const std::string& message) { fail(ErrorKind::invalid_argument, message); }
 

@@ -103,13 +103,15 @@ TEST_P(MergeAccuracy, MatchesFloat64WithTwoXRuleAndExactEmptyRows) {
         kind[size_t(r)] = k;
         float a = lse_dist(rng), b = lse_dist(rng);
         if (r % 11 == 5) b = a - 40.0f;
-        if (k == Row::a_empty || k == Row::both_empty) a = -INFINITY;
-        if (k == Row::b_empty || k == Row::both_empty) b = -INFINITY;
+        // An empty side is -inf (tileattn's forward) or +inf (flash-attn's mark), by row.
+        const float empty = r % 2 ? -INFINITY : INFINITY;
+        if (k == Row::a_empty || k == Row::both_empty) a = empty;
+        if (k == Row::b_empty || k == Row::both_empty) b = empty;
         la.at(bi, h, i) = a;
         lb.at(bi, h, i) = b;
         for (int64_t d = 0; d < D; ++d) {
-          oa.set(bi, i, h, d, a == -INFINITY ? NAN : normal(rng));
-          ob.set(bi, i, h, d, b == -INFINITY ? NAN : normal(rng));
+          oa.set(bi, i, h, d, std::isinf(a) ? NAN : normal(rng));
+          ob.set(bi, i, h, d, std::isinf(b) ? NAN : normal(rng));
         }
       }
   // References from the stored (rounded) inputs: float64, and the plain fp32 formula rounded to

@@ -99,6 +99,12 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, **options) -> tuple[Te
     return torch.cat(outs), torch.cat(lses, dim=1)
 
 
+def flash_lse(lse: Tensor) -> Tensor:
+    """A reference lse as flash-attn's entries return it: +inf on rows that see no key (log(0) =
+    -inf here)."""
+    return torch.where(torch.isneginf(lse), math.inf, lse)
+
+
 def max_error(actual: Tensor, expected: Tensor) -> float:
     """Largest absolute difference, treating matching infinities (lse = -inf) as equal."""
     a, e = actual.detach().double(), expected.detach().double()

@@ -174,11 +174,19 @@ def test_dropout_p_outside_0_1_is_a_value_error(value):
         tileattn.flash_attn_func(q, k, v, dropout_p=value)
 
 
-def test_cache_calls_refuse_dropout():
-    q = torch.randn(8, 1, 8)
-    cu = torch.tensor([0, 8], dtype=torch.int32)
-    with torch.no_grad(), pytest.raises(NotImplementedError, match=r"dropout_p=0.5 with block_table or seqused_k"):
-        tileattn.flash_attn_varlen_func(q, q, q, cu, cu, 8, 8, dropout_p=0.5, seqused_k=torch.tensor([8], dtype=torch.int32))
+def test_seqused_k_with_dropout_drops_as_the_keys_it_reads():
+    # A call with seqused_k (or block_table) and dropout runs as the plain call over the keys it
+    # reads: the same seed gives the same mask, so the same output.
+    q, kv = torch.randn(12, 2, 8), torch.randn(20, 2, 8)
+    cu_q, cu_k = torch.tensor([0, 5, 12], dtype=torch.int32), torch.tensor([0, 9, 20], dtype=torch.int32)
+    used = torch.tensor([6, 11], dtype=torch.int32)
+    torch.manual_seed(5)
+    out = tileattn.flash_attn_varlen_func(q, kv, kv, cu_q, cu_k, 7, 11, dropout_p=0.5, seqused_k=used)
+    dense = torch.cat([kv[:6], kv[9:20]])
+    torch.manual_seed(5)
+    want = tileattn.flash_attn_varlen_func(q, dense, dense, cu_q, torch.tensor([0, 6, 17], dtype=torch.int32), 7, 11,
+                                           dropout_p=0.5)
+    assert torch.equal(out, want)
 
 
 def test_compiled_dropout_runs_forward_and_backward():

@@ -1,5 +1,8 @@
 """Bad input raises the Python exception of its kind, with a message naming the argument and rule:
-ValueError (shapes, values, devices), TypeError (dtypes), NotImplementedError (unsupported)."""
+ValueError (shapes, values, devices), TypeError (dtypes), NotImplementedError (unsupported), each
+also a RuntimeError, as flash-attn's and PyTorch's checks raise."""
+
+import math
 
 import pytest
 import torch
@@ -94,25 +97,39 @@ def test_shape_mismatches_name_the_tensor():
         tileattn.flash_attn_func(q, torch.cat([k, k]), torch.cat([v, v]))
 
 
+@pytest.mark.parametrize("path", ["python", "library", "operator"])
+def test_refusals_are_runtime_errors_of_their_kind(path):
+    # Code written against flash-attn or SDPA catches RuntimeError; code written against tileattn
+    # catches ValueError or TypeError. Each refusal is both, whichever layer makes it: the Python
+    # layer, the library through the eager entry, or the library through torch.ops (compiled graphs).
+    q, k, v = qkv(d=16)
+    wide = torch.randn(1, 16, 2, 32)
+    options = (None, None, 0, 0, None, False, -1, -1, 0.0, False)
+    calls = {"python": [(ValueError, lambda: tileattn.flash_attn_func(q, k, v, window_size=(1, 2, 3))),
+                        (TypeError, lambda: tileattn.flash_attn_func(q, k.half(), v))],
+             "library": [(ValueError, lambda: tileattn.flash_attn_func(q, wide, wide))],
+             "operator": [(ValueError, lambda: torch.ops.tileattn.attention_forward(q, wide, wide, *options))]}
+    for kind, call in calls[path]:
+        with pytest.raises(RuntimeError) as caught:
+            call()
+        assert isinstance(caught.value, kind), type(caught.value).__mro__
+        assert isinstance(caught.value, (tileattn.InvalidArgumentError, tileattn.InvalidTypeError))
+
+
 def test_library_rules_reach_python():
     q, k, v = qkv(heads=3)
     k2, v2 = qkv(heads=2)[1:]
     with pytest.raises(ValueError, match=r"heads_kv=2 must divide heads_q=3 \(GQA\)"):
         tileattn.flash_attn_func(q, k2, v2)
-    with pytest.raises(ValueError, match=r"softmax_scale=-1 must be finite and > 0"):
-        tileattn.flash_attn_func(q, k, v, softmax_scale=-1.0)
-    with pytest.raises(ValueError, match=r"window_left=-3 must be >= -1"):
-        tileattn.flash_attn_func(q, k, v, window_size=(-3, 0))
-    with pytest.raises(ValueError, match=r"softcap=-1 must be finite and >= 0"):
-        tileattn.flash_attn_func(q, k, v, softcap=-1.0)
+    with pytest.raises(ValueError, match=r"softmax_scale=nan must be finite"):
+        tileattn.flash_attn_func(q, k, v, softmax_scale=math.nan)
     big = torch.randn(1, 4, 1, 264)
     with pytest.raises(NotImplementedError, match=r"headdim_qk=264 exceeds 256"):
         tileattn.flash_attn_func(big, big, big)
 
 
 @pytest.mark.parametrize("value,text", [(1e40, r"softmax_scale=1e\+40 is outside float32's range"),
-                                        (-1e39, r"softmax_scale=-1e\+39 is outside float32's range"),
-                                        (1e-50, r"softmax_scale=1e-50 rounds to 0 in float32")])
+                                        (-1e39, r"softmax_scale=-1e\+39 is outside float32's range")])
 def test_softmax_scale_outside_float32_is_reported_as_passed(value, text):
     q, k, v = qkv()
     with pytest.raises(ValueError, match=text):

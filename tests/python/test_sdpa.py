@@ -52,14 +52,6 @@ def test_three_dimensional_inputs_are_one_head():
     assert naive.max_error(out, _sdpa64(q.double(), k.double(), v.double(), is_causal=True)) < 1e-5
 
 
-def test_output_is_a_view_in_the_flash_layout():
-    # The result is (batch, heads, seqlen, headdim) seen through the kernel's (batch, seqlen, heads,
-    # headdim) buffer, the way PyTorch's flash backend returns it: no transposing copy.
-    q, k, v = (torch.randn(2, 4, 32, 16) for _ in range(3))
-    out = tileattn.scaled_dot_product_attention(q, k, v)
-    assert out.transpose(1, 2).is_contiguous()
-
-
 def _matches_torch_with_gradients(shapes, **kwargs):
     """Output and gradients of one call against PyTorch's SDPA (math) in float64, within 1e-5."""
     inputs = [torch.randn(*shape, requires_grad=True) for shape in shapes]
@@ -136,9 +128,53 @@ def test_attn_mask_gives_torch_results(mask):
 
 def test_attn_mask_warns_once(recwarn):
     import tileattn.functional as functional
-    functional._warned_attn_mask = False
+    functional._warned.clear()
     q = torch.randn(1, 2, 4, 8)
     for _ in range(2):
         tileattn.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.bool))
     assert [str(w.message) for w in recwarn].count(str(recwarn[0].message)) == 1
     assert "attn_mask is computed by torch.nn.functional.scaled_dot_product_attention" in str(recwarn[0].message)
+
+
+@pytest.mark.parametrize("case", ["float64", "headdim_300", "headdim_0", "headdim_v_0"])
+def test_calls_the_kernels_do_not_take_are_computed_by_torch(case):
+    # PyTorch's SDPA takes any dtype and head dim; such a call is handed to it (with one warning)
+    # rather than refused, gradients included.
+    d, dv, dtype = {"float64": (16, 16, torch.float64), "headdim_300": (300, 24, torch.float32),
+                    "headdim_0": (0, 8, torch.float32), "headdim_v_0": (8, 0, torch.float32)}[case]
+    q, k = torch.randn(2, 3, 5, d, dtype=dtype), torch.randn(2, 3, 7, d, dtype=dtype)
+    v = torch.randn(2, 3, 7, dv, dtype=dtype)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    with pytest.warns(UserWarning, match="is computed by torch.nn.functional.scaled_dot_product_attention"):
+        import tileattn.functional as functional
+        functional._warned.clear()
+        out = tileattn.scaled_dot_product_attention(q, k, v, is_causal=True)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert out.shape == want.shape and out.dtype == dtype
+    assert torch.allclose(out, want)
+    if out.numel():
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+        assert all(g.shape == t.shape for g, t in zip(grads, (q, k, v)))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "viewed_from_bshd"])
+def test_output_and_gradients_take_their_operands_layout(layout):
+    # As PyTorch's SDPA: a contiguous query gives a contiguous result (so .view works on it), one
+    # viewed from (batch, seqlen, heads, headdim) a view of such a buffer; gradients take the
+    # layouts of their operands, so the leaves' .grad need no copy.
+    b, h, n, d = 2, 3, 5, 8
+    if layout == "contiguous":
+        q, k, v = (torch.randn(b, h, n, d, requires_grad=True) for _ in range(3))
+    else:
+        q, k, v = (torch.randn(b, n, h, d).transpose(1, 2).requires_grad_(True) for _ in range(3))
+    out = tileattn.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert out.stride() == q.stride()
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert torch.allclose(out, want, atol=1e-5)
+    if layout == "contiguous":
+        assert out.view(b, -1).shape == (b, h * n * d)
+    grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    assert all(g.stride() == t.stride() for g, t in zip(grads, (q, k, v)))
+    compiled = torch.compile(tileattn.scaled_dot_product_attention, fullgraph=True, backend="aot_eager")
+    assert compiled(q, k, v).stride() == q.stride()

@@ -1,9 +1,9 @@
 """Drop-in use in a Hugging Face causal LM (random weights from a tiny config, nothing downloaded):
 same logits, loss and parameter gradients as the model's own SDPA attention; greedy generation
 with a KV cache (bottom-right causal with fewer queries than keys; dynamic or static) gives the
-same tokens; padded batches and packed sequences give the same loss and gradients. The attention
-function alone against float64: cross-attention masks, encoder sliding windows, packing in every
-row, and the refusal of score modifiers the kernels lack."""
+same tokens; padded batches and packed sequences give the same loss and gradients, and so does
+torch.compile(fullgraph=True). The attention function alone against float64: cross-attention masks,
+encoder sliding windows, packing in every row, and the refusal of score modifiers the kernels lack."""
 
 import copy
 
@@ -176,6 +176,81 @@ def test_generation_matches_sdpa(cache, padded):
         kwargs["cache_implementation"] = "static"
     with torch.no_grad():
         assert torch.equal(ours.generate(prompt, **kwargs), reference.generate(prompt, **kwargs))
+
+
+@pytest.mark.parametrize("padding", [False, True])
+def test_compiled_fullgraph_training_step_matches_sdpa(padding):
+    # Traced, nothing may read a tensor on the host (the mask function's verdict, an all-ones check,
+    # the unpadded lengths): a graph break is an error with fullgraph=True. Row 0 has no padding, so
+    # the padded layout also holds a row whose padding sequence is empty; row 2 one real token.
+    name = tileattn.hf.register()
+    reference = _tiny_llama(torch.float32, "cpu")
+    ours = copy.deepcopy(reference)
+    _use(ours, name)
+    ids = torch.randint(1, 256, (3, 24))
+    mask = torch.ones_like(ids)
+    inputs = dict(use_cache=False)
+    if padding:
+        mask[1, :9] = 0
+        mask[2, :23] = 0
+        inputs.update(attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
+    labels = ids.masked_fill(mask == 0, -100)
+    torch._dynamo.reset()
+    compiled = torch.compile(ours, fullgraph=True, backend="aot_eager")
+    _assert_same_training_step(_run_masked(compiled, ids, labels, **inputs),
+                               _run_masked(reference, ids, labels, **inputs), mask.bool())
+
+
+def test_compiled_graph_refuses_packing_marked_by_position_ids_alone():
+    # A graph cannot lay out a data-dependent number of sequences: it raises when it meets packed
+    # position_ids rather than attend across their boundaries; ordinary positions pass.
+    boundaries = torch.compile(lambda p: tileattn.hf._packed_boundaries(p, 2, 6), fullgraph=True, backend="aot_eager")
+    assert boundaries(torch.arange(6)[None]) is None
+    with pytest.raises(RuntimeError, match="position_ids restart inside a row"):
+        boundaries(torch.tensor([[0, 1, 2, 0, 1, 2]]))
+
+
+def _padding_cases():
+    left = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1], [1] * 8, [0] * 7 + [1], [0] * 8])
+    right = torch.tensor([[1, 1, 1, 1, 1, 0, 0, 0], [1] * 8, [1] + [0] * 7, [1, 0, 1, 1, 0, 1, 1, 1]])
+    # (mask, seqlen_q, seqlen_k, masks_queries): self-attention, a cache step (fewer queries, and a
+    # static cache's extra key slots), cross-attention.
+    return [(left, 8, 8, True), (right, 8, 8, True), (torch.ones(2, 8), 8, 8, True), (left, 3, 8, True),
+            (left, 1, 12, True), (right, 3, 8, False)]
+
+
+@pytest.mark.parametrize("mask,seqlen_q,seqlen_k,masks_queries", _padding_cases())
+def test_traceable_padding_matches_the_eager_unpadding(mask, seqlen_q, seqlen_k, masks_queries):
+    # What torch.compile runs for a padded batch (static shapes: the padding as sequences of its
+    # own) gives the eager path's outputs and gradients, dropout included, for any padding pattern.
+    batch = mask.shape[0]
+    q = torch.randn(batch, seqlen_q, 4, 16, requires_grad=True)
+    k, v = (torch.randn(batch, seqlen_k, 2, 16, requires_grad=True) for _ in range(2))
+    options = dict(dropout_p=0.25, softmax_scale=None, causal=masks_queries, window_size=(-1, -1), softcap=0.0)
+    results = []
+    for padded in (tileattn.hf._padded, tileattn.hf._padded_traceable):
+        torch.manual_seed(3)
+        out = padded(q, k, v, mask, masks_queries, **options)
+        results.append((out, *torch.autograd.grad((out ** 2).sum(), (q, k, v))))
+    for eager, traced in zip(*results):
+        torch.testing.assert_close(traced, eager, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_traced_static_cache_mask_covers_the_filled_slots(causal):
+    # Traced, a static cache's filled length is a tensor: the mask covers every slot, and the
+    # queries are those ending at the last filled one -- as the eager mask of the filled length.
+    from transformers.masking_utils import bidirectional_mask_function, causal_mask_function
+
+    mask_function = causal_mask_function if causal else bidirectional_mask_function
+    mask = tileattn.hf._unfilled_traceable(2, 2, 8, torch.tensor(3), 0, mask_function, "cpu")
+    filled = 5 if causal else 8
+    assert torch.equal(mask, (torch.arange(8) < filled).expand(2, 8))
+    q, k, v = torch.randn(2, 2, 4, 16), torch.randn(2, 8, 2, 16), torch.randn(2, 8, 2, 16)
+    options = dict(dropout_p=0.0, softmax_scale=None, causal=causal, window_size=(-1, -1), softcap=0.0)
+    eager = tileattn.hf._padded(q, k, v, torch.ones(2, filled, dtype=torch.bool), True, **options)
+    torch.testing.assert_close(tileattn.hf._padded_traceable(q, k, v, mask, True, **options), eager, atol=1e-6,
+                               rtol=1e-6)
 
 
 def test_llama_training_dropout_reaches_the_kernel():

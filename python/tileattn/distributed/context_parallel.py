@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from ..errors import InvalidArgumentError, InvalidTypeError
 from .. import _ops
 from .merge import merge_attention
 
@@ -54,16 +55,16 @@ def _check_shards(q: Tensor, k: Tensor, v: Tensor, mode: str, rank: int, dims: s
     """The rules every form of the call shares: the mode, q/k/v tensors of `rank` dimensions with
     the same number of local tokens along `token_dim` (`what` they are, for the message)."""
     if mode not in _MODES:
-        raise ValueError(f"mode={mode!r} must be one of {_MODES}")
+        raise InvalidArgumentError(f"mode={mode!r} must be one of {_MODES}")
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
         if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            raise InvalidTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != rank:
-            raise ValueError(f"{name} must have {rank} dimensions {dims}, got shape {tuple(t.shape)}")
+            raise InvalidArgumentError(f"{name} must have {rank} dimensions {dims}, got shape {tuple(t.shape)}")
     n = token_dim
     if k.shape[n] != q.shape[n] or v.shape[n] != q.shape[n]:
-        raise ValueError(f"k.shape[{n}]={k.shape[n]} and v.shape[{n}]={v.shape[n]} must equal "
-                         f"q.shape[{n}]={q.shape[n]} (q, k and v are {what})")
+        raise InvalidArgumentError(f"k.shape[{n}]={k.shape[n]} and v.shape[{n}]={v.shape[n]} must equal "
+                                   f"q.shape[{n}]={q.shape[n]} (q, k and v are {what})")
 
 
 def _group_rank_size(group) -> tuple[int, int]:
@@ -89,7 +90,7 @@ def _check_split(length: int, world: int, causal: bool, what: str) -> None:
     parts = 2 * world if causal else world
     if length % parts != 0:
         why = f"2 * world_size={parts} (causal: two chunks per rank)" if causal else f"world_size={parts}"
-        raise ValueError(f"{what}={length} must be divisible by {why}")
+        raise InvalidArgumentError(f"{what}={length} must be divisible by {why}")
 
 
 def shard(x: Tensor, group=None, dim: int = 1, causal: bool = False) -> Tensor:
@@ -111,7 +112,7 @@ def unshard(x_local: Tensor, group=None, dim: int = 1, causal: bool = False) -> 
     dim = dim % x_local.dim()
     n = x_local.shape[dim]
     if causal and n % 2 != 0:
-        raise ValueError(f"x_local.shape[{dim}]={n} must be even (causal: two chunks per rank)")
+        raise InvalidArgumentError(f"x_local.shape[{dim}]={n} must be even (causal: two chunks per rank)")
     pieces = [torch.empty_like(x_local) for _ in range(world)]
     dist.all_gather(pieces, x_local.contiguous(), group=group)
     shape = list(x_local.shape)
@@ -450,7 +451,7 @@ def context_parallel_attn(q: Tensor, k: Tensor, v: Tensor, group=None, causal: b
     """
     _check_shards(q, k, v, mode, 4, "(batch, seqlen_local, heads, headdim)", 1, "shards of one sequence")
     if causal and q.shape[1] % 2 != 0:
-        raise ValueError(f"q.shape[1]={q.shape[1]} must be even (causal: two zig-zag chunks per rank)")
+        raise InvalidArgumentError(f"q.shape[1]={q.shape[1]} must be even (causal: two zig-zag chunks per rank)")
     cfg = _config(q, group, causal, mode, softmax_scale, window_size, softcap)
     return _ContextParallelAttention.apply(q, k, v, cfg)
 
@@ -459,7 +460,7 @@ def _config(q: Tensor, group, causal, mode, softmax_scale, window_size, softcap)
     """The checks both forms share, and their options in one object."""
     if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
             or any(not isinstance(w, int) or w < -1 for w in window_size)):
-        raise ValueError(f"window_size={window_size!r} must be two ints >= -1 (-1 = unbounded)")
+        raise InvalidArgumentError(f"window_size={window_size!r} must be two ints >= -1 (-1 = unbounded)")
     _, world = _group_rank_size(group)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     # One rank holds everything: the all-gather path is then a single call, with no exchange.

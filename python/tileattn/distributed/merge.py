@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..errors import InvalidTypeError
 from .. import _ext
 from .._ops import _capsule, _check_device, _device_context, _num_threads, _stream
 
@@ -23,22 +24,24 @@ def merge_attention(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> t
     ``out`` may be float32 over a float16/bfloat16 ``out_b`` (accumulate in fp32 without rounding
     between merges); otherwise the dtypes must match. A row whose lse is -inf on one side takes the
     other side as it is, whatever the -inf side's ``out`` holds (so an accumulator may start as
-    ``torch.empty`` with lse = -inf); -inf on both gives out = 0 and lse = -inf, never NaN. Any strides
+    ``torch.empty`` with lse = -inf); so does +inf, the mark of a row without keys in what the
+    ``flash_attn_*`` functions return; empty on both sides gives out = 0 and lse = -inf, never NaN. Any strides
     with a contiguous last dimension. Not differentiable (it writes its inputs): a tensor that
     requires grad is refused while grad mode is on (use detached tensors, as the context-parallel
     layer does), and autograd sees ``out`` and ``lse`` as modified in place.
     """
     for t, name in ((out, "out"), (lse, "lse"), (out_b, "out_b"), (lse_b, "lse_b")):
         if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            raise InvalidTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         _check_device(t, name)
         if t.requires_grad and torch.is_grad_enabled():
             raise RuntimeError(f"{name} requires grad: merge_attention writes in place and has no gradient; pass "
                                "detached tensors (or call it under torch.no_grad())")
     # Checked here as well as in the library, which skips every rule for an empty problem.
     if out.dtype != torch.float32 and out_b.dtype != out.dtype:
-        raise TypeError(f"out_b.dtype={str(out_b.dtype)[6:]} must equal out.dtype={str(out.dtype)[6:]} (a 16-bit "
-                        "accumulator merges its own dtype; use a float32 out to mix)")
+        raise InvalidTypeError(
+            f"out_b.dtype={str(out_b.dtype)[6:]} must equal out.dtype={str(out.dtype)[6:]} (a 16-bit "
+            "accumulator merges its own dtype; use a float32 out to mix)")
     with _device_context(out.device):
         _ext.merge_attention(_capsule(out), _capsule(lse), _capsule(out_b), _capsule(lse_b),
                              stream=_stream(out.device), num_threads=_num_threads(out.device))

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from ..errors import InvalidArgumentError, InvalidTypeError
 from .. import _ops
 from .context_parallel import (_all_gather, _block, _call_backward, _check_shards, _Config, _config, _group_rank_size,
                                _pack, _reduce_scatter, _ring_backward_walk, _ring_walk, _segments, _unpack)
@@ -41,27 +42,29 @@ def _read_cu_seqlens(cu_seqlens, like: Tensor, like_name: str, world: int, causa
     """cu_seqlens' values on the host, after checking its type, place and every length against the
     split (one copy, and a stream sync on CUDA)."""
     if not isinstance(cu_seqlens, Tensor):
-        raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+        raise InvalidTypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype != torch.int32:
-        raise TypeError(f"cu_seqlens.dtype={str(cu_seqlens.dtype).removeprefix('torch.')} must be int32")
+        raise InvalidTypeError(f"cu_seqlens.dtype={str(cu_seqlens.dtype).removeprefix('torch.')} must be int32")
     if cu_seqlens.device != like.device:
-        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but {like_name} is on {like.device}; "
-                         "cu_seqlens must be on the tensors' device")
+        raise InvalidArgumentError(f"cu_seqlens is on {cu_seqlens.device} but {like_name} is on {like.device}; "
+                                   "cu_seqlens must be on the tensors' device")
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
-        raise ValueError(f"cu_seqlens must be 1-D with batch + 1 >= 2 entries, got shape {tuple(cu_seqlens.shape)}")
+        raise InvalidArgumentError(
+            f"cu_seqlens must be 1-D with batch + 1 >= 2 entries, got shape {tuple(cu_seqlens.shape)}")
     cu = cu_seqlens.tolist()
     if cu[0] != 0:
-        raise ValueError(f"cu_seqlens[0]={cu[0]} must be 0")
+        raise InvalidArgumentError(f"cu_seqlens[0]={cu[0]} must be 0")
     parts = 2 * world if causal else world
     why = f"2 * world_size={parts} (causal: two chunks per rank)" if causal else f"world_size={parts}"
     for b in range(len(cu) - 1):
         length = cu[b + 1] - cu[b]
         if length < 0:
-            raise ValueError(f"cu_seqlens[{b + 1}]={cu[b + 1]} is less than cu_seqlens[{b}]={cu[b]} "
-                             "(offsets must be non-decreasing)")
+            raise InvalidArgumentError(f"cu_seqlens[{b + 1}]={cu[b + 1]} is less than cu_seqlens[{b}]={cu[b]} "
+                                       "(offsets must be non-decreasing)")
         if length % parts != 0:
-            raise ValueError(f"cu_seqlens: sequence {b} has length {length}, which must be divisible by {why}; "
-                             "pad the sequence")
+            raise InvalidArgumentError(
+                f"cu_seqlens: sequence {b} has length {length}, which must be divisible by {why}; "
+                "pad the sequence")
     return cu
 
 
@@ -103,7 +106,8 @@ def shard_varlen(x: Tensor, cu_seqlens: Tensor, group=None, causal: bool = False
     rank, world = _group_rank_size(group)
     cu = _read_cu_seqlens(cu_seqlens, x, "x", world, causal)
     if cu[-1] != x.shape[0]:
-        raise ValueError(f"cu_seqlens[-1]={cu[-1]} must equal x.shape[0]={x.shape[0]} (the packed batch's tokens)")
+        raise InvalidArgumentError(
+            f"cu_seqlens[-1]={cu[-1]} must equal x.shape[0]={x.shape[0]} (the packed batch's tokens)")
     return x.index_select(0, _local_rows(cu, rank, world, causal).to(x.device))
 
 
@@ -113,8 +117,8 @@ def unshard_varlen(x_local: Tensor, cu_seqlens: Tensor, group=None, causal: bool
     _, world = _group_rank_size(group)
     cu = _read_cu_seqlens(cu_seqlens, x_local, "x_local", world, causal)
     if cu[-1] != x_local.shape[0] * world:
-        raise ValueError(f"cu_seqlens[-1]={cu[-1]} must equal x_local.shape[0] * world_size="
-                         f"{x_local.shape[0] * world} (cu_seqlens describes the whole packed batch)")
+        raise InvalidArgumentError(f"cu_seqlens[-1]={cu[-1]} must equal x_local.shape[0] * world_size="
+                                   f"{x_local.shape[0] * world} (cu_seqlens describes the whole packed batch)")
     pieces = _all_gather(x_local.contiguous().reshape(-1), group)
     rows = torch.cat([_local_rows(cu, s, world, causal) for s in range(world)]).to(x_local.device)
     full = x_local.new_empty((cu[-1], *x_local.shape[1:]))
@@ -329,10 +333,10 @@ def context_parallel_attn_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Te
     rank, world = _group_rank_size(group)
     cu = _read_cu_seqlens(cu_seqlens, q, "q", world, cfg.causal)
     if cu[-1] != q.shape[0] * world:
-        raise ValueError(f"cu_seqlens[-1]={cu[-1]} must equal q.shape[0] * world_size={q.shape[0] * world} "
-                         "(cu_seqlens describes the whole packed batch, q this rank's part)")
+        raise InvalidArgumentError(f"cu_seqlens[-1]={cu[-1]} must equal q.shape[0] * world_size={q.shape[0] * world} "
+                                   "(cu_seqlens describes the whole packed batch, q this rank's part)")
     longest = max(cu[b + 1] - cu[b] for b in range(len(cu) - 1))
     if not isinstance(max_seqlen, int) or max_seqlen < longest:
-        raise ValueError(f"max_seqlen={max_seqlen!r} must be an int >= the longest sequence in cu_seqlens "
-                         f"({longest}; the whole batch's, not this rank's part)")
+        raise InvalidArgumentError(f"max_seqlen={max_seqlen!r} must be an int >= the longest sequence in cu_seqlens "
+                                   f"({longest}; the whole batch's, not this rank's part)")
     return _VarlenContextParallelAttention.apply(q, k, v, _plan(cu, rank, world, cfg, q.device), cfg)
