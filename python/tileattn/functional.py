@@ -161,10 +161,11 @@ def _autocast(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
                  for t in (q, k, v))
 
 
-def _check_empty_call(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
-                      cu_seqlens_k: Optional[Tensor]) -> None:
-    # An empty problem never reaches the extension, so the rules it would have applied to these
-    # tensors are checked here, with its messages.
+def _check_operands(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
+                    cu_seqlens_k: Optional[Tensor]) -> None:
+    # The rules the extension applies to these tensors, with its messages, for calls that must know
+    # before the extension runs: an empty problem (which never reaches it) and a context-parallel
+    # call (whose ranks would be left waiting on a send posted before a refusal).
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     _ops._check_same_device(dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k))
     _ops._check_attention_ranks(q, k, v, varlen)
@@ -263,7 +264,7 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
         return out * 0.0, lse
     rank = 3 if cu_seqlens_q is not None else 4
     if q.dim() == rank and k.dim() == rank and _is_empty(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k):
-        _check_empty_call(q, k, v, cu_seqlens_q, cu_seqlens_k)
+        _check_operands(q, k, v, cu_seqlens_q, cu_seqlens_k)
         if cu_seqlens_q is not None:
             _check_empty_offsets(cu_seqlens_q, "cu_seqlens_q", max_seqlen_q, "seqlen_q")
             _check_empty_offsets(cu_seqlens_k, "cu_seqlens_k", max_seqlen_k, "seqlen_k")

@@ -375,8 +375,28 @@ def _shard_roundtrip_worker(rank, world, port, seed, cases, backend):
             context_parallel_attn(q, q, q, mode="tree")
         with _raises(ValueError, "k.shape[1]=2 and v.shape[1]"):
             context_parallel_attn(q, q[:, :2], q, causal=True)
-        with _raises(ValueError, "window_size=(-2, 0) must be two ints >= -1"):
-            context_parallel_attn(q, q, q, window_size=(-2, 0))
+        # Options read as flash_attn_func reads them (a negative window side unbounded, softcap <= 0
+        # off, any finite scale), in both modes.
+        full = torch.randn(1, 24, 2, 8, generator=torch.Generator().manual_seed(seed + 1))
+        local = shard(full, causal=True)
+        for mode in ("ring", "allgather"):
+            for options in (dict(window_size=(-2, 3)), dict(softcap=-1.0), dict(softmax_scale=-0.4)):
+                got = context_parallel_attn(local, local, local, causal=True, mode=mode, **options)
+                want = shard(tileattn.flash_attn_func(full, full, full, causal=True, **options), causal=True)
+                assert naive.max_error(got, want) < 1e-5, (mode, options)
+        # A refused ring call is refused before anything is sent, so the group stays usable.
+        with _raises(ValueError, "softmax_scale=nan must be finite"):
+            context_parallel_attn(q, q, q, causal=True, softmax_scale=math.nan)
+        with _raises(TypeError, "k.dtype=float64 must equal q.dtype=float32"):
+            context_parallel_attn(q, q.double(), q, causal=True)
+        with _raises(ValueError, "heads_kv=3 must divide heads_q=2"):
+            context_parallel_attn(q, torch.cat([q, q[:, :, :1]], 2), torch.cat([q, q[:, :, :1]], 2))
+        assert context_parallel_attn(q, q, q, causal=True).shape == q.shape
+        # Only the group's members may call.
+        members = dist.new_group(list(range(world - 1)))
+        if rank == world - 1:
+            with _raises(ValueError, "this process is not a member of group"):
+                context_parallel_attn(q, q, q, group=members)
         _check_varlen_shard_and_errors(rank, world, seed)
     finally:
         dist.destroy_process_group()
@@ -428,7 +448,7 @@ def _check_varlen_shard_and_errors(rank: int, world: int, seed: int) -> None:
         context_parallel_attn_varlen(q, q, q, cu.to("meta"), 48)
     with _raises(ValueError, f"cu_seqlens[-1]=96 must equal q.shape[0] * world_size={(96 // world - 1) * world}"):
         context_parallel_attn_varlen(q[1:], q[1:], q[1:], cu, 48)
-    with _raises(ValueError, "max_seqlen=24 must be an int >= the longest sequence in cu_seqlens (48"):
+    with _raises(ValueError, "max_seqlen=24 must be >= the longest sequence in cu_seqlens (48"):
         context_parallel_attn_varlen(q, q, q, cu, 24)
     with _raises(ValueError, "q must have 3 dimensions (total_tokens_local, heads, headdim)"):
         context_parallel_attn_varlen(q[None], q, q, cu, 48)

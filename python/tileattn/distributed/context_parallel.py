@@ -41,6 +41,7 @@ from torch.autograd.function import once_differentiable
 
 from ..errors import InvalidArgumentError, InvalidTypeError
 from .. import _ops
+from ..functional import _check_operands, _EmptyAttention, _scaled_query, _softcap, _window
 from .merge import merge_attention
 
 __all__ = ["shard", "unshard", "context_parallel_attn"]
@@ -71,7 +72,11 @@ def _group_rank_size(group) -> tuple[int, int]:
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("tileattn.distributed needs an initialised torch.distributed process group "
                            "(torch.distributed.init_process_group, e.g. under torchrun)")
-    return dist.get_rank(group), dist.get_world_size(group)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if rank < 0:
+        raise InvalidArgumentError("this process is not a member of group (torch.distributed.get_rank(group) is -1); "
+                                   "only the group's ranks may call")
+    return rank, world
 
 
 def _global_rank(group, rank: int) -> int:
@@ -452,17 +457,22 @@ def context_parallel_attn(q: Tensor, k: Tensor, v: Tensor, group=None, causal: b
     _check_shards(q, k, v, mode, 4, "(batch, seqlen_local, heads, headdim)", 1, "shards of one sequence")
     if causal and q.shape[1] % 2 != 0:
         raise InvalidArgumentError(f"q.shape[1]={q.shape[1]} must be even (causal: two zig-zag chunks per rank)")
-    cfg = _config(q, group, causal, mode, softmax_scale, window_size, softcap)
+    q, cfg = _config(q, k, v, None, group, causal, mode, softmax_scale, window_size, softcap)
+    if q.numel() == 0 or k.numel() == 0:  # what flash_attn_func gives, and nothing to exchange
+        return _EmptyAttention.apply(q, k, v, False)[0]
     return _ContextParallelAttention.apply(q, k, v, cfg)
 
 
-def _config(q: Tensor, group, causal, mode, softmax_scale, window_size, softcap) -> _Config:
-    """The checks both forms share, and their options in one object."""
-    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or any(not isinstance(w, int) or w < -1 for w in window_size)):
-        raise InvalidArgumentError(f"window_size={window_size!r} must be two ints >= -1 (-1 = unbounded)")
+def _config(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Optional[Tensor], group, causal, mode, softmax_scale,
+            window_size, softcap) -> tuple[Tensor, _Config]:
+    """The checks both forms share, and their options in one object, read as flash_attn_func reads
+    them; q as the kernels take it (_scaled_query). Every rule the library would apply to the
+    operands is checked here, before anything is sent: a rank refused after posting a send would
+    leave its neighbours, and the group, waiting."""
     _, world = _group_rank_size(group)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    _check_operands(q, k, v, cu_seqlens, cu_seqlens)
+    left, right = _window(window_size)
+    q, scale = _scaled_query(q, softmax_scale, "softmax_scale")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     # One rank holds everything: the all-gather path is then a single call, with no exchange.
-    return _Config(group, bool(causal), "allgather" if world == 1 else mode, scale, int(window_size[0]),
-                   int(window_size[1]), float(softcap))
+    return q, _Config(group, bool(causal), "allgather" if world == 1 else mode, scale, left, right, _softcap(softcap))

@@ -29,6 +29,7 @@ from torch.autograd.function import once_differentiable
 
 from ..errors import InvalidArgumentError, InvalidTypeError
 from .. import _ops
+from ..functional import _int64
 from .context_parallel import (_all_gather, _block, _call_backward, _check_shards, _Config, _config, _group_rank_size,
                                _pack, _reduce_scatter, _ring_backward_walk, _ring_walk, _segments, _unpack)
 from .merge import merge_attention
@@ -329,14 +330,15 @@ def context_parallel_attn_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Te
     and stream sync on CUDA); the backward reuses what was read.
     """
     _check_shards(q, k, v, mode, 3, "(total_tokens_local, heads, headdim)", 0, "parts of one packed batch")
-    cfg = _config(q, group, causal, mode, softmax_scale, window_size, softcap)
     rank, world = _group_rank_size(group)
-    cu = _read_cu_seqlens(cu_seqlens, q, "q", world, cfg.causal)
+    cu = _read_cu_seqlens(cu_seqlens, q, "q", world, bool(causal))
+    q, cfg = _config(q, k, v, cu_seqlens, group, causal, mode, softmax_scale, window_size, softcap)
     if cu[-1] != q.shape[0] * world:
         raise InvalidArgumentError(f"cu_seqlens[-1]={cu[-1]} must equal q.shape[0] * world_size={q.shape[0] * world} "
                                    "(cu_seqlens describes the whole packed batch, q this rank's part)")
     longest = max(cu[b + 1] - cu[b] for b in range(len(cu) - 1))
-    if not isinstance(max_seqlen, int) or max_seqlen < longest:
-        raise InvalidArgumentError(f"max_seqlen={max_seqlen!r} must be an int >= the longest sequence in cu_seqlens "
+    max_seqlen = _int64(max_seqlen, "max_seqlen")
+    if max_seqlen < longest:
+        raise InvalidArgumentError(f"max_seqlen={max_seqlen!r} must be >= the longest sequence in cu_seqlens "
                                    f"({longest}; the whole batch's, not this rank's part)")
     return _VarlenContextParallelAttention.apply(q, k, v, _plan(cu, rank, world, cfg, q.device), cfg)
