@@ -178,15 +178,18 @@ void plan_and_run(tileattn::AttentionProblem p, const Tensor& q, bool backward) 
 // or the order is the usual one, the plain contiguous tensor (_ops.py's _empty_like, the same rule).
 Tensor empty_like_layout(const Tensor& like, int64_t last) {
   const int64_t n = like.dim();
-  std::vector<int64_t> order(n);
-  std::iota(order.begin(), order.end(), 0);
-  bool expanded = false;
-  for (int64_t d = 0; d + 1 < n; ++d) expanded |= like.stride(d) == 0;
-  std::stable_sort(order.begin(), order.end() - 1,
-                   [&](int64_t a, int64_t b) { return like.stride(a) > like.stride(b); });
+  const auto strides = like.strides();
   auto sizes = like.sizes().vec();
   sizes.back() = last;
-  if (expanded || std::is_sorted(order.begin(), order.end())) return at::empty(sizes, like.options());
+  bool usual = true, expanded = false;
+  for (int64_t d = 0; d + 1 < n; ++d) {
+    expanded |= strides[d] == 0;
+    usual &= d == 0 || strides[d - 1] >= strides[d];
+  }
+  if (usual || expanded) return at::empty(sizes, like.options());
+  std::vector<int64_t> order(n);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end() - 1, [&](int64_t a, int64_t b) { return strides[a] > strides[b]; });
   std::vector<int64_t> permuted(n), inverse(n);
   for (int64_t d = 0; d < n; ++d) {
     permuted[d] = sizes[order[d]];

@@ -102,6 +102,8 @@ def _scaled_query(q: Tensor, scale: Optional[float], name: str) -> tuple[Tensor,
 
 def _softcap(softcap) -> float:
     # flash-attn soft-caps only where softcap > 0: any other value is "off".
+    if type(softcap) is float and softcap == 0.0:  # the default, on every call
+        return 0.0
     cap = _float32(softcap, "softcap")
     return cap if cap > 0.0 else 0.0
 
@@ -145,13 +147,14 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+# Traced by dynamo (a guard on the autocast state), so no is_compiling() check is needed.
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
 
 
 def _autocast(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Inside torch.autocast, the operands in its lower-precision dtype, as PyTorch's SDPA takes them
     (its autocast policy: every floating operand but float64 is cast)."""
-    if not _any_autocast() and not torch.compiler.is_compiling():  # the one check outside autocast
+    if not _any_autocast():  # the one check outside autocast
         return q, k, v
     device = q.device.type
     if not torch.is_autocast_enabled(device):
@@ -273,16 +276,58 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
                           left, right, softcap, deterministic, alibi_slopes, dropout_p, dropout_rng)
 
 
-def _finish(out: Tensor, lse: Tensor, return_attn_probs: bool, dropout=None):
+def _attention_probs(q: Tensor, k: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
+                     max_seqlen_q: int, max_seqlen_k: int, options: tuple) -> Tensor:
+    """The weights P the kernels give each key (every mask, ALiBi and the soft cap; no dropout), as
+    (batch, heads, seqlen_q, seqlen_k) in q's dtype (varlen: max_seqlen_q, max_seqlen_k, sequence
+    b's in [b, :, :len_q, :len_k]): the attention of one-hot values, up to max_headdim keys a call,
+    so that they are the kernels' own weights. For testing, as flash-attn's S_dmask."""
+    with torch.no_grad():
+        varlen = cu_seqlens_q is not None
+        if varlen:
+            batch, total_k = cu_seqlens_q.shape[0] - 1, k.shape[0]
+            starts_k = cu_seqlens_k.long()
+            key_seq = torch.searchsorted(starts_k[1:], torch.arange(total_k, device=k.device), right=True)
+            key_pos = torch.arange(total_k, device=k.device) - starts_k[key_seq]  # each key's place in its sequence
+            seqlen_k = max_seqlen_k
+        else:
+            batch, seqlen_k = k.shape[0], k.shape[1]
+            key_pos = torch.arange(seqlen_k, device=k.device)
+        columns = []
+        for j0 in range(0, seqlen_k, _ext.max_headdim):
+            j = torch.arange(j0, min(j0 + _ext.max_headdim, seqlen_k), device=k.device)
+            one_hot = (key_pos[:, None] == j).to(q.dtype)  # (keys, chunk)
+            v = one_hot[:, None] if varlen else one_hot[None, :, None]
+            v = v.expand(*k.shape[:-1], j.shape[0])
+            out, _ = _ops.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *options)
+            columns.append(out)
+        p = torch.cat(columns, -1) if columns else q.new_zeros((*q.shape[:-1], 0))
+        if not varlen:
+            return p.transpose(1, 2)
+        rows = torch.zeros(batch, q.shape[1], max_seqlen_q, seqlen_k, dtype=q.dtype, device=q.device)
+        starts_q = cu_seqlens_q.long()
+        query_seq = torch.searchsorted(starts_q[1:], torch.arange(q.shape[0], device=q.device), right=True)
+        inside = query_seq < batch  # rows past the last sequence belong to none
+        query_pos = torch.arange(q.shape[0], device=q.device) - starts_q[query_seq.clamp(max=batch - 1)]
+        rows[query_seq[inside], :, query_pos[inside]] = p[inside]
+        return rows
+
+
+def _finish(out: Tensor, lse: Tensor, return_attn_probs: bool, dropout=None, probs=None):
+    """What flash-attn's entries return: out, or with return_attn_probs (out, softmax_lse, S_dmask).
+    S_dmask exists only with dropout, as flash-attn's: each key's weight P (``probs()``) with the
+    sign bit set where dropout dropped it, shaped (batch, heads, seqlen_q, seqlen_k) rounded up to
+    multiples of 128, in q's dtype. lse is not differentiable."""
     if not return_attn_probs:
         return out
-    # flash-attn returns S_dmask only when dropout is on (None without). In its place tileattn
-    # returns the keep mask as a bool tensor (docs/python.md). lse is not differentiable.
     lse = _flash_attn_lse(lse)
     if dropout is None:
         return out, lse, None
-    # Computed on the host; on the output's device like flash-attn's (a no-op on the CPU).
-    return out, lse, dropout_keep_mask(*dropout).to(out.device)
+    keep = dropout_keep_mask(*dropout).to(out.device)  # computed on the host
+    s_dmask = torch.where(keep, 1.0, -1.0).to(out.dtype) * probs()
+    round_up = lambda n: -(-n // 128) * 128  # noqa: E731
+    pad = (0, round_up(s_dmask.shape[-1]) - s_dmask.shape[-1], 0, round_up(s_dmask.shape[-2]) - s_dmask.shape[-2])
+    return out, lse, torch.nn.functional.pad(s_dmask, pad)
 
 
 def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
@@ -301,7 +346,9 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
     does (docs/python.md).
 
     Returns out (batch, seqlen_q, heads, headdim_v); with ``return_attn_probs=True`` returns
-    (out, softmax_lse, None), softmax_lse being (batch, heads, seqlen_q) float32. fp32 inputs are
+    (out, softmax_lse, S_dmask), softmax_lse being (batch, heads, seqlen_q) float32 (+inf on rows
+    that see no key) and S_dmask flash-attn's testing aid: None without dropout, else each key's
+    weight with the sign bit set where dropout dropped it (``_finish``). fp32 inputs are
     exact unless ``torch.get_float32_matmul_precision()`` is "high" or "medium" (or
     ``torch.backends.cuda.matmul.allow_tf32``), which selects the TF32 fast mode on the GPU.
     """
@@ -315,7 +362,8 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
     if not return_attn_probs:
         return out
     mask = (rng, p, q.shape[0], q.shape[2], q.shape[1], k.shape[1]) if p > 0.0 and q.dim() == 4 else None
-    return _finish(out, lse, return_attn_probs, mask)
+    options = (scale, bool(causal), left, right, _softcap(softcap), False, alibi_slopes)
+    return _finish(out, lse, return_attn_probs, mask, lambda: _attention_probs(q, k, None, None, 0, 0, options))
 
 
 def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
@@ -361,7 +409,9 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     out, lse = _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, bool(causal), left, right,
                           _softcap(softcap), bool(deterministic), alibi_slopes, p, rng)
     mask = (rng, p, cu_seqlens_q.shape[0] - 1, q.shape[1], max_q, max_k) if p > 0.0 and q.dim() == 3 else None
-    return _finish(out, lse, return_attn_probs, mask)
+    options = (scale, bool(causal), left, right, _softcap(softcap), False, alibi_slopes)
+    return _finish(out, lse, return_attn_probs, mask,
+                   lambda: _attention_probs(q, k, cu_seqlens_q, cu_seqlens_k, max_q, max_k, options))
 
 
 def _unpack(packed: Tensor, name: str, count: int, rank: int, dims: str) -> tuple[Tensor, ...]:
@@ -513,8 +563,8 @@ _OTHER_OPERANDS = ("a call in float64 (or another dtype than float16, bfloat16 a
 def _kernels_take(query: Tensor, value: Tensor) -> bool:
     # Ranks below 2 are refused by the usual rules, with their message.
     return query.dim() < 2 or value.dim() < 2 or (query.dtype in _KERNEL_DTYPES
-                                                   and 0 < query.size(-1) <= _ext.max_headdim
-                                                   and 0 < value.size(-1) <= _ext.max_headdim)
+                                                   and 0 < query.shape[-1] <= _ext.max_headdim
+                                                   and 0 < value.shape[-1] <= _ext.max_headdim)
 
 
 def _torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, why=_ARBITRARY_MASK):
@@ -557,20 +607,23 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
         if is_causal:
             raise InvalidArgumentError("attn_mask and is_causal=True: pass one mask, not both (as PyTorch's SDPA)")
         return _torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    if not _kernels_take(query, value):
-        return _torch_sdpa(query, key, value, None, dropout_p, is_causal, scale, enable_gqa, _OTHER_OPERANDS)
+    args = (query, key, value, None, dropout_p, is_causal, scale, enable_gqa, _OTHER_OPERANDS)
+    if torch.compiler.is_compiling() and not _kernels_take(query, value):  # eager: decided on a refusal
+        return _torch_sdpa(*args)
     query, key, value = _autocast(query, key, value)
     p = _dropout(dropout_p)
     q, k, v, finish = _sdpa_operands(query, key, value, enable_gqa)
-    q, scale = _scaled_query(q, scale, "scale")
+    q, q_scale = _scaled_query(q, scale, "scale")
     causal, right = False, -1
     if is_causal and q.numel() > 0 and k.numel() > 0:  # an empty problem has no mask to draw
         causal, right, keys = top_left_causal(q.shape[2], k.shape[2])
         k, v = k[:, :, :keys], v[:, :, :keys]
     try:
         out, _ = _attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, 0, 0,
-                            scale, causal, -1, right, 0.0, False, None, p, _dropout_rng(q, p))
-    except (ValueError, TypeError):
+                            q_scale, causal, -1, right, 0.0, False, None, p, _dropout_rng(q, p))
+    except (ValueError, TypeError, NotImplementedError):
+        if not _kernels_take(query, value):
+            return _torch_sdpa(*args)
         _check_sdpa_operands(query, key, value)  # the rule in SDPA's names and layout, where it is one of these
         raise
     out = out.transpose(1, 2)

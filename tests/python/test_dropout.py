@@ -1,5 +1,6 @@
 """Attention dropout through the Python API (flash-attn 2 semantics, docs/python.md "Dropout"):
-forward and gradients against a float64 reference that applies the returned keep mask, the 2x
+forward and gradients against a float64 reference that applies the keep mask read from the
+returned S_dmask (flash-attn's: each weight, its sign bit set where dropped), the 2x
 rule against the same computation in the inputs' precision, binomial kept fractions, the
 generator (torch.manual_seed reproduces, each call advances), bitwise repeats, p = 0 and p = 1,
 the argument errors, and fp32 on CUDA in exact and TF32 mode."""
@@ -14,6 +15,13 @@ import torch
 import tileattn
 
 _FLOOR = {torch.float32: 1e-6, torch.float16: 2e-4, torch.bfloat16: 2e-3}
+
+
+def _keep(s_dmask, seqlen_q, seqlen_k):
+    """The keep mask in S_dmask: its sign bits (a dropped weight of 0 is -0.0), cropped from the
+    shape rounded up to multiples of 128."""
+    assert s_dmask.shape[-2:] == (-(-seqlen_q // 128) * 128, -(-seqlen_k // 128) * 128)
+    return ~torch.signbit(s_dmask[..., :seqlen_q, :seqlen_k])
 
 
 def _reference(q, k, v, keep, p, causal=False, scale=None, dtype=torch.float64):
@@ -53,8 +61,9 @@ def _max_err(x, ref):
 @pytest.mark.parametrize("p", [0.1, 0.5])
 def test_forward_and_gradients_against_float64(dtype, causal, p):
     q, k, v, dout = _inputs(2, 70, 90, 4, 2, 32, dtype)
-    out, lse, keep = tileattn.flash_attn_func(q, k, v, dropout_p=p, causal=causal, return_attn_probs=True)
-    assert keep.dtype == torch.bool and keep.shape == (2, 4, 70, 90)
+    out, lse, s_dmask = tileattn.flash_attn_func(q, k, v, dropout_p=p, causal=causal, return_attn_probs=True)
+    assert s_dmask.dtype == dtype and s_dmask.shape == (2, 4, 128, 128)
+    keep = _keep(s_dmask, 70, 90)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
 
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
@@ -73,18 +82,44 @@ def test_forward_and_gradients_against_float64(dtype, causal, p):
         assert err <= 2 * naive_err + f, f"{name}: error {err:.3g} > 2 x naive {naive_err:.3g} + {f}"
 
 
+@pytest.mark.parametrize("varlen", [False, True])
+def test_s_dmask_holds_each_weight_with_its_drop_in_the_sign(varlen):
+    # flash-attn's S_dmask: |S| is each key's softmax weight (masked keys 0), the sign bit says
+    # dropped, the shape is rounded up to multiples of 128 with zeros past the sequences.
+    q, k, v, _ = _inputs(2, 70, 90, 4, 2, 32, torch.float32)
+    if varlen:
+        cu_q, cu_k = torch.tensor([0, 30, 70], dtype=torch.int32), torch.tensor([0, 50, 90], dtype=torch.int32)
+        _, _, s_dmask = tileattn.flash_attn_varlen_func(q[0], k[0], v[0], cu_q, cu_k, 40, 50, dropout_p=0.4,
+                                                        causal=True, return_attn_probs=True)
+        parts = [(q[0, :30], k[0, :50], 30, 50), (q[0, 30:], k[0, 50:], 40, 40)]
+    else:
+        _, _, s_dmask = tileattn.flash_attn_func(q, k, v, dropout_p=0.4, causal=True, return_attn_probs=True)
+        parts = [(q[b], k[b], 70, 90) for b in range(2)]
+    assert s_dmask.shape == (2, 4, 128, 128) and s_dmask.dtype == torch.float32
+    for b, (qb, kb, n_q, n_k) in enumerate(parts):
+        s = torch.einsum("qhd,khd->hqk", qb.double(), kb.double().repeat_interleave(2, 1)) / math.sqrt(32)
+        s = s.masked_fill(torch.ones(n_q, n_k, dtype=torch.bool).triu(n_k - n_q + 1), -math.inf)
+        weights = torch.softmax(s, -1).nan_to_num()
+        assert torch.allclose(s_dmask[b, :, :n_q, :n_k].abs().double(), weights, atol=1e-6)
+        assert not s_dmask[b, :, n_q:].any() and not s_dmask[b, :, :, n_k:].any()
+    dropped = torch.signbit(s_dmask).sum().item() / (2 * 4 * 128 * 128)
+    assert 0.0 < dropped < 0.4
+
+
 @pytest.mark.parametrize("p", [0.05, 0.3, 0.7])
 def test_kept_fraction_is_binomial(p):
     q, k, v, _ = _inputs(2, 64, 200, 3, 3, 8, torch.float32)
-    _, _, keep = tileattn.flash_attn_func(q, k, v, dropout_p=p, return_attn_probs=True)
+    _, _, s_dmask = tileattn.flash_attn_func(q, k, v, dropout_p=p, return_attn_probs=True)
+    keep = _keep(s_dmask, 64, 200)
     n = keep.numel()
     sd = math.sqrt(n * p * (1 - p))
     assert abs(keep.sum().item() - n * (1 - p)) <= 5 * sd
     # The mask is what the forward applied: with Q = 0 every weight is 1/sk, so with V = 1 each output
     # row is its kept count / (sk (1 - p)).
     ones = torch.ones(2, 200, 3, 1)
-    out, _, keep = tileattn.flash_attn_func(torch.zeros(2, 64, 3, 8), torch.randn(2, 200, 3, 8), ones, dropout_p=p,
-                                            return_attn_probs=True)
+    out, _, s_dmask = tileattn.flash_attn_func(torch.zeros(2, 64, 3, 8), torch.randn(2, 200, 3, 8), ones,
+                                               dropout_p=p, return_attn_probs=True)
+    keep = _keep(s_dmask, 64, 200)
     want = keep.double().sum(-1).transpose(1, 2) / (200 * (1 - p))
     assert torch.allclose(out[..., 0].double(), want, atol=1e-5)
 
@@ -128,7 +163,8 @@ def test_p_zero_is_no_dropout_exactly():
 
 def test_p_one_gives_zeros_and_zero_gradients():
     q, k, v, dout = _inputs(1, 20, 30, 2, 2, 16, torch.float32, seed=11)
-    out, lse, keep = tileattn.flash_attn_func(q, k, v, dropout_p=1.0, return_attn_probs=True)
+    out, lse, s_dmask = tileattn.flash_attn_func(q, k, v, dropout_p=1.0, return_attn_probs=True)
+    keep = _keep(s_dmask, 20, 30)
     assert torch.equal(out, torch.zeros_like(out)) and not keep.any()
     _, ref_lse = _reference(q.detach().double(), k.detach().double(), v.detach().double(), keep, 0.0)
     assert torch.allclose(lse.double(), ref_lse, atol=1e-5)
@@ -141,9 +177,10 @@ def test_varlen_and_packed_forms_use_positions_within_sequences():
     lens = [13, 40, 7]
     cu = torch.tensor([0, 13, 53, 60], dtype=torch.int32)
     qkv = torch.randn(60, 3, 2, 16, dtype=torch.float64).float().requires_grad_()
-    out, _, keep = tileattn.flash_attn_varlen_qkvpacked_func(qkv, cu, 40, dropout_p=0.3, causal=True,
-                                                             return_attn_probs=True)
-    assert keep.shape == (3, 2, 40, 40)
+    out, _, s_dmask = tileattn.flash_attn_varlen_qkvpacked_func(qkv, cu, 40, dropout_p=0.3, causal=True,
+                                                                return_attn_probs=True)
+    assert s_dmask.shape == (3, 2, 128, 128)
+    keep = _keep(s_dmask, 40, 40)
     dout = torch.randn_like(out)
     (dqkv,) = torch.autograd.grad(out, qkv, dout)
     leaf = qkv.detach().double().requires_grad_()
@@ -211,8 +248,9 @@ def test_cuda_dropout_matches_cpu_with_the_same_mask(dtype, causal):
     # a float64 reference that its output and gradients must follow (the 2x rule's floor).
     torch.manual_seed(3)
     q, k, v = (torch.randn(2, 70, 4, 64, device="cuda", dtype=dtype).requires_grad_() for _ in range(3))
-    out, lse, keep = tileattn.flash_attn_func(q, k, v, dropout_p=0.3, causal=causal, return_attn_probs=True)
-    assert keep.device == out.device and keep.shape == (2, 4, 70, 70)
+    out, lse, s_dmask = tileattn.flash_attn_func(q, k, v, dropout_p=0.3, causal=causal, return_attn_probs=True)
+    assert s_dmask.device == out.device
+    keep = _keep(s_dmask, 70, 70)
     kept = keep.float().mean().item()
     assert abs(kept - 0.7) < 0.02, kept
     dout = torch.randn_like(out)
@@ -251,8 +289,9 @@ def test_cuda_fp32_dropout_against_float64_with_the_returned_mask(precision, fas
     torch.backends.cuda.matmul.allow_tf32 = fast
     q, k, v, dout = (t.detach().cuda() for t in _inputs(2, 70, 90, 4, 2, 64, torch.float32))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    out, lse, keep = tileattn.flash_attn_func(q, k, v, dropout_p=0.3, causal=causal, return_attn_probs=True)
-    assert keep.device == out.device and keep.shape == (2, 4, 70, 90)
+    out, lse, s_dmask = tileattn.flash_attn_func(q, k, v, dropout_p=0.3, causal=causal, return_attn_probs=True)
+    assert s_dmask.device == out.device
+    keep = _keep(s_dmask, 70, 90)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     torch.set_float32_matmul_precision("highest")  # the references below in exact fp32
     torch.backends.cuda.matmul.allow_tf32 = False
