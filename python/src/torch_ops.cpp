@@ -23,9 +23,9 @@
 #include <algorithm>
 #include <atomic>
 #include <numeric>
-#include <vector>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "error_classes.hpp"
 #include "tensor_args.hpp"

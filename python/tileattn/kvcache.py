@@ -234,6 +234,20 @@ def _splits(num_splits) -> int:
     return n
 
 
+def _paged_table(block_table, k: Tensor, v: Tensor, batch: int, device: torch.device) -> Tensor:
+    """flash_attn_varlen_func's block_table (batch, max_pages) int32, over k and v as paged caches."""
+    if not isinstance(block_table, Tensor) or block_table.dim() != 2 or block_table.shape[0] != batch:
+        raise InvalidArgumentError(
+            f"block_table must be (batch, max_pages)=({batch}, max_pages), got shape "
+            f"{tuple(block_table.shape) if isinstance(block_table, Tensor) else block_table!r}")
+    block_table = _int32_table(block_table, "block_table", tuple(block_table.shape), device)
+    for t, name in ((k, "k"), (v, "v")):
+        if t.dim() != 4:
+            raise InvalidArgumentError(f"{name} must be a paged cache (num_pages, page_size, heads_kv, headdim) "
+                                       f"with block_table, got shape {tuple(t.shape)}")
+    return block_table
+
+
 def gathered_keys(k: Tensor, v: Tensor, cu_seqlens_k: Tensor, seqused_k: Optional[Tensor],
                   block_table: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     """The keys and values a ``flash_attn_varlen_func`` call with ``block_table`` and/or
@@ -256,15 +270,7 @@ def gathered_keys(k: Tensor, v: Tensor, cu_seqlens_k: Tensor, seqused_k: Optiona
         ok = lambda: bool((lengths <= cu_seqlens_k[1:].long() - starts).all())  # noqa: E731
         rule = "seqused_k[b] must be at most sequence b's length in cu_seqlens_k"
     else:
-        if not isinstance(block_table, Tensor) or block_table.dim() != 2 or block_table.shape[0] != batch:
-            raise InvalidArgumentError(
-                f"block_table must be (batch, max_pages)=({batch}, max_pages), got shape "
-                f"{tuple(block_table.shape) if isinstance(block_table, Tensor) else block_table!r}")
-        block_table = _int32_table(block_table, "block_table", tuple(block_table.shape), device)
-        for t, name in ((k, "k"), (v, "v")):
-            if t.dim() != 4:
-                raise InvalidArgumentError(f"{name} must be a paged cache (num_pages, page_size, heads_kv, headdim) "
-                                           f"with block_table, got shape {tuple(t.shape)}")
+        block_table = _paged_table(block_table, k, v, batch, device)
         page, max_pages = k.shape[1], block_table.shape[1]
         slot = j // page
         pages = block_table.long()[b, slot.clamp_max(max_pages - 1)]
@@ -290,16 +296,7 @@ def cache_varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, 
     batch = cu_seqlens_q.shape[0] - 1
     device = q.device
     if block_table is not None:
-        if not isinstance(block_table, Tensor) or block_table.dim() != 2 or block_table.shape[0] != batch:
-            raise InvalidArgumentError(
-                f"block_table must be (batch, max_pages)=({batch}, max_pages), got shape "
-                f"{tuple(block_table.shape) if isinstance(block_table, Tensor) else block_table!r}")
-        block_table = _int32_table(block_table, "block_table", tuple(block_table.shape), device)
-        for t, name in ((k, "k"), (v, "v")):
-            if t.dim() != 4:
-                raise InvalidArgumentError(
-                    f"{name} must be a paged cache (num_pages, page_size, heads_kv, headdim) with "
-                    f"block_table, got shape {tuple(t.shape)}")
+        block_table = _paged_table(block_table, k, v, batch, device)
     seqused_k = _int32_table(seqused_k, "seqused_k", (batch,), device)
     if q.dim() != 3:
         raise InvalidArgumentError(
