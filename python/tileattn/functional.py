@@ -276,6 +276,15 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
                           left, right, softcap, deterministic, alibi_slopes, dropout_p, dropout_rng)
 
 
+def _places(cu_seqlens: Tensor, rows: int) -> tuple[Tensor, Tensor]:
+    """Each of ``rows`` packed rows' sequence under ``cu_seqlens`` (batch + 1 offsets; batch for a
+    row past the last sequence) and its place from that sequence's start."""
+    cu = cu_seqlens.long()
+    row = torch.arange(rows, device=cu.device)
+    seq = torch.searchsorted(cu[1:], row, right=True)
+    return seq, row - cu[seq]
+
+
 def _attention_probs(q: Tensor, k: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
                      max_seqlen_q: int, max_seqlen_k: int, options: tuple) -> Tensor:
     """The weights P the kernels give each key (every mask, ALiBi and the soft cap; no dropout), as
@@ -285,11 +294,8 @@ def _attention_probs(q: Tensor, k: Tensor, cu_seqlens_q: Optional[Tensor], cu_se
     with torch.no_grad():
         varlen = cu_seqlens_q is not None
         if varlen:
-            batch, total_k = cu_seqlens_q.shape[0] - 1, k.shape[0]
-            starts_k = cu_seqlens_k.long()
-            key_seq = torch.searchsorted(starts_k[1:], torch.arange(total_k, device=k.device), right=True)
-            key_pos = torch.arange(total_k, device=k.device) - starts_k[key_seq]  # each key's place in its sequence
-            seqlen_k = max_seqlen_k
+            batch, seqlen_k = cu_seqlens_q.shape[0] - 1, max_seqlen_k
+            _, key_pos = _places(cu_seqlens_k, k.shape[0])
         else:
             batch, seqlen_k = k.shape[0], k.shape[1]
             key_pos = torch.arange(seqlen_k, device=k.device)
@@ -305,10 +311,8 @@ def _attention_probs(q: Tensor, k: Tensor, cu_seqlens_q: Optional[Tensor], cu_se
         if not varlen:
             return p.transpose(1, 2)
         rows = torch.zeros(batch, q.shape[1], max_seqlen_q, seqlen_k, dtype=q.dtype, device=q.device)
-        starts_q = cu_seqlens_q.long()
-        query_seq = torch.searchsorted(starts_q[1:], torch.arange(q.shape[0], device=q.device), right=True)
+        query_seq, query_pos = _places(cu_seqlens_q, q.shape[0])
         inside = query_seq < batch  # rows past the last sequence belong to none
-        query_pos = torch.arange(q.shape[0], device=q.device) - starts_q[query_seq.clamp(max=batch - 1)]
         rows[query_seq[inside], :, query_pos[inside]] = p[inside]
         return rows
 
@@ -356,13 +360,14 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
     left, right = _window(window_size)
     q, k, v = _autocast(q, k, v)
     q, scale = _scaled_query(q, softmax_scale, "softmax_scale")
+    cap = _softcap(softcap)
     rng = _dropout_rng(q, p) if p else None
-    out, lse = _attention(q, k, v, None, None, 0, 0, scale, bool(causal), left, right, _softcap(softcap),
-                          bool(deterministic), alibi_slopes, p, rng)
+    out, lse = _attention(q, k, v, None, None, 0, 0, scale, bool(causal), left, right, cap, bool(deterministic),
+                          alibi_slopes, p, rng)
     if not return_attn_probs:
         return out
     mask = (rng, p, q.shape[0], q.shape[2], q.shape[1], k.shape[1]) if p > 0.0 and q.dim() == 4 else None
-    options = (scale, bool(causal), left, right, _softcap(softcap), False, alibi_slopes)
+    options = (scale, bool(causal), left, right, cap, False, alibi_slopes)
     return _finish(out, lse, return_attn_probs, mask, lambda: _attention_probs(q, k, None, None, 0, 0, options))
 
 
@@ -404,12 +409,13 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
             return _finish(out, lse, return_attn_probs)
     q, k, v = _autocast(q, k, v)
     q, scale = _scaled_query(q, softmax_scale, "softmax_scale")
+    cap = _softcap(softcap)
     rng = _dropout_rng(q, p)
     max_q, max_k = _int64(max_seqlen_q, "max_seqlen_q"), _int64(max_seqlen_k, "max_seqlen_k")
-    out, lse = _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, bool(causal), left, right,
-                          _softcap(softcap), bool(deterministic), alibi_slopes, p, rng)
+    out, lse = _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, bool(causal), left, right, cap,
+                          bool(deterministic), alibi_slopes, p, rng)
     mask = (rng, p, cu_seqlens_q.shape[0] - 1, q.shape[1], max_q, max_k) if p > 0.0 and q.dim() == 3 else None
-    options = (scale, bool(causal), left, right, _softcap(softcap), False, alibi_slopes)
+    options = (scale, bool(causal), left, right, cap, False, alibi_slopes)
     return _finish(out, lse, return_attn_probs, mask,
                    lambda: _attention_probs(q, k, cu_seqlens_q, cu_seqlens_k, max_q, max_k, options))
 

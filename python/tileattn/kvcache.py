@@ -19,7 +19,7 @@ from torch import Tensor
 
 from .errors import InvalidArgumentError, InvalidTypeError
 from . import _ops
-from .functional import _dtype_name, _flash_attn_lse, _int64, _scaled_query, _softcap, _window
+from .functional import _dtype_name, _flash_attn_lse, _int64, _places, _scaled_query, _softcap, _window
 
 
 def _int32_table(t: Optional[Tensor], name: str, shape: tuple, device: torch.device) -> Optional[Tensor]:
@@ -262,9 +262,7 @@ def gathered_keys(k: Tensor, v: Tensor, cu_seqlens_k: Tensor, seqused_k: Optiona
     starts = cu_seqlens_k[:-1].long()
     lengths = cu_seqlens_k[1:].long() - starts if seqused_k is None else seqused_k.long()
     cu = torch.nn.functional.pad(lengths.clamp_min(0).cumsum(0), (1, 0))
-    row = torch.arange(int(cu[-1]), device=device)  # the one wait for the device: the gathered length
-    b = torch.searchsorted(cu, row, right=True) - 1
-    j = row - cu[b]
+    b, j = _places(cu, int(cu[-1]))  # the one wait for the device: the gathered length
     if block_table is None:
         index, rows, flat_k, flat_v = starts[b] + j, k.shape[0], k, v
         ok = lambda: bool((lengths <= cu_seqlens_k[1:].long() - starts).all())  # noqa: E731
