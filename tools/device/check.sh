@@ -18,6 +18,8 @@
 #   --sanitize FILTER     gtest filter for the compute-sanitizer run; none: skip
 #   --bench WHICH         all, none, or a comma list of forward,backward,fp32 (default all)
 #   --pytest WHAT         all, none, or a pytest -k expression for tests/python (default all)
+#   --pytest-jobs N       run the Python tests as N processes on the one GPU, the test files dealt
+#                         round-robin (default 1; the whole suite takes longer than one call alone)
 #   --jobs N              build parallelism (default: all cores)
 #   --build-dir DIR       (default build-device; the package builds in DIR/pip)
 #   --python-bench        also `python -m tileattn.bench.attention --preset h100` (needs --pytest)
@@ -54,6 +56,7 @@ SANITIZE+=':Sweep/Backward.*/bf16_sq_gt_sk_causal_masked_rows_d96:Sweep/Backward
 SANITIZE+=':VarlenGraphCapture.*:Sweep/ForwardAccuracy.*/pack_varlen_causal_bf16:Sweep/ForwardAccuracy.*/pack_window_softcap_d40_f16:Sweep/ForwardAccuracy.*/decode_window_softcap_d40_bf16:Sweep/ForwardAccuracy.*/decode_d32_mha_f16'
 BENCH=all
 PYTEST=all
+PYTEST_JOBS=1
 JOBS=$(nproc)
 BUILD=build-device
 PROFILE=0
@@ -75,6 +78,7 @@ while [[ $# -gt 0 ]]; do
     --sanitize) SANITIZE="$2"; shift ;;
     --bench) BENCH="$2"; shift ;;
     --pytest) PYTEST="$2"; shift ;;
+    --pytest-jobs) PYTEST_JOBS="$2"; shift ;;
     --jobs) JOBS="$2"; shift ;;
     --build-dir) BUILD="$2"; shift ;;
     --profile) PROFILE=1 ;;
@@ -143,14 +147,18 @@ rc=$?
 t1=$(now)
 note "configure: rc=$rc $((t1 - t0))s (archs $ARCH, head dims $HEADDIMS)"
 if [[ $rc -ne 0 ]]; then tail -30 "$LOG/configure.log"; exit 1; fi
-# Without tests only the library is needed (the harnesses link it).
+# Without tests only the library is needed (the harnesses link it); with neither, nothing (the
+# Python package builds its own).
 TARGETS=()
 [[ "$TESTS" == none && $CPU_TESTS -eq 0 ]] && TARGETS=(--target tileattn)
-run "$LOG/build.log" cmake --build "$BUILD" -j "$JOBS" "${TARGETS[@]}"
-rc=$?
-t2=$(now)
-note "build: rc=$rc $((t2 - t1))s with -j$JOBS"
-if [[ $rc -ne 0 ]]; then grep -E "error|Error" "$LOG/build.log" | head -40; exit 1; fi
+if [[ ${#TARGETS[@]} -gt 0 && "$BENCH" == none && $PROFILE -eq 0 && $PROFILE_SMM -eq 0 && -z "$PROFILE_FWD$PROFILE_BWD" ]]; then
+  note "build: skipped (no C++ test, benchmark or profile asked for)"
+else
+  run "$LOG/build.log" cmake --build "$BUILD" -j "$JOBS" "${TARGETS[@]}"
+  rc=$?
+  note "build: rc=$rc $(( $(now) - t1 ))s with -j$JOBS"
+  if [[ $rc -ne 0 ]]; then grep -E "error|Error" "$LOG/build.log" | head -40; exit 1; fi
+fi
 
 # ---- benchmark harnesses and the Python package, built while the GPU tests run -------------
 # They are waited for before the benchmarks, so no compile competes with timed runs.
@@ -264,16 +272,29 @@ if bench_on fp32; then
 fi
 
 # ---- Python package tests -----------------------------------------------------------------
+# With --pytest-jobs N, N processes share the GPU, each over every N-th test file.
 if [[ "$PYTEST" != none ]]; then
   t0=$(now)
   PYTEST_K=()
   [[ "$PYTEST" != all ]] && PYTEST_K=(-k "$PYTEST")
-  PYTHONPATH="$(realpath -m "$PYTARGET")${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 \
-    run "$LOG/pytest.log" python3 -m pytest -q tests/python -p no:cacheprovider "${PYTEST_K[@]}" \
-    --junitxml="$(realpath "$LOG")/pytest.xml"
-  rc=$?
-  note "python tests: rc=$rc $(( $(now) - t0 ))s: $(tail -1 "$LOG/pytest.log" 2>/dev/null)"
-  grep -E '^(FAILED|ERROR) ' "$LOG/pytest.log" 2>/dev/null | head -20 | tee -a "$SUMMARY"
+  mapfile -t PYFILES < <(ls tests/python/test_*.py)
+  PIDS=()
+  for ((j = 0; j < PYTEST_JOBS; ++j)); do
+    SHARD=()
+    for ((f = j; f < ${#PYFILES[@]}; f += PYTEST_JOBS)); do SHARD+=("${PYFILES[f]}"); done
+    [[ ${#SHARD[@]} -eq 0 ]] && continue
+    PYTHONPATH="$(realpath -m "$PYTARGET")${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 \
+      run "$LOG/pytest_$j.log" python3 -m pytest -q "${SHARD[@]}" -p no:cacheprovider "${PYTEST_K[@]}" \
+      --durations=5 --junitxml="$(realpath "$LOG")/pytest_$j.xml" &
+    PIDS+=($!)
+  done
+  rc=0
+  for pid in "${PIDS[@]}"; do wait "$pid" || rc=$?; done
+  note "python tests: rc=$rc $(( $(now) - t0 ))s in $PYTEST_JOBS process(es):"
+  for log in "$LOG"/pytest_*.log; do
+    note "  $(basename "$log"): $(grep -E '(passed|failed|error)' "$log" 2>/dev/null | tail -1)"
+    grep -E '^(FAILED|ERROR) ' "$log" 2>/dev/null | head -20 | tee -a "$SUMMARY"
+  done
 fi
 
 # ---- the Python layer's benchmark preset (tileattn beside every PyTorch peer) ----------------
