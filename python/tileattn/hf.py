@@ -44,25 +44,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .bert_padding import _offsets, index_first_axis, pad_input, unpad_input
 from .functional import flash_attn_func, flash_attn_varlen_func
 
 __all__ = ["attention_forward", "register"]
 
 NAME = "tileattn"
-
-
-def _offsets(lengths: Tensor) -> Tensor:
-    """cu_seqlens (int32, batch + 1) from per-sequence lengths."""
-    return torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
-
-
-def _unpad(x: Tensor, mask: Tensor):
-    """The rows of x (batch, seqlen, heads, d) where mask (batch, seqlen) is set, as one
-    (total, heads, d) tensor, with their flat indices, cu_seqlens and the longest length."""
-    lengths = mask.sum(dim=-1, dtype=torch.int32)
-    indices = mask.flatten().nonzero().flatten()
-    rows = x.reshape(-1, *x.shape[2:]).index_select(0, indices)
-    return rows, indices, _offsets(lengths), int(lengths.max()) if lengths.numel() else 0
 
 
 def _padded(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, masks_queries: bool, **options) -> Tensor:
@@ -71,8 +58,8 @@ def _padded(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, masks_queri
     if key.shape[1] > mask.shape[1]:
         # A static cache holds more key slots than the mask has seen; the rest are unused.
         key, value = key[:, :mask.shape[1]], value[:, :mask.shape[1]]
-    k, indices_k, cu_k, max_k = _unpad(key, mask)
-    v = value.reshape(-1, *value.shape[2:]).index_select(0, indices_k)
+    k, indices_k, cu_k, max_k, _ = unpad_input(key, mask)
+    v = index_first_axis(value.reshape(-1, *value.shape[2:]), indices_k)
     if not masks_queries:
         # The mask is the keys' alone (cross-attention): every query row attends to its row's keys.
         q = query.reshape(-1, *query.shape[2:])
@@ -80,15 +67,14 @@ def _padded(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, masks_queri
         out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, seqlen_q, max_k, **options)
         return out.view(batch, seqlen_q, *out.shape[1:])
     # Fewer queries than keys (a cache): the queries are the last positions of each row.
-    q, indices_q, cu_q, max_q = _unpad(query, mask[:, -seqlen_q:])
+    q, indices_q, cu_q, max_q, _ = unpad_input(query, mask[:, -seqlen_q:])
     out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, **options)
-    full = out.new_zeros(batch * seqlen_q, *out.shape[1:])
-    return full.index_copy(0, indices_q, out).view(batch, seqlen_q, *out.shape[1:])
+    return pad_input(out, indices_q, batch, seqlen_q)
 
 
 def _real_first(mask: Tensor):
-    """_unpad's layout with static shapes (traceable): for the flattened (batch, seqlen) mask, the
-    order that puts every row's real tokens first (as _unpad), then each row's padding; its
+    """unpad_input's layout with static shapes (traceable): for the flattened (batch, seqlen) mask,
+    the order that puts every row's real tokens first (as unpad_input), then each row's padding; its
     inverse; and cu_seqlens (2 * batch + 1): one sequence of real tokens per row, then one of
     padding per row."""
     flat = mask.flatten()
