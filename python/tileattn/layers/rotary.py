@@ -23,13 +23,13 @@ flash-attn's kernel leaves it; so is a token of x that no sequence of ``cu_seqle
 
 from __future__ import annotations
 
-import operator
 from typing import Optional, Union
 
 import torch
 from torch import Tensor
 
 from .._ops import _checks
+from ..bert_padding import _count
 from ..errors import InvalidArgumentError, InvalidTypeError
 
 __all__ = ["RotaryEmbedding", "apply_rotary_emb", "apply_rotary_emb_func", "apply_rotary_emb_kv_",
@@ -49,13 +49,7 @@ def _shape(t) -> str:
 def _int(value, name: str) -> int:
     if torch.compiler.is_compiling():
         return value  # a symbolic int stays symbolic
-    try:
-        n = operator.index(value)
-    except TypeError:
-        raise InvalidTypeError(f"{name}={value!r} must be an integer") from None
-    if n < 0:
-        raise InvalidArgumentError(f"{name}={n} must be >= 0")
-    return n
+    return _count(value, name)
 
 
 def _checked(t: Tensor) -> bool:
