@@ -91,11 +91,9 @@ struct BwdPlan {
 BwdPlan pick_kernels(const AttentionProblem& p) {
   BwdPlan plan;
   // Dropout runs on the portable kernels only (the Hopper backward has none; ALiBi it has, in
-  // instances of its own), and so does the deterministic mode above D = 128 (the wide Hopper
-  // kernel only sums dQ by reduction).
+  // instances of its own).
   const int bucket = headdim_bucket(p);
-  if (p.dropout_p == 0.0f && !(p.deterministic && bucket > 128))
-    plan.sm90 = pick_backward_sm90(p, bucket);
+  if (p.dropout_p == 0.0f) plan.sm90 = pick_backward_sm90(p, bucket);
   if (plan.sm90 && !make_bwd_sm90_maps(p, plan.params, plan.sm90->box_rows)) plan.sm90.reset();
   return plan;
 }

@@ -198,8 +198,7 @@ Grads naive_backward(const AttentionProblem& device_problem) {
 struct Case {
   std::string name;
   ProblemShape shape;
-  // A Hopper device must run it on the sm90 kernels (the deterministic mode too, up to D = 128;
-  // above, that mode runs on the portable kernels).
+  // A Hopper device must run it on the sm90 kernels, in both dQ modes.
   bool expect_sm90 = false;
 };
 
@@ -405,6 +404,28 @@ void add_alibi_hopper_cases(std::vector<Case>& c, DType t) {
   }
 }
 
+// The wide kernels (D > 128) in both dQ modes: packed sequences, empty ones among them, under a
+// window at D = 160 (a query block's last key step reads the next sequence's keys; the second
+// consumer's 64 columns hold 32 of the head dim), and GQA causal at D = 192 with rows past the keys.
+void add_wide_cases(std::vector<Case>& c, DType t) {
+  const std::string n = dtype_name(t) + "_";
+  {
+    auto s = base(t, 1, 1, 160);
+    s.seqlens_q = {37, 0, 150, 64, 5, 129};
+    s.seqlens_k = {50, 20, 150, 0, 300, 129};
+    s.window_left = 40;
+    s.window_right = 10;
+    c.push_back({n + "d160_varlen_window", s, true});
+  }
+  {
+    auto s = base(t, 300, 190, 192);  // bottom-right: the first 110 rows see no key
+    s.heads_q = 6;
+    s.heads_kv = 2;
+    s.causal = true;
+    c.push_back({n + "d192_gqa_causal_sq_gt_sk", s, true});
+  }
+}
+
 // More units of key blocks than SMs, one length, no mask but the causal one: on Hopper one block
 // per SM walks the key blocks (the fused dQ; the deterministic mode keeps a block each). An odd
 // key-block count (the middle block alone), GQA, sq != sk both ways (rows without keys), softcap,
@@ -449,6 +470,7 @@ std::vector<Case> cases() {
   add_half_cases(c, DType::f16);
   for (DType t : {DType::bf16, DType::f16, DType::f32}) add_alibi_cases(c, t);
   for (DType t : {DType::bf16, DType::f16}) add_alibi_hopper_cases(c, t);
+  for (DType t : {DType::bf16, DType::f16}) add_wide_cases(c, t);
   {
     auto s = base(DType::f32, 127, 127, 64);
     c.push_back({"f32_len127_d64", s});
@@ -574,18 +596,15 @@ TEST_P(Backward, GradientsWithin2xOfNaive) {
   for (bool deterministic : {false, true}) {
     SCOPED_TRACE(deterministic ? "deterministic" : "atomic dQ");
     dp.problem.deterministic = deterministic;
-    // Above 128 the deterministic mode runs the portable kernels; the bucket decides (a narrowed
-    // build runs D = 128 in the 192 bucket).
     const int bucket = tileattn::cuda::bucket_of(tileattn::cuda::BwdSm80HeadDims{},
                                                  int(std::max(hp.problem.headdim_qk, hp.problem.headdim_v)));
-    const bool wide = bucket > 128;
     // fp32 (exact mode here) runs the split-TF32 Hopper kernels in their buckets (32 and 64).
     const bool expect_sm90 =
         hp.problem.dtype == DType::f32
             ? bucket != 0 && tileattn::cuda::bucket_of(tileattn::cuda::BwdTf32Sm90HeadDims{}, bucket) == bucket
             : GetParam().expect_sm90;
     try {
-      if (expect_sm90 && !(deterministic && wide) && hopper_kernels_run())
+      if (expect_sm90 && hopper_kernels_run())
         EXPECT_STREQ(tileattn::plan_backward(dp.problem).kernel_name(), "sm90");
       run_forward_backward(dp);
     } catch (const Error& e) {
@@ -718,11 +737,11 @@ TEST(BackwardSmallHeaddimQk, GradientsWithin2xOfNaiveOverDraws) {
 }
 
 // deterministic = true: two runs give the same bits, with the library's workspace and the caller's.
-// Head dim 64 takes fp32's exact Hopper passes, 128 its portable kernels; a narrowed build skips
-// the buckets it lacks.
+// Head dim 64 takes fp32's exact Hopper passes, 128 and above its portable kernels; 192 and 256 the
+// 16-bit types' wide Hopper kernels; a narrowed build skips the buckets it lacks.
 TEST(BackwardDeterministic, BitwiseRepeatable) {
   TA_SKIP_WITHOUT_GPU();
-  for (int64_t d : {64, 128})
+  for (int64_t d : {64, 128, 192, 256})
     for (DType t : {DType::bf16, DType::f16, DType::f32}) {
       SCOPED_TRACE(dtype_name(t) + " head dim " + std::to_string(d));
       auto s = base(t, 700, 700, d);

@@ -63,38 +63,17 @@ __global__ void __launch_bounds__(DqSm90Traits<T, kHeadDim>::kThreads, 1)
   const typename Traits::Barriers bars(smem.template at<Traits::kBarriers, uint64_t>());
   const auto& ring = bars.ring;
 
-  const int h = blockIdx.y, b = blockIdx.z;
-  const bwd::SeqInfo seq = bwd::seq_info(p, b);
-  // Heavy query tiles (late rows under a causal mask) are launched first.
-  const int q0 = (int(gridDim.x) - 1 - int(blockIdx.x)) * BM;
-  if (q0 >= seq.sq) return;
-  const int q1 = min(q0 + BM, seq.sq);
-  const Mask mask = bwd::seq_mask(p, seq);
-  const bwd::TileSpan keys = bwd::tile_span(mask.tile_begin_key(q0), mask.tile_end_key(q1), BN);
-  // Keys every query of the tile sees: key tiles inside need no mask arithmetic.
-  const int full_begin = mask.full_begin_key(q1), full_end = mask.full_end_key(q0);
+  const bwd::SeqInfo seq = bwd::seq_info(p, int(blockIdx.z));
+  if (BwdQueryBlock<BM, BN>::first_query() >= seq.sq) return;
+  const BwdQueryBlock<BM, BN> qb(p, seq);
+  const int h = qb.h, b = qb.b, q0 = qb.q0, q1 = qb.q1;
 
   bars.init(4 * Traits::kConsumers);  // one release per consumer warp
 
-  const bool varlen = p.cu_seqlens_q != nullptr;
   const Roles roles;
   if (roles.warpgroup == 0) {
     Roles::enter_producer();
-    if (threadIdx.x != 0 || keys.count == 0) return;
-    const int batch = varlen ? 0 : b;
-    const int hk = h / p.group;
-    const int q_row = int(seq.row_q) + q0;
-    const int k_base = int(seq.row_k);
-    sm90::barrier_arrive_expect_bytes(bars.once, 2 * QTile::kBytes);
-    QTile::template load<kBwdBoxRows>(sQ, &params.q, bars.once, q_row, h, batch);
-    QTile::template load<kBwdBoxRows>(sdO, &params.dout, bars.once, q_row, h, batch);
-    for (int i = 0; i < keys.count; ++i) {
-      const int s = ring.slot(i);
-      const int row = k_base + (keys.first + i) * BN;
-      uint64_t* full = ring.acquire_bytes(i, Traits::kStageBytes);
-      KVTile::template load<kBwdBoxRows>(stage_k(s), &params.k, full, row, hk, batch);
-      KVTile::template load<kBwdBoxRows>(stage_v(s), &params.v, full, row, hk, batch);
-    }
+    if (threadIdx.x == 0 && qb.keys.count > 0) load_query_block<QTile, KVTile>(params, qb, sQ, sdO, stage_k, stage_v, bars);
     return;
   }
 
@@ -109,8 +88,8 @@ __global__ void __launch_bounds__(DqSm90Traits<T, kHeadDim>::kThreads, 1)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dq[0][j][e] = 0.0f;
 
-  if (keys.count > 0) {
-    bwd::Fragment grads{nullptr, nullptr, {0.0f, 0.0f}, {0.0f, 0.0f}, 0, q0 + row0 + lane / 4, mask};
+  if (qb.keys.count > 0) {
+    bwd::Fragment grads{nullptr, nullptr, {0.0f, 0.0f}, {0.0f, 0.0f}, 0, q0 + row0 + lane / 4, qb.mask};
     const int64_t w = bwd::ws_row(p, b, h) + q0 + row0 + lane / 4;  // rows past the end: padding
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -121,9 +100,9 @@ __global__ void __launch_bounds__(DqSm90Traits<T, kHeadDim>::kThreads, 1)
     const uint32_t q_addr = smem_address(sQ) + consumer * 64 * 128;
     const uint32_t do_addr = smem_address(sdO) + consumer * 64 * 128;
     bars.wait_once();
-    for (int i = 0; i < keys.count; ++i) {
+    for (int i = 0; i < qb.keys.count; ++i) {
       const int s = i % Traits::kStages;  // in the loop's own words: see StageRing::wait_slot
-      const int key0 = (keys.first + i) * BN;
+      const int key0 = qb.key0(i);
       const uint32_t k_addr = smem_address(stage_k(s)), v_addr = smem_address(stage_v(s));
       ring.wait_slot(i, s);
 
@@ -132,8 +111,7 @@ __global__ void __launch_bounds__(DqSm90Traits<T, kHeadDim>::kThreads, 1)
 
       uint32_t pa[BN / 16][4], da[BN / 16][4];
       grads.col0 = key0;
-      const bool masked = !(key0 >= full_begin && key0 + BN <= full_end);
-      bwd::grads_to_fragments<T, false, kAlibi>(masked, st, dpt, grads, p, pa, da, slope);
+      bwd::grads_to_fragments<T, false, kAlibi>(qb.masked(key0), st, dpt, grads, p, pa, da, slope);
 
       const uint64_t k_desc = KVTile::n_major(k_addr, 0);
       sm90::fence_registers(dq[0]);

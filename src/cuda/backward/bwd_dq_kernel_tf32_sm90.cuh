@@ -76,16 +76,10 @@ __global__ void __launch_bounds__(DqTf32Sm90Traits<kHeadDim>::kThreads, 1)
   const auto& ring = bars.ring;
   const typename Traits::TRing t_ring{ring.end()};
 
-  const int h = blockIdx.y, b = blockIdx.z;
-  const bwd::SeqInfo seq = bwd::seq_info(p, b);
-  // Heavy query tiles (late rows under a causal mask) are launched first.
-  const int q0 = (int(gridDim.x) - 1 - int(blockIdx.x)) * BM;
-  if (q0 >= seq.sq) return;
-  const int q1 = min(q0 + BM, seq.sq);
-  const Mask mask = bwd::seq_mask(p, seq);
-  const bwd::TileSpan keys = bwd::tile_span(mask.tile_begin_key(q0), mask.tile_end_key(q1), BN);
-  // Keys every query of the tile sees: key tiles inside need no mask arithmetic.
-  const int full_begin = mask.full_begin_key(q1), full_end = mask.full_end_key(q0);
+  const bwd::SeqInfo seq = bwd::seq_info(p, int(blockIdx.z));
+  if (BwdQueryBlock<BM, BN>::first_query() >= seq.sq) return;
+  const BwdQueryBlock<BM, BN> qb(p, seq);
+  const int h = qb.h, b = qb.b, q0 = qb.q0, q1 = qb.q1;
 
   // A stage is free once every consumer warp and every transposing warp has read it.
   if (threadIdx.x == 0) t_ring.init(Traits::kTransposeThreads / 32, 4 * Traits::kConsumers);
@@ -96,25 +90,11 @@ __global__ void __launch_bounds__(DqTf32Sm90Traits<kHeadDim>::kThreads, 1)
     Roles::enter_producer();
     const int warp = Roles::warp(), lane = Roles::lane();
     if (warp == 0) {
-      if (lane != 0 || keys.count == 0) return;
-      const int batch = p.cu_seqlens_q != nullptr ? 0 : b;
-      const int hk = h / p.group;
-      const int q_row = int(seq.row_q) + q0;
-      const int k_base = int(seq.row_k);
-      sm90::barrier_arrive_expect_bytes(bars.once, 2 * QTile::kBytes);
-      QTile::template load<kBwdBoxRows>(sQ, &params.q, bars.once, q_row, h, batch);
-      QTile::template load<kBwdBoxRows>(sdO, &params.dout, bars.once, q_row, h, batch);
-      for (int i = 0; i < keys.count; ++i) {
-        const int s = ring.slot(i);
-        const int row = k_base + (keys.first + i) * BN;
-        uint64_t* full = ring.acquire_bytes(i, Traits::kStageBytes);
-        KVTile::template load<kBwdBoxRows>(stage_k(s), &params.k, full, row, hk, batch);
-        KVTile::template load<kBwdBoxRows>(stage_v(s), &params.v, full, row, hk, batch);
-      }
+      if (lane == 0 && qb.keys.count > 0) load_query_block<QTile, KVTile>(params, qb, sQ, sdO, stage_k, stage_v, bars);
       return;
     }
     const int tid = int(threadIdx.x) - 32;
-    rewrite_stages(keys.count, ring, t_ring, lane,
+    rewrite_stages(qb.keys.count, ring, t_ring, lane,
                    [=](int s, int slot) { KT::write(stage_k(s), k_t(slot), tid, Traits::kTransposeThreads); });
     return;
   }
@@ -130,8 +110,8 @@ __global__ void __launch_bounds__(DqTf32Sm90Traits<kHeadDim>::kThreads, 1)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dq[0][j][e] = 0.0f;
 
-  if (keys.count > 0) {
-    bwd::Fragment grads{nullptr, nullptr, {0.0f, 0.0f}, {0.0f, 0.0f}, 0, q0 + row0 + lane / 4, mask};
+  if (qb.keys.count > 0) {
+    bwd::Fragment grads{nullptr, nullptr, {0.0f, 0.0f}, {0.0f, 0.0f}, 0, q0 + row0 + lane / 4, qb.mask};
     const int64_t w = bwd::ws_row(p, b, h) + q0 + row0 + lane / 4;  // rows past the end: padding
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -144,9 +124,9 @@ __global__ void __launch_bounds__(DqTf32Sm90Traits<kHeadDim>::kThreads, 1)
     uint32_t qa[kHeadDim / 8][4], doa[kHeadDim / 8][4];
     sm90::tf32_a_fragments<kHeadDim>(qa, sQ, BM, row0, lane);
     sm90::tf32_a_fragments<kHeadDim>(doa, sdO, BM, row0, lane);
-    for (int i = 0; i < keys.count; ++i) {
+    for (int i = 0; i < qb.keys.count; ++i) {
       const int s = i % Traits::kStages;  // in the loop's own words: see StageRing::wait_slot
-      const int key0 = (keys.first + i) * BN;
+      const int key0 = qb.key0(i);
       ring.wait_slot(i, s);
 
       float st[1][BN / 8][4], dpt[1][BN / 8][4];
@@ -155,8 +135,7 @@ __global__ void __launch_bounds__(DqTf32Sm90Traits<kHeadDim>::kThreads, 1)
 
       uint32_t pa[BN / 8][4], da[BN / 8][4];
       grads.col0 = key0;
-      const bool masked = !(key0 >= full_begin && key0 + BN <= full_end);
-      bwd::grads_to_fragments<float, false, kAlibi>(masked, st, dpt, grads, p, pa, da, slope);
+      bwd::grads_to_fragments<float, false, kAlibi>(qb.masked(key0), st, dpt, grads, p, pa, da, slope);
       ring.release_warp(i, lane);  // K and V of the stage are read
 
       const uint32_t kt_addr = smem_address(k_t(i % 2));

@@ -13,6 +13,8 @@
 // written once. Named barriers (pipeline_sm90.cuh): kBwdPdsReady the step's P^T and dS^T
 // written; kBwdDqFull a dQ tile written (consumers arrive, the dQ warp waits); kBwdStepDone both
 // consumers' products of the step done.
+// kFusedDq = false (the deterministic mode): dK and dV only; every consumer warp frees the stage
+// once its products are read, and dQ has its own pass (bwd_dq_kernel_wide_sm90.cuh).
 // kAlibi: P carries ALiBi's bias (bwd::grads_to_fragments, bwd_grads.cuh), in an instance of its own.
 #include <cuda_runtime.h>
 
@@ -63,7 +65,7 @@ struct BwdWideSm90Traits {
   static_assert(kSmemBytes <= 227 * 1024, "shared memory");
 };
 
-template <class T, int kHeadDim, bool kAlibi>
+template <class T, int kHeadDim, bool kFusedDq, bool kAlibi>
 __global__ void __launch_bounds__(BwdWideSm90Traits<T, kHeadDim>::kThreads, 1)
     bwd_kernel_wide_sm90(const __grid_constant__ BwdSm90Params params) {
 #if defined(TILEATTN_SM90_ENABLED)
@@ -89,12 +91,13 @@ __global__ void __launch_bounds__(BwdWideSm90Traits<T, kHeadDim>::kThreads, 1)
   if (kb.k0 >= kb.seq.sk) return;
   const int n_iter = kb.n_iter;
 
-  bars.init(1);  // the dQ warp frees a stage once the stage's dQ tile is read
+  // The dQ warp frees a stage once the stage's dQ tile is read; without it, each consumer warp.
+  bars.init(kFusedDq ? 1 : 4 * Traits::kConsumers);
 
   const Roles roles;
   if (roles.warpgroup == 0) {
     Roles::enter_producer();
-    if (threadIdx.x / 32 == 1) {
+    if (kFusedDq && threadIdx.x / 32 == 1) {
       // The dQ warp: the tile lies over its stage's Q and dO, so the stage is free once the
       // reduction has read it.
       reduce_dq_tiles<kHeadDim, 2 * QTile::kBytes, 1, 2 * QTile::kBytes, sm90::kBwdDqFull, Traits::kDqBarrierThreads>(
@@ -158,9 +161,9 @@ __global__ void __launch_bounds__(BwdWideSm90Traits<T, kHeadDim>::kThreads, 1)
         sm90::fence_shared_to_async();
         sm90::named_barrier_sync(sm90::kBwdPdsReady, Traits::kConsumerThreads);
 
-        float dq[1][kCols / 8][4];
+        [[maybe_unused]] float dq[1][kCols / 8][4];
         const uint64_t p_k = PTile::k_major(p_addr, 0), ds_k = PTile::k_major(ds_addr, 0);
-        const uint64_t ds_n = PTile::n_major(ds_addr, 0), k_n = KVTile::n_major(k_addr + panel0, 0);
+        [[maybe_unused]] const uint64_t ds_n = PTile::n_major(ds_addr, 0), k_n = KVTile::n_major(k_addr + panel0, 0);
         const uint64_t do_n = QTile::n_major(do_addr + panel0, 0), q_n = QTile::n_major(q_addr + panel0, 0);
         sm90::fence_registers(dv[0]);
         sm90::fence_registers(dk[0]);
@@ -171,25 +174,33 @@ __global__ void __launch_bounds__(BwdWideSm90Traits<T, kHeadDim>::kThreads, 1)
 #pragma unroll
         for (int ks = 0; ks < BM / 16; ++ks)
           sm90::Wgmma<T, kCols>::template ss<0, 1>(dk[0], PTile::k_step(ds_k, ks), QTile::n_step(q_n, ks), 1);
+        if constexpr (kFusedDq) {
 #pragma unroll
-        for (int ks = 0; ks < BN / 16; ++ks)
-          sm90::Wgmma<T, kCols>::template ss<1, 1>(dq[0], PTile::n_step(ds_n, ks), KVTile::n_step(k_n, ks), ks > 0);
+          for (int ks = 0; ks < BN / 16; ++ks)
+            sm90::Wgmma<T, kCols>::template ss<1, 1>(dq[0], PTile::n_step(ds_n, ks), KVTile::n_step(k_n, ks), ks > 0);
+        }
         sm90::wgmma_commit();
         sm90::wgmma_wait<0>();
         sm90::fence_registers(dv[0]);
         sm90::fence_registers(dk[0]);
-        sm90::fence_registers(dq[0]);
-
-        // Both consumers' reads of the stage's Q and dO (and of P^T, dS^T) are done: the dQ tile
-        // goes over them.
-        sm90::named_barrier_sync(sm90::kBwdStepDone, Traits::kConsumerThreads);
-        float* dq_part = reinterpret_cast<float*>(stages.q(s)) + consumer * Traits::DqOrder::kPartFloats +
-                         4 * (int(threadIdx.x) % 128);
+        if constexpr (kFusedDq) {
+          sm90::fence_registers(dq[0]);
+          // Both consumers' reads of the stage's Q and dO (and of P^T, dS^T) are done: the dQ
+          // tile goes over them.
+          sm90::named_barrier_sync(sm90::kBwdStepDone, Traits::kConsumerThreads);
+          float* dq_part = reinterpret_cast<float*>(stages.q(s)) + consumer * Traits::DqOrder::kPartFloats +
+                           4 * (int(threadIdx.x) % 128);
 #pragma unroll
-        for (int j = 0; j < kCols / 8; ++j)
-          *reinterpret_cast<float4*>(dq_part + j * 512) = make_float4(dq[0][j][0], dq[0][j][1], dq[0][j][2], dq[0][j][3]);
-        sm90::fence_shared_to_async();
-        sm90::named_barrier_arrive(sm90::kBwdDqFull, Traits::kDqBarrierThreads);
+          for (int j = 0; j < kCols / 8; ++j)
+            *reinterpret_cast<float4*>(dq_part + j * 512) =
+                make_float4(dq[0][j][0], dq[0][j][1], dq[0][j][2], dq[0][j][3]);
+          sm90::fence_shared_to_async();
+          sm90::named_barrier_arrive(sm90::kBwdDqFull, Traits::kDqBarrierThreads);
+        } else {
+          // The stage is read; P^T and dS^T are written again only once both consumers read them.
+          ring.release_warp(it, lane);
+          sm90::named_barrier_sync(sm90::kBwdStepDone, Traits::kConsumerThreads);
+        }
       }
     }
 

@@ -56,6 +56,34 @@ struct BwdKeyBlock {
   }
 };
 
+// Queries [q0, q1) of sequence b under query head h (dQ's own passes: a block per (query tile,
+// head, batch), heavy tiles -- late rows under a causal mask -- launched first), and the key tiles
+// of kBlockN keys they see; keys in [full_begin, full_end) are seen by every query of the block,
+// so tiles inside need no mask arithmetic.
+template <int kBlockM, int kBlockN>
+struct BwdQueryBlock {
+  int h, b;
+  bwd::SeqInfo seq;
+  int q0, q1;
+  Mask mask;
+  bwd::TileSpan keys;
+  int full_begin, full_end;
+
+  // This CTA's first query: heavy tiles first.
+  __device__ __forceinline__ static int first_query() { return (int(gridDim.x) - 1 - int(blockIdx.x)) * kBlockM; }
+  // The kernel returns before this when first_query() >= seq_.sq (the block is past the sequence):
+  // formed before that test, the dQ passes' prologues compiled differently.
+  __device__ __forceinline__ BwdQueryBlock(const bwd::BwdParams& p, const bwd::SeqInfo& seq_)
+      : h(int(blockIdx.y)), b(int(blockIdx.z)), seq(seq_), q0(first_query()), q1(min(q0 + kBlockM, seq.sq)),
+        mask(bwd::seq_mask(p, seq)),
+        keys(bwd::tile_span(mask.tile_begin_key(q0), mask.tile_end_key(q1), kBlockN)),
+        full_begin(mask.full_begin_key(q1)), full_end(mask.full_end_key(q0)) {}
+  // A key tile's first key.
+  __device__ __forceinline__ int key0(int i) const { return (keys.first + i) * kBlockN; }
+  // Whether key tile [key0, key0 + kBlockN) needs the mask.
+  __device__ __forceinline__ bool masked(int key0) const { return !(key0 >= full_begin && key0 + kBlockN <= full_end); }
+};
+
 // kStages stages of one step each, from `base`: Q, dO (tiles of kBlockM rows), then the rows'
 // L * log2(e) and D; stages kStride bytes apart. kAlign = 1024 starts every stage on the swizzle
 // period, for readers that swizzle addresses relative to a tile's start (the TF32 rewrite).
@@ -132,6 +160,28 @@ __device__ __forceinline__ void load_key_block(const BwdSm90Params& params, cons
   KVTile::template load<kBwdBoxRows>(sK, &params.k, bars.once, k_row, kb.hk, batch);
   KVTile::template load<kBwdBoxRows>(sV, &params.v, bars.once, k_row, kb.hk, batch);
   for (int it = first; it < kb.n_iter; ++it) load_stage(it);
+}
+
+// The producer thread of dQ's own passes: Q and dO of the block once, then K and V of each key
+// tile through the ring (stage s at stage_k(s), stage_v(s)), freed by the consumer warps.
+template <class QTile, class KVTile, int kBlockM, int kBlockN, int kStages, class StageK, class StageV>
+__device__ __forceinline__ void load_query_block(const BwdSm90Params& params, const BwdQueryBlock<kBlockM, kBlockN>& qb,
+                                                 unsigned char* sQ, unsigned char* sdO, StageK stage_k, StageV stage_v,
+                                                 const BwdBarriers<kStages>& bars) {
+  const bwd::BwdParams& p = params.bwd;
+  const int batch = p.cu_seqlens_q != nullptr ? 0 : qb.b;
+  const int hk = qb.h / p.group;
+  const int q_row = int(qb.seq.row_q) + qb.q0;
+  const int k_base = int(qb.seq.row_k);
+  sm90::barrier_arrive_expect_bytes(bars.once, 2 * QTile::kBytes);
+  QTile::template load<kBwdBoxRows>(sQ, &params.q, bars.once, q_row, qb.h, batch);
+  QTile::template load<kBwdBoxRows>(sdO, &params.dout, bars.once, q_row, qb.h, batch);
+  for (int i = 0; i < qb.keys.count; ++i) {
+    const int s = bars.ring.slot(i);
+    uint64_t* full = bars.ring.acquire_bytes(i, 2 * KVTile::kBytes);
+    KVTile::template load<kBwdBoxRows>(stage_k(s), &params.k, full, k_base + qb.key0(i), hk, batch);
+    KVTile::template load<kBwdBoxRows>(stage_v(s), &params.v, full, k_base + qb.key0(i), hk, batch);
+  }
 }
 
 // The dQ warp (a warp of the producer warpgroup; whole warps take part in named barriers): each

@@ -13,6 +13,7 @@
 #include "cuda/backward/bwd_kernel_sm90.cuh"
 #include "cuda/backward/bwd_kernel_wide_sm90.cuh"
 #include "cuda/backward/bwd_dq_kernel_sm90.cuh"
+#include "cuda/backward/bwd_dq_kernel_wide_sm90.cuh"
 #include "cuda/backward/launch_bwd_sm90.hpp"
 
 namespace tileattn::cuda {
@@ -51,11 +52,11 @@ inline bool bwd_sm90_persistent(const bwd::BwdParams& p, int block_n) {
 }
 
 // The wide kernel (D > 128) over (key tiles, batch, kv heads).
-template <class T, int kHeadDim, bool kAlibi>
+template <class T, int kHeadDim, bool kFusedDq, bool kAlibi>
 void launch_bwd_wide_sm90(const BwdSm90Params& params, cudaStream_t stream) {
   using Traits = BwdWideSm90Traits<T, kHeadDim>;
   const bwd::BwdParams& p = params.bwd;
-  const auto kernel = bwd_kernel_wide_sm90<T, kHeadDim, kAlibi>;
+  const auto kernel = bwd_kernel_wide_sm90<T, kHeadDim, kFusedDq, kAlibi>;
   allow_dynamic_smem(kernel, Traits::kSmemBytes);
   const dim3 grid((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, p.batch, p.heads_kv);
   if (grid.x == 0) return;
@@ -63,24 +64,33 @@ void launch_bwd_wide_sm90(const BwdSm90Params& params, cudaStream_t stream) {
   TA_CUDA_CHECK_LAUNCH("backward (sm90, wide head dims)");
 }
 
-// dQ's own pass over (query tiles, heads_q, batch).
-template <class T, int kHeadDim, bool kAlibi>
-void launch_dq_sm90(const BwdSm90Params& params, cudaStream_t stream) {
-  using Traits = DqSm90Traits<T, kHeadDim>;
+// dQ's own pass over (query tiles, heads_q, batch): `kernel`, laid out by Traits.
+template <class Traits, class Kernel>
+void launch_dq_pass_sm90(Kernel kernel, const BwdSm90Params& params, cudaStream_t stream) {
   const bwd::BwdParams& p = params.bwd;
-  const auto kernel = dq_kernel_sm90<T, kHeadDim, kAlibi>;
   allow_dynamic_smem(kernel, Traits::kSmemBytes);
   const dim3 grid((p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, p.heads_q, p.batch);
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
   TA_CUDA_CHECK_LAUNCH("backward dQ (sm90)");
+}
+template <class T, int kHeadDim, bool kAlibi>
+void launch_dq_sm90(const BwdSm90Params& params, cudaStream_t stream) {
+  if constexpr (kHeadDim > 128)
+    launch_dq_pass_sm90<DqWideSm90Traits<T, kHeadDim>>(dq_kernel_wide_sm90<T, kHeadDim, kAlibi>, params, stream);
+  else
+    launch_dq_pass_sm90<DqSm90Traits<T, kHeadDim>>(dq_kernel_sm90<T, kHeadDim, kAlibi>, params, stream);
 }
 
 // The dK/dV kernel and, in the deterministic mode, dQ's pass, with or without ALiBi's bias.
 template <class T, int kHeadDim, bool kAlibi>
 void launch_main_sm90(const BwdSm90Params& params, cudaStream_t stream) {
   if constexpr (kHeadDim > 128) {
-    // Only the summed dQ exists here (the planner sends deterministic calls to the portable kernels).
-    launch_bwd_wide_sm90<T, kHeadDim, kAlibi>(params, stream);
+    if (params.bwd.dq_accum != nullptr) {
+      launch_bwd_wide_sm90<T, kHeadDim, true, kAlibi>(params, stream);
+    } else {
+      launch_bwd_wide_sm90<T, kHeadDim, false, kAlibi>(params, stream);
+      launch_dq_sm90<T, kHeadDim, kAlibi>(params, stream);
+    }
   } else if (params.bwd.dq_accum != nullptr) {
     // The accumulator rows are kHeadDim floats: the workspace is laid out for this bucket.
     if constexpr (!kAlibi) {
