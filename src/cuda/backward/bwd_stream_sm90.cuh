@@ -1,7 +1,8 @@
 #pragma once
-// What the Hopper backward kernels share: the block of keys (or queries) and its steps, the
-// barriers of what a block loads once beside its stage ring (BwdBarriers), the stage format and
-// the producer thread that streams them, the two score products every step starts with (the step
+// What the Hopper backward kernels share: the block of keys (BwdKeyBlock) or of queries (dQ's own
+// passes: BwdQueryBlock) and its steps, the barriers of what a block loads once beside its stage
+// ring (BwdBarriers), the stage format and the producer threads that stream them
+// (load_key_block, load_query_block), the two score products every step starts with (the step
 // from them to P and dS is bwd::grads_to_fragments, bwd_grads.cuh), the dQ warp's reduction loop
 // (reduce_dq_tiles) and the dK/dV epilogue (BwdKeyBlock::store_grads).
 #include <cuda_runtime.h>
