@@ -135,6 +135,32 @@ def test_h100_ratios_are_sdpa_time_over_tileattn_time():
     assert r.loc[4096, ["forward_vs_cudnn", "step_vs_best_sdpa"]].isna().all()
 
 
+def test_h100_ratios_give_the_deterministic_backward_over_the_default():
+    pd = pytest.importorskip("pandas", reason="the benchmark tables need the bench extra (pandas)")
+    from tileattn.bench import attention
+
+    def row(impl, bwd, n, status="ok"):
+        return dict(implementation=impl, headdim=192, seq_len=n, heads=16, heads_kv=16, causal=True,
+                    forward_ms=1.0, backward_ms=bwd, status=status)
+
+    frame = pd.DataFrame([row("tileattn", 4.0, 1024), row("tileattn_deterministic", 5.0, 1024),
+                          row("tileattn", 2.0, 4096), row("tileattn_deterministic", 9.0, 4096, status="OOM")])
+    r = attention.ratios_h100(frame).set_index("seq_len")
+    assert r.loc[1024, "deterministic_backward_cost"] == pytest.approx(1.25)
+    assert pd.isna(r.loc[4096, "deterministic_backward_cost"])
+    # Without the deterministic rows, no such column.
+    assert "deterministic_backward_cost" not in attention.ratios_h100(frame[frame.implementation == "tileattn"])
+
+
+def test_h100_grid_keeps_the_head_dims_asked_for():
+    from tileattn.bench import attention
+
+    wide = attention.h100_configs([192, 256])
+    assert {c[0] for c in wide} == {192, 256} and len(wide) == 4
+    assert wide == [c for c in attention.h100_configs() if c[0] in (192, 256)]
+    assert attention.h100_configs([64]) == [c for c in attention.h100_configs() if c[0] == 64]
+
+
 def test_h100_grid_holds_the_training_step_shapes():
     from tileattn.bench import attention
 

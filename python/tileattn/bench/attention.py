@@ -15,7 +15,9 @@ N in {1k, 4k, 16k}, causal and not; and at N = 4k, causal and not, GQA 32/8 at D
 with 16 heads and D = 256 with 8; tileattn beside SDPA's flash, cuDNN and efficient backends and
 FlexAttention, on the same (batch, seqlen, heads, D) memory. Prints TFLOP/s (the FLOP count of
 include/tileattn/flops.hpp, taken from the extension) and the fraction of the bf16 matmul rate
-measured at the start.
+measured at the start. `--only tileattn_deterministic` adds tileattn with deterministic=True (run
+only when named), and the ratios then give its backward time over the default's; `--headdim D`
+keeps the grid's shapes of head dim D.
 
 A PNG plot is written beside each CSV. Failures are recorded in the status column, never fatal.
 """
@@ -141,10 +143,16 @@ H100_HEADDIMS, H100_SEQ_LENS = [64, 128], [1024, 4096, 16384]
 H100_EXTRA_SHAPES = [(128, 4096, 32, 8), (192, 4096, 16, 16), (256, 4096, 8, 8)]
 
 
-def h100_configs():
-    """(D, N, causal, batch, heads, heads_kv) of the --preset h100 grid, in the order it runs."""
+# Implementations the preset runs only when --only names them.
+H100_OPT_IN = ("tileattn_deterministic",)
+
+
+def h100_configs(headdims=None):
+    """(D, N, causal, batch, heads, heads_kv) of the --preset h100 grid, in the order it runs; with
+    headdims, only the shapes of those head dims."""
     square = [(d, n, H100_HIDDEN // d, H100_HIDDEN // d) for d in H100_HEADDIMS for n in H100_SEQ_LENS]
-    return [(d, n, c, H100_TOKENS // n, h, hkv) for d, n, h, hkv in square + H100_EXTRA_SHAPES for c in (False, True)]
+    return [(d, n, c, H100_TOKENS // n, h, hkv) for d, n, h, hkv in square + H100_EXTRA_SHAPES for c in (False, True)
+            if headdims is None or d in headdims]
 
 
 def _h100_impls(causal: bool, seqlen: int, device):
@@ -161,7 +169,11 @@ def _h100_impls(causal: bool, seqlen: int, device):
     def ours(q, k, v):
         return tileattn.flash_attn_func(q, k, v, causal=causal)
 
+    def ours_deterministic(q, k, v):
+        return tileattn.flash_attn_func(q, k, v, causal=causal, deterministic=True)
+
     impls = {"tileattn": ours,
+             "tileattn_deterministic": ours_deterministic,
              "sdpa_flash": sdpa_with(SDPBackend.FLASH_ATTENTION),
              "sdpa_cudnn": sdpa_with(SDPBackend.CUDNN_ATTENTION),
              "sdpa_efficient": sdpa_with(SDPBackend.EFFICIENT_ATTENTION)}
@@ -187,7 +199,7 @@ def _h100_impls(causal: bool, seqlen: int, device):
     return impls
 
 
-def run_h100(warmup: int, passes: int, impl_filter: list[str] | None):
+def run_h100(warmup: int, passes: int, impl_filter: list[str] | None, headdims=None):
     import pandas as pd
 
     import tileattn
@@ -196,14 +208,14 @@ def run_h100(warmup: int, passes: int, impl_filter: list[str] | None):
     gpu = torch.cuda.get_device_name(device)
     matmul = _common.measured_matmul_tflops(device)
     print(f"{gpu}: measured bf16 matmul rate {matmul:.0f} TFLOP/s", flush=True)
-    configs = h100_configs()
+    configs = h100_configs(headdims)
     rows, done = [], 0
     total = len(configs) * (5 if impl_filter is None else len(impl_filter))
     for d, n, causal, batch, heads, heads_kv in configs:
         fwd_flops = tileattn.attention_forward_flops(batch, heads, n, n, d, d, causal)
         bwd_flops = tileattn.attention_backward_flops(batch, heads, n, n, d, d, causal)
         for name, fn in _h100_impls(causal, n, device).items():
-            if impl_filter is not None and name not in impl_filter:
+            if name not in (impl_filter or []) and (impl_filter is not None or name in H100_OPT_IN):
                 continue
             done += 1
             row = dict(implementation=name, headdim=d, seq_len=n, batch=batch, heads=heads, heads_kv=heads_kv,
@@ -238,7 +250,8 @@ def run_h100(warmup: int, passes: int, impl_filter: list[str] | None):
 def ratios_h100(frame):
     """Per shape, SDPA's time over tileattn's (above 1: tileattn is faster) for the forward, the
     backward and a training step (their sum), against cuDNN and against the fastest SDPA backend of
-    each column (for the step: the backend with the fastest step). Rows that did not run are left out."""
+    each column (for the step: the backend with the fastest step); where tileattn_deterministic ran,
+    its backward time over tileattn's (deterministic_backward_cost). Rows that did not run are left out."""
     import pandas as pd
 
     key = ["headdim", "seq_len", "heads", "heads_kv", "causal"]
@@ -251,6 +264,9 @@ def ratios_h100(frame):
     for name, ref in peers.items():
         for col in ("forward", "backward", "step"):
             out[f"{col}_vs_{name}"] = ref[f"{col}_ms"].reindex(ours.index) / ours[f"{col}_ms"]
+    deterministic = ok[ok["implementation"] == "tileattn_deterministic"].set_index(key)
+    if len(deterministic):
+        out["deterministic_backward_cost"] = deterministic["backward_ms"].reindex(ours.index) / ours["backward_ms"]
     return out.reset_index()
 
 
@@ -294,7 +310,10 @@ def main(argv=None):
     parser.add_argument("--preset", choices=["h100"], help="the bf16 H100 grid beside every PyTorch peer")
     parser.add_argument("--only", action="append",
                         help="--preset h100: implementation(s) to run (tileattn, sdpa_flash, sdpa_cudnn, "
-                             "sdpa_efficient, flex_attention; default all)")
+                             "sdpa_efficient, flex_attention, and tileattn_deterministic, which runs only when "
+                             "named; default all the others)")
+    parser.add_argument("--headdim", type=int, action="append", choices=sorted({c[0] for c in h100_configs()}),
+                        help="--preset h100: only the shapes of this head dim (repeatable; default all)")
     parser.add_argument("--causal", action="store_true", help="default grid: causal mask")
     parser.add_argument("--tf32", action="store_true",
                         help="default grid: TF32 allowed (torch.set_float32_matmul_precision('high')), which is "
@@ -308,7 +327,7 @@ def main(argv=None):
     _common.require_extras(parser.prog)
 
     if args.preset == "h100":
-        frame = run_h100(args.warmup, args.passes, args.only)
+        frame = run_h100(args.warmup, args.passes, args.only, args.headdim)
         path = _common.output_path(args.csv or "outputs/csv/attention_h100.csv")
         frame.to_csv(path, index=False)
         _plot_h100(frame, path.rsplit(".", 1)[0] + ".png")
