@@ -285,12 +285,15 @@ def _places(cu_seqlens: Tensor, rows: int) -> tuple[Tensor, Tensor]:
     return seq, row - cu[seq]
 
 
-def _attention_probs(q: Tensor, k: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
-                     max_seqlen_q: int, max_seqlen_k: int, options: tuple) -> Tensor:
+def _attention_probs(q: Tensor, k: Tensor, headdim_v: int, cu_seqlens_q: Optional[Tensor],
+                     cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int, options: tuple) -> Tensor:
     """The weights P the kernels give each key (every mask, ALiBi and the soft cap; no dropout), as
     (batch, heads, seqlen_q, seqlen_k) in q's dtype (varlen: max_seqlen_q, max_seqlen_k, sequence
-    b's in [b, :, :len_q, :len_k]): the attention of one-hot values, up to max_headdim keys a call,
-    so that they are the kernels' own weights. For testing, as flash-attn's S_dmask."""
+    b's in [b, :, :len_q, :len_k]): the attention of one-hot values, so that they are the kernels' own
+    weights. A call takes as many keys as the call's own head dim (max of q's and v's, headdim_v), so
+    that it runs in the call's head-dim bucket: a build may lack the others. For testing, as
+    flash-attn's S_dmask."""
+    step = max(q.shape[-1], headdim_v, 1)
     with torch.no_grad():
         varlen = cu_seqlens_q is not None
         if varlen:
@@ -300,8 +303,8 @@ def _attention_probs(q: Tensor, k: Tensor, cu_seqlens_q: Optional[Tensor], cu_se
             batch, seqlen_k = k.shape[0], k.shape[1]
             key_pos = torch.arange(seqlen_k, device=k.device)
         columns = []
-        for j0 in range(0, seqlen_k, _ext.max_headdim):
-            j = torch.arange(j0, min(j0 + _ext.max_headdim, seqlen_k), device=k.device)
+        for j0 in range(0, seqlen_k, step):
+            j = torch.arange(j0, min(j0 + step, seqlen_k), device=k.device)
             one_hot = (key_pos[:, None] == j).to(q.dtype)  # (keys, chunk)
             v = one_hot[:, None] if varlen else one_hot[None, :, None]
             v = v.expand(*k.shape[:-1], j.shape[0])
@@ -312,7 +315,9 @@ def _attention_probs(q: Tensor, k: Tensor, cu_seqlens_q: Optional[Tensor], cu_se
             return p.transpose(1, 2)
         rows = torch.zeros(batch, q.shape[1], max_seqlen_q, seqlen_k, dtype=q.dtype, device=q.device)
         query_seq, query_pos = _places(cu_seqlens_q, q.shape[0])
-        inside = query_seq < batch  # rows past the last sequence belong to none
+        # Rows past the last sequence belong to none; places outside [0, max_seqlen_q) come from
+        # cu_seqlens_q that break its rules (unchecked on CUDA by default) and are left out.
+        inside = (query_seq < batch) & (query_pos >= 0) & (query_pos < max_seqlen_q)
         rows[query_seq[inside], :, query_pos[inside]] = p[inside]
         return rows
 
@@ -368,7 +373,8 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
         return out
     mask = (rng, p, q.shape[0], q.shape[2], q.shape[1], k.shape[1]) if p > 0.0 and q.dim() == 4 else None
     options = (scale, bool(causal), left, right, cap, False, alibi_slopes)
-    return _finish(out, lse, return_attn_probs, mask, lambda: _attention_probs(q, k, None, None, 0, 0, options))
+    return _finish(out, lse, return_attn_probs, mask,
+                   lambda: _attention_probs(q, k, v.shape[-1], None, None, 0, 0, options))
 
 
 def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
@@ -417,7 +423,7 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     mask = (rng, p, cu_seqlens_q.shape[0] - 1, q.shape[1], max_q, max_k) if p > 0.0 and q.dim() == 3 else None
     options = (scale, bool(causal), left, right, cap, False, alibi_slopes)
     return _finish(out, lse, return_attn_probs, mask,
-                   lambda: _attention_probs(q, k, cu_seqlens_q, cu_seqlens_k, max_q, max_k, options))
+                   lambda: _attention_probs(q, k, v.shape[-1], cu_seqlens_q, cu_seqlens_k, max_q, max_k, options))
 
 
 def _unpack(packed: Tensor, name: str, count: int, rank: int, dims: str) -> tuple[Tensor, ...]:
@@ -627,10 +633,13 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     try:
         out, _ = _attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, 0, 0,
                             q_scale, causal, -1, right, 0.0, False, None, p, _dropout_rng(q, p))
-    except (ValueError, TypeError, NotImplementedError):
+    except (ValueError, TypeError, NotImplementedError) as error:
         if not _kernels_take(query, value):
             return _torch_sdpa(*args)
         _check_sdpa_operands(query, key, value)  # the rule in SDPA's names and layout, where it is one of these
+        if isinstance(error, NotImplementedError):  # e.g. a build without the call's head-dim bucket
+            return _torch_sdpa(*args[:-1], why=f"{error}; the call is computed by "
+                                                 "torch.nn.functional.scaled_dot_product_attention")
         raise
     out = out.transpose(1, 2)
     return out if finish is None else finish(out)

@@ -158,7 +158,8 @@ def _packed(query: Tensor, key: Tensor, value: Tensor, cu_q: Tensor, cu_k: Tenso
         max_k = k.shape[0] if isinstance(max_k, Tensor) else max_k
     else:
         max_q, max_k = int(max_q), int(max_k)
-    out = flash_attn_varlen_func(q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k, **options)
+    cu_q, cu_k = (cu.to(device=q.device, dtype=torch.int32) for cu in (cu_q, cu_k))
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, **options)
     return out.view(batch, seqlen_q, *out.shape[1:])
 
 

@@ -82,6 +82,26 @@ def test_forward_and_gradients_against_float64(dtype, causal, p):
         assert err <= 2 * naive_err + f, f"{name}: error {err:.3g} > 2 x naive {naive_err:.3g} + {f}"
 
 
+def test_s_dmask_probes_stay_in_the_calls_head_dim_bucket(monkeypatch):
+    # S_dmask's weights come from attention calls on one-hot values; each must run in the head-dim
+    # bucket of the call itself (max of q's and v's head dims), which a build that has the call's
+    # bucket has, whatever else it lacks. 300 keys at head dims 24/40: probes of at most 40 columns.
+    from tileattn import _ops
+    widths, attention = [], _ops.attention
+
+    def recording(q, k, v, *args, **kwargs):
+        widths.append(v.shape[-1])
+        return attention(q, k, v, *args, **kwargs)
+
+    q, k = torch.randn(1, 50, 2, 24), torch.randn(1, 300, 2, 24)
+    v = torch.randn(1, 300, 2, 40)
+    monkeypatch.setattr(_ops, "attention", recording)
+    _, _, s_dmask = tileattn.flash_attn_func(q, k, v, dropout_p=0.5, return_attn_probs=True)
+    assert widths[0] == 40 and max(widths) <= 40 and sum(widths[1:]) == 300  # the call, then its probes
+    s = torch.einsum("qhd,khd->hqk", q[0].double(), k[0].double()) / math.sqrt(24)
+    assert torch.allclose(s_dmask[0, :, :50, :300].abs().double(), torch.softmax(s, -1), atol=1e-6)
+
+
 @pytest.mark.parametrize("varlen", [False, True])
 def test_s_dmask_holds_each_weight_with_its_drop_in_the_sign(varlen):
     # flash-attn's S_dmask: |S| is each key's softmax weight (masked keys 0), the sign bit says

@@ -158,6 +158,25 @@ def test_calls_the_kernels_do_not_take_are_computed_by_torch(case):
         assert all(g.shape == t.shape for g, t in zip(grads, (q, k, v)))
 
 
+def test_a_call_this_build_cannot_run_is_computed_by_torch(monkeypatch):
+    # A build without the call's head-dim bucket (TILEATTN_HEADDIMS) refuses it with
+    # NotImplementedError; as a drop-in SDPA the call goes to PyTorch's, with one warning naming why.
+    import tileattn.functional as functional
+
+    def unbuilt(*args, **kwargs):
+        raise NotImplementedError("head dim 24: no head-dim bucket of this build runs it")
+
+    monkeypatch.setattr(functional, "_attention", unbuilt)
+    functional._warned.clear()
+    q, k, v = (torch.randn(2, 3, 9, 24, requires_grad=True) for _ in range(3))
+    with pytest.warns(UserWarning, match="no head-dim bucket of this build runs it; the call is computed by torch"):
+        out = tileattn.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert torch.equal(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+    # Bad operands are still refused with the rule, not handed over.
+    with pytest.raises(ValueError, match="must end in query's head dim 24"):
+        tileattn.scaled_dot_product_attention(q, k[..., :8], v)
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "viewed_from_bshd"])
 def test_output_and_gradients_take_their_operands_layout(layout):
     # As PyTorch's SDPA: a contiguous query gives a contiguous result (so .view works on it), one
