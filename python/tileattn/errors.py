@@ -15,3 +15,12 @@ class InvalidArgumentError(ValueError, RuntimeError):
 
 class InvalidTypeError(TypeError, RuntimeError):
     """A dtype, dtype mix or argument type the API does not take (the library's invalid_type)."""
+
+
+# The phrase of the library's refusal of a head dim whose bucket a build (TILEATTN_HEADDIMS) left out.
+_NOT_BUILT = "head-dim bucket of this build"
+
+
+def _not_built(error: BaseException) -> bool:
+    """Whether error is that refusal: the call is valid, this build just has no kernel for it."""
+    return isinstance(error, NotImplementedError) and _NOT_BUILT in str(error)

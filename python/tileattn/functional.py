@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .errors import InvalidArgumentError, InvalidTypeError
+from .errors import InvalidArgumentError, InvalidTypeError, _not_built
 from . import _ext, _ops
 
 __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
@@ -637,7 +637,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
         if not _kernels_take(query, value):
             return _torch_sdpa(*args)
         _check_sdpa_operands(query, key, value)  # the rule in SDPA's names and layout, where it is one of these
-        if isinstance(error, NotImplementedError):  # e.g. a build without the call's head-dim bucket
+        if _not_built(error):
             return _torch_sdpa(*args[:-1], why=f"{error}; the call is computed by "
                                                  "torch.nn.functional.scaled_dot_product_attention")
         raise

@@ -164,17 +164,24 @@ def test_a_call_this_build_cannot_run_is_computed_by_torch(monkeypatch):
     import tileattn.functional as functional
 
     def unbuilt(*args, **kwargs):
-        raise NotImplementedError("head dim 24: no head-dim bucket of this build runs it")
+        raise NotImplementedError("headdim_qk=24 exceeds every head-dim bucket of this build (TILEATTN_HEADDIMS=16)")
 
     monkeypatch.setattr(functional, "_attention", unbuilt)
     functional._warned.clear()
     q, k, v = (torch.randn(2, 3, 9, 24, requires_grad=True) for _ in range(3))
-    with pytest.warns(UserWarning, match="no head-dim bucket of this build runs it; the call is computed by torch"):
+    with pytest.warns(UserWarning, match=r"bucket of this build \(TILEATTN_HEADDIMS=16\); the call is computed by torch"):
         out = tileattn.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert torch.equal(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
-    # Bad operands are still refused with the rule, not handed over.
+    # Bad operands are still refused with the rule, and any other refusal stands: not handed over.
     with pytest.raises(ValueError, match="must end in query's head dim 24"):
         tileattn.scaled_dot_product_attention(q, k[..., :8], v)
+
+    def unsupported(*args, **kwargs):
+        raise NotImplementedError("an option this backend does not run")
+
+    monkeypatch.setattr(functional, "_attention", unsupported)
+    with pytest.raises(NotImplementedError, match="an option this backend does not run"):
+        tileattn.scaled_dot_product_attention(q, k, v)
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "viewed_from_bshd"])
