@@ -713,7 +713,7 @@ def _softmax_matmul_backward(ctx, grad_out):
     # With P = softmax(x): dV = P^T dO and dx = P * (dO V^T - rowsum(dO * out)). P is rebuilt here
     # (it is the size of x, which the caller already holds) instead of being saved.
     x, v, out = ctx.saved_tensors
-    x = x.float()
+    dtype, x = x.dtype, x.float()
     # A row of -inf throughout is a zero row of out (the forward's rule), so of P too: torch.softmax
     # would give NaN there, and 0 * NaN would spread it into dV. NaN inputs stay NaN, as in torch.
     p = torch.softmax(x, dim=-1).masked_fill(x.amax(dim=-1, keepdim=True) == -math.inf, 0.0)
@@ -721,7 +721,7 @@ def _softmax_matmul_backward(ctx, grad_out):
     dv = (p.transpose(-1, -2) @ g).to(v.dtype)
     dp = g @ v.float().transpose(-1, -2)
     dx = p * (dp - (g * out.float()).sum(dim=-1, keepdim=True))
-    return dx.to(x.dtype), dv
+    return dx.to(dtype), dv
 
 
 softmax_matmul.register_autograd(_softmax_matmul_backward, setup_context=_softmax_matmul_setup_context)

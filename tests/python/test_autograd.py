@@ -247,6 +247,25 @@ def test_softmax_matmul_gradcheck_float32_and_float64_comparison():
         assert naive.max_error(a, r) < 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_softmax_matmul_backward_gives_its_inputs_dtypes(dtype):
+    # The node itself returns dx and dV in the inputs' dtype (computed in fp32): autograd would cast a
+    # float32 dx on its own, but only after holding it beside x at twice its size.
+    from tileattn import _ops
+
+    x, v = torch.randn(2, 5, 7, dtype=dtype), torch.randn(2, 7, 3, dtype=dtype)
+    out = tileattn.softmax_matmul(x, v)
+    ctx = type("Ctx", (), {"saved_tensors": (x, v, out)})()
+    g = torch.randn_like(out)
+    dx, dv = _ops._softmax_matmul_backward(ctx, g)
+    assert dx.dtype == dtype and dv.dtype == dtype
+    x64, v64 = (t.double().requires_grad_() for t in (x, v))
+    want = torch.autograd.grad(torch.softmax(x64, -1) @ v64, (x64, v64), g.double())
+    tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
+    for got, ref in zip((dx, dv), want):
+        assert naive.max_error(got, ref) < tol * max(1.0, ref.abs().max().item())
+
+
 def test_softmax_matmul_two_dimensional():
     x, v = torch.randn(9, 33), torch.randn(33, 5)
     out = tileattn.softmax_matmul(x, v)
