@@ -612,8 +612,8 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     (seqlen, headdim); key/value with one head serve every query head, and with ``enable_gqa`` any
     head count that divides the query's; ``is_causal`` is top-left aligned; ``scale`` may be any
     finite number. A call with ``attn_mask`` is passed to PyTorch's own SDPA (a warning says so,
-    once). fp32 follows ``torch.get_float32_matmul_precision()`` as PyTorch's own kernels do
-    (module docstring).
+    once), as is one of a head dim this build has no kernels for. fp32 follows
+    ``torch.get_float32_matmul_precision()`` as PyTorch's own kernels do (module docstring).
     """
     if attn_mask is not None:
         if is_causal:
