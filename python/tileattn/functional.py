@@ -140,6 +140,22 @@ def _window(window_size: Sequence[int]) -> tuple[int, int]:
     return (left if left >= 0 else -1), (right if right >= 0 else -1)
 
 
+def _flash_window(window_size: Sequence[int], causal: bool, keys) -> tuple[int, int]:
+    """window_size as flash-attn's kernels apply it (its flash_api.cpp, every entry): a side reaching
+    every key (>= keys: seqlen_k, max_seqlen_k, or the cache's keys per sequence) is unbounded, and a
+    window bounded on the left only is bounded on the right at ``keys``, so that where seqlen_q >
+    2 * seqlen_k the first rows see no key. keys None (k not a tensor yet): the pair as given, for
+    the library to refuse the call."""
+    left, right = _window(window_size)
+    if keys is None:
+        return left, right
+    left = -1 if left >= keys else left
+    right = -1 if right >= keys else right
+    if not causal and left >= 0 and right < 0:
+        right = int(keys)
+    return left, right
+
+
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -347,9 +363,10 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
 
     k and v may have fewer heads than q (GQA/MQA: their count must divide q's). ``causal`` is
     aligned to the bottom-right corner when seqlen_q != seqlen_k; ``window_size=(left, right)``
-    limits query i to keys [i + sk - sq - left, i + sk - sq + right] (-1 = unbounded). With
-    ``causal=True`` the right bound is 0 whatever ``right`` says and the left bound stays, as in
-    flash-attn. ``alibi_slopes`` (float32, (heads,) or (batch, heads), on q's device) adds
+    limits query i to keys [i + sk - sq - left, i + sk - sq + right] (-1 = unbounded; as in
+    flash-attn's kernels, a side of seqlen_k or more is unbounded and a left-only window is bounded
+    on the right at seqlen_k: docs/python.md). With ``causal=True`` the right bound is 0 whatever
+    ``right`` says and the left bound stays, as in flash-attn. ``alibi_slopes`` (float32, (heads,) or (batch, heads), on q's device) adds
     ``-slope * |i + seqlen_k - seqlen_q - j|`` to the scaled (soft-capped) score, as flash-attn;
     in its causal form softmax_lse carries ``slope * (i + seqlen_k - seqlen_q)`` as flash-attn's
     does (docs/python.md).
@@ -362,7 +379,7 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
     ``torch.backends.cuda.matmul.allow_tf32``), which selects the TF32 fast mode on the GPU.
     """
     p = _dropout(dropout_p)
-    left, right = _window(window_size)
+    left, right = _flash_window(window_size, causal, k.shape[1] if isinstance(k, Tensor) and k.dim() == 4 else None)
     q, k, v = _autocast(q, k, v)
     q, scale = _scaled_query(q, softmax_scale, "softmax_scale")
     cap = _softcap(softcap)
@@ -389,7 +406,8 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     q is (total_q, heads, headdim), k and v (total_k, heads_kv, headdim); sequence b holds rows
     [cu_seqlens[b], cu_seqlens[b + 1]) (int32, batch + 1 entries, on the tensors' device).
     max_seqlen_q/k bound every sequence's length. ``causal`` and ``window_size`` act within each
-    sequence as in ``flash_attn_func``. With ``return_attn_probs=True`` returns
+    sequence as in ``flash_attn_func``, max_seqlen_k taking seqlen_k's place in flash-attn's reading
+    of the window. With ``return_attn_probs=True`` returns
     (out, softmax_lse, None), softmax_lse being (heads, total_q) float32.
 
     ``block_table`` (batch, max_pages) int32 makes k and v paged caches (num_pages, page_size,
@@ -400,7 +418,7 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     gradients of k and v are those of the cache tensors; so does a call with dropout.
     """
     p = _dropout(dropout_p)
-    left, right = _window(window_size)
+    left, right = _flash_window(window_size, causal, _int64(max_seqlen_k, "max_seqlen_k"))
     if block_table is not None or seqused_k is not None:
         from .kvcache import cache_varlen_forward, gathered_keys  # noqa: PLC0415
         if p > 0.0 or torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in (q, k, v)):

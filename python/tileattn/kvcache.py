@@ -19,7 +19,7 @@ from torch import Tensor
 
 from .errors import InvalidArgumentError, InvalidTypeError
 from . import _ops
-from .functional import _dtype_name, _flash_attn_lse, _int64, _places, _scaled_query, _softcap, _window
+from .functional import _dtype_name, _flash_attn_lse, _flash_window, _int64, _places, _scaled_query, _softcap
 
 
 def _int32_table(t: Optional[Tensor], name: str, shape: tuple, device: torch.device) -> Optional[Tensor]:
@@ -101,7 +101,6 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     device = q.device
     splits = _splits(num_splits)
     paged = block_table is not None
-    left, right = _window(window_size)
 
     if paged:
         if not isinstance(block_table, Tensor) or block_table.dim() != 2 or block_table.shape[0] != batch:
@@ -121,6 +120,7 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
         if cache_batch_idx is None and k_cache.shape[0] != batch:
             raise InvalidArgumentError(f"k_cache.shape[0]={k_cache.shape[0]} must equal q.shape[0]={batch} (batch), or "
                                        "cache_batch_idx must say which cache row each sequence uses")
+    left, right = _flash_window(window_size, causal, capacity)
     cache_batch_idx = _int32_table(cache_batch_idx, "cache_batch_idx", (batch,), device)
     cache_leftpad = _int32_table(cache_leftpad, "cache_leftpad", (batch,), device)
 

@@ -26,6 +26,18 @@ def visible_mask(seqlen_q: int, seqlen_k: int, causal: bool, window: tuple[int, 
     return visible
 
 
+def flash_window(window: tuple[int, int], causal: bool, keys: int) -> tuple[int, int]:
+    """The window flash-attn's kernels apply for `window_size` against the key count its C++ entry
+    sees (seqlen_k, max_seqlen_k, or the cache's keys per sequence): a side of `keys` or more is
+    unbounded, and a window bounded on the left only is bounded on the right at `keys`."""
+    left, right = window
+    left = -1 if left < 0 or left >= keys else left
+    right = -1 if right < 0 or right >= keys else right
+    if not causal and left >= 0 and right < 0:
+        right = keys
+    return left, right
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, window=(-1, -1), softcap: float = 0.0,
               scale: float | None = None, mask: Tensor | None = None,
               delta_from_out: bool = False, stats: dict | None = None) -> tuple[Tensor, Tensor]:

@@ -154,6 +154,54 @@ def test_varlen_causal_with_window_keeps_left_and_sets_right_to_zero():
         assert naive.max_error(a, r) < 4e-5, name
 
 
+# flash-attn's kernels read a window against the key count its C++ entry sees (seqlen_k, or
+# max_seqlen_k): a side of that count or more is unbounded, and a window bounded on the left only
+# is bounded on the right at it. Both show only where seqlen_q > seqlen_k (here 10 over 2).
+@pytest.mark.parametrize("window,applied", [((-1, 3), (-1, -1)), ((1, -1), (1, 2)), ((1, 5), (1, 2)), ((3, 0), (3, 0)),
+                                            ((2, 1), (2, 1))], ids=str)
+def test_window_reads_as_flash_attn_kernels_read_it(window, applied):
+    q, k, v = _inputs(2, 10, 2, 2, 1, 16, 8, torch.float32)
+    out, lse, _ = tileattn.flash_attn_func(q, k, v, window_size=window, return_attn_probs=True)
+    ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = naive.attention(*ref_inputs, window=applied)
+    assert naive.max_error(out, ref_out) < 1e-5
+    assert torch.equal(torch.isinf(lse), torch.isinf(naive.flash_lse(ref_lse)))
+    assert naive.max_error(lse, naive.flash_lse(ref_lse)) < 1e-5
+    dout = torch.randn_like(out)
+    ours = torch.autograd.grad(out, (q, k, v), dout)
+    oracle = torch.autograd.grad(ref_out, ref_inputs, dout.double())
+    for name, a, r in zip(("dq", "dk", "dv"), ours, oracle):
+        assert naive.max_error(a, r) < 4e-5, name
+
+
+def test_left_only_window_leaves_early_rows_without_keys_as_flash_attn():
+    # (1, -1) with 10 queries over 2 keys is (1, 2): queries 0-5 see no key.
+    q, k, v = _inputs(1, 10, 2, 1, 1, 8, 8, torch.float32)
+    out, lse, _ = tileattn.flash_attn_func(q, k, v, window_size=(1, -1), return_attn_probs=True)
+    assert torch.equal(out[0, :6], torch.zeros_like(out[0, :6]))
+    assert torch.isposinf(lse[0, 0, :6]).all() and torch.isfinite(lse[0, 0, 6:]).all()
+
+
+def test_varlen_window_reads_against_max_seqlen_k():
+    # max_seqlen_k = 3 (not each sequence's own count) bounds a left-only window on the right.
+    lens_q, lens_k = [10, 4, 9], [2, 3, 1]
+    cu_q = torch.tensor([0] + lens_q, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    cu_k = torch.tensor([0] + lens_k, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    q = torch.randn(int(cu_q[-1]), 2, 16, requires_grad=True)
+    k = torch.randn(int(cu_k[-1]), 2, 16, requires_grad=True)
+    v = torch.randn(int(cu_k[-1]), 2, 16, requires_grad=True)
+    ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    for window, applied in (((1, -1), (1, 3)), ((-1, 3), (-1, -1)), ((0, 2), (0, 2))):
+        out = tileattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), window_size=window)
+        ref_out, _ = naive.varlen_attention(*ref_inputs, cu_q, cu_k, window=applied)
+        assert naive.max_error(out, ref_out) < 1e-5, window
+        dout = torch.randn_like(out)
+        ours = torch.autograd.grad(out, (q, k, v), dout)
+        oracle = torch.autograd.grad(ref_out, ref_inputs, dout.double())
+        for name, a, r in zip(("dq", "dk", "dv"), ours, oracle):
+            assert naive.max_error(a, r) < 4e-5, (window, name)
+
+
 class _OpRecorder(TorchDispatchMode):
     def __init__(self):
         super().__init__()

@@ -45,16 +45,17 @@ def _merge_reference(out, lse, out_b, lse_b):
 
 def test_merge_of_flash_attn_results_takes_their_empty_rows():
     # flash_attn_func marks a row without keys with lse = +inf, as flash-attn does. Causal attention
-    # over keys [0, 4) and [4, 12) merged, in either order, is causal attention over all 12, the rows
+    # over keys [0, 8) and [8, 12) merged, in either order, is causal attention over all 12, the rows
     # that see no key of the second part included.
     q, k, v = (torch.randn(1, 12, 2, 16) for _ in range(3))
     whole, whole_lse, _ = tileattn.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
     for first_part_first in (True, False):
         # Key j <= query i in both parts: for the first, the window's right side covers the offset
-        # of 4 keys against 12 queries; the second is bottom-right causal.
-        first = tileattn.flash_attn_func(q, k[:, :4], v[:, :4], window_size=(-1, 8), return_attn_probs=True)
-        second = tileattn.flash_attn_func(q, k[:, 4:], v[:, 4:], causal=True, return_attn_probs=True)
-        assert torch.isposinf(second[1][:, :, :4]).all()
+        # of 8 keys against 12 queries (below the 8 keys, where flash-attn would read it as
+        # unbounded); the second is bottom-right causal.
+        first = tileattn.flash_attn_func(q, k[:, :8], v[:, :8], window_size=(-1, 4), return_attn_probs=True)
+        second = tileattn.flash_attn_func(q, k[:, 8:], v[:, 8:], causal=True, return_attn_probs=True)
+        assert torch.isposinf(second[1][:, :, :8]).all()
         (out, lse, _), (out_b, lse_b, _) = (first, second) if first_part_first else (second, first)
         tileattn.merge_attention(out, lse, out_b, lse_b)
         assert naive.max_error(out, whole) < 1e-5 and naive.max_error(lse, whole_lse) < 1e-5

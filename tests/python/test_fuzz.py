@@ -357,7 +357,8 @@ def reference(p: Problem, q, k, v, cu_q=None, cu_k=None, delta_from_out=False, s
             out, _ = naive.attention(q, k, v, mask=mask, **options)
         out = out.squeeze(2) if p.sdpa_3d else out.transpose(1, 2)
         return out, None
-    options.update(causal=p.causal, window=p.window)
+    keys = k.shape[1] if p.api == "flash" else p.max_seqlen_k
+    options.update(causal=p.causal, window=naive.flash_window(p.window, p.causal, keys))
     if p.heads_q == 0:
         out = q.new_zeros(*q.shape[:-1], v.shape[-1])
         lse_shape = (0, q.shape[0]) if p.api == "varlen" else (q.shape[0], 0, q.shape[1])

@@ -745,3 +745,20 @@ def test_validation_varlen(case):
     call.update(changes(call))
     with pytest.raises(error, match=pattern):
         tileattn.flash_attn_varlen_func(**call)
+
+
+def test_window_reads_against_the_cache_as_flash_attn():
+    # flash-attn reads a window against the cache's keys per sequence (4 here): a left-only window
+    # is bounded on the right there, and a side reaching every cache row is unbounded. With 10
+    # queries over 2 cached keys, (1, -1) is (1, 4): queries 0-3 see no key.
+    q = torch.randn(1, 10, 2, 16)
+    k_cache = torch.randn(1, 4, 1, 16)
+    v_cache = torch.randn(1, 4, 1, 16)
+    scale = 16 ** -0.5
+    for window, applied in (((1, -1), (1, 4)), ((-1, 4), (-1, -1)), ((2, 1), (2, 1))):
+        out, lse = tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=2, window_size=window,
+                                                    return_softmax_lse=True)
+        ref_out, ref_lse = attend(q[0].double(), k_cache[0, :2].double(), v_cache[0, :2].double(), scale, False,
+                                  applied, 0.0, None)
+        assert naive.max_error(out[0], ref_out) < 1e-5, window
+        assert naive.max_error(lse[0], naive.flash_lse(ref_lse)) < 1e-5, window
