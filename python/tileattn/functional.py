@@ -340,14 +340,15 @@ def _attention_probs(q: Tensor, k: Tensor, headdim_v: int, cu_seqlens_q: Optiona
 
 def _finish(out: Tensor, lse: Tensor, return_attn_probs: bool, dropout=None, probs=None):
     """What flash-attn's entries return: out, or with return_attn_probs (out, softmax_lse, S_dmask).
-    S_dmask exists only with dropout, as flash-attn's: each key's weight P (``probs()``) with the
-    sign bit set where dropout dropped it, shaped (batch, heads, seqlen_q, seqlen_k) rounded up to
-    multiples of 128, in q's dtype. lse is not differentiable."""
+    S_dmask has entries only with dropout, as flash-attn's: each key's weight P (``probs()``) with
+    the sign bit set where dropout dropped it, shaped (batch, heads, seqlen_q, seqlen_k) rounded up
+    to multiples of 128, in q's dtype; without dropout an empty (0,) tensor in q's dtype, as
+    flash-attn (2.6 on) returns. lse is not differentiable."""
     if not return_attn_probs:
         return out
     lse = _flash_attn_lse(lse)
     if dropout is None:
-        return out, lse, None
+        return out, lse, out.new_empty((0,))
     keep = dropout_keep_mask(*dropout).to(out.device)  # computed on the host
     s_dmask = torch.where(keep, 1.0, -1.0).to(out.dtype) * probs()
     round_up = lambda n: -(-n // 128) * 128  # noqa: E731
@@ -373,7 +374,7 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
 
     Returns out (batch, seqlen_q, heads, headdim_v); with ``return_attn_probs=True`` returns
     (out, softmax_lse, S_dmask), softmax_lse being (batch, heads, seqlen_q) float32 (+inf on rows
-    that see no key) and S_dmask flash-attn's testing aid: None without dropout, else each key's
+    that see no key) and S_dmask flash-attn's testing aid: empty without dropout, else each key's
     weight with the sign bit set where dropout dropped it (``_finish``). fp32 inputs are
     exact unless ``torch.get_float32_matmul_precision()`` is "high" or "medium" (or
     ``torch.backends.cuda.matmul.allow_tf32``), which selects the TF32 fast mode on the GPU.
@@ -408,7 +409,8 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     max_seqlen_q/k bound every sequence's length. ``causal`` and ``window_size`` act within each
     sequence as in ``flash_attn_func``, max_seqlen_k taking seqlen_k's place in flash-attn's reading
     of the window. With ``return_attn_probs=True`` returns
-    (out, softmax_lse, None), softmax_lse being (heads, total_q) float32.
+    (out, softmax_lse, S_dmask), softmax_lse being (heads, total_q) float32 and S_dmask as in
+    ``flash_attn_func``.
 
     ``block_table`` (batch, max_pages) int32 makes k and v paged caches (num_pages, page_size,
     heads_kv, headdim): the keys of sequence b are its cu_seqlens_k length of rows through its row
