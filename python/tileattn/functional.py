@@ -367,7 +367,8 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
     limits query i to keys [i + sk - sq - left, i + sk - sq + right] (-1 = unbounded; as in
     flash-attn's kernels, a side of seqlen_k or more is unbounded and a left-only window is bounded
     on the right at seqlen_k: docs/python.md). With ``causal=True`` the right bound is 0 whatever
-    ``right`` says and the left bound stays, as in flash-attn. ``alibi_slopes`` (float32, (heads,) or (batch, heads), on q's device) adds
+    ``right`` says and the left bound stays, as in flash-attn. ``alibi_slopes`` (float32,
+    (heads,) or (batch, heads), on q's device) adds
     ``-slope * |i + seqlen_k - seqlen_q - j|`` to the scaled (soft-capped) score, as flash-attn;
     in its causal form softmax_lse carries ``slope * (i + seqlen_k - seqlen_q)`` as flash-attn's
     does (docs/python.md).

@@ -62,7 +62,8 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     query at cache_seqlens[b];
     ``rotary_interleaved`` picks pairs (2i, 2i + 1) (GPT-J) or (i, i + rotary_dim / 2) (GPT-NeoX).
 
-    ``causal`` and ``window_size`` are aligned to each sequence's own key count (bottom-right);
+    ``causal`` and ``window_size`` are aligned to each sequence's own key count (bottom-right),
+    the window read against the cache's keys per sequence as flash-attn reads it (docs/python.md);
     ``softcap``, ``alibi_slopes`` and ``softmax_scale`` as in ``flash_attn_func``. ``num_splits``
     bounds how many parts each row's keys are split into on the GPU (0: chosen by the library);
     it changes rounding only. Returns out (batch, seqlen_q, heads, headdim_v), and with
