@@ -215,7 +215,8 @@ def run_h100(warmup: int, passes: int, impl_filter: list[str] | None, headdims=N
         fwd_flops = tileattn.attention_forward_flops(batch, heads, n, n, d, d, causal)
         bwd_flops = tileattn.attention_backward_flops(batch, heads, n, n, d, d, causal)
         for name, fn in _h100_impls(causal, n, device).items():
-            if name not in (impl_filter or []) and (impl_filter is not None or name in H100_OPT_IN):
+            wanted = name in impl_filter if impl_filter is not None else name not in H100_OPT_IN
+            if not wanted:
                 continue
             done += 1
             row = dict(implementation=name, headdim=d, seq_len=n, batch=batch, heads=heads, heads_kv=heads_kv,
