@@ -4,8 +4,9 @@
 //
 // Both families sum dQ into a workspace fp32 accumulator (then scaled and converted) from the
 // kernel that computes dK and dV -- by atomics (sm80) or bulk reductions (sm90) -- or, in the
-// deterministic mode, give it its own pass over key tiles; docs/perf.md ("Design decisions")
-// gives the measured cost of each.
+// deterministic mode, give it its own pass over key tiles (on Hopper, where the problem allows,
+// the bulk reductions in a fixed order instead); docs/perf.md ("Design decisions") gives the
+// measured cost of each.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -22,6 +23,7 @@
 #include "common/delta_rule.hpp"
 #include "cuda/common/check.cuh"
 #include "cuda/common/row_alignment.hpp"
+#include "cuda/common/runtime_cache.hpp"
 #include "cuda/common/uncovered_rows.cuh"
 #include "cuda/common/workspace.cuh"
 #include "cuda/cuda_backend.hpp"
@@ -48,6 +50,7 @@ struct BwdKernelSm90 {
   void (*run)(const BwdSm90Params&, cudaStream_t);
   bool dq_own_pass = false;  // dQ always in a pass of its own (no accumulator), whatever the mode
   int box_rows = kBwdBoxRows;  // of its tensor maps
+  int ordered_dq_block_n = 0;  // keys a block where the kernel can add dQ in a fixed order, else 0
 };
 
 // The Hopper backward for this bucket, when the build has it and the device runs it.
@@ -56,7 +59,8 @@ std::optional<BwdKernelSm90> pick_backward_sm90(int bucket) {
   std::optional<BwdKernelSm90> kernel;
   if (bucket_of(BwdSm90HeadDims{}, bucket) != bucket) return kernel;
   with_bucket(BwdSm90HeadDims{}, bucket, [&](auto d) {
-    kernel = BwdKernelSm90{&BwdSm90<T, decltype(d)::value>::run};
+    using K = BwdSm90<T, decltype(d)::value>;
+    kernel = BwdKernelSm90{&K::run, false, kBwdBoxRows, K::ordered_dq_block_n()};
   });
   return kernel;
 }
@@ -98,21 +102,40 @@ BwdPlan pick_kernels(const AttentionProblem& p) {
   return plan;
 }
 
-// dQ is summed into the accumulator unless asked for determinism (then dQ has its own pass) or
-// the kernel always gives it its own pass (the TF32 Hopper backward).
-bool uses_atomic_dq(const AttentionProblem& p, const BwdPlan& plan) {
-  return !p.deterministic && !(plan.sm90 && plan.sm90->dq_own_pass);
+// The deterministic mode keeps dQ in the Hopper kernel too, each query tile's additions landing in
+// a fixed order (BwdKeyBlock, bwd_stream_sm90.cuh), where that order cannot hold the grid up: one
+// length, no varlen, no mask but the causal one; unmasked, where a head's key blocks, which wait on
+// one another in a cycle, all fit on the device at once. Elsewhere dQ has its own pass, and so on
+// short causal problems at head dims up to 64, where a step is about as short as an addition's
+// landing (H100, bf16, D = 64, N = 1k causal: the pass 4% faster; 16k: the fixed order 18%).
+constexpr int64_t kOrderedDqShortCausalKeys = 1024;
+bool ordered_dq(const AttentionProblem& p, const BwdPlan& plan) {
+  if (!p.deterministic || !plan.sm90 || plan.sm90->ordered_dq_block_n == 0) return false;
+  const bool causal = p.window_left < 0 && p.window_right == 0;
+  const bool unmasked = p.window_left < 0 && p.window_right < 0;
+  const int64_t key_blocks = (p.seqlen_k + plan.sm90->ordered_dq_block_n - 1) / plan.sm90->ordered_dq_block_n;
+  const bool short_steps = headdim_bucket(p) <= 64 && p.seqlen_k <= kOrderedDqShortCausalKeys;
+  return !p.is_varlen() && p.seqlen_q == p.seqlen_k && p.seqlen_k > 0 &&
+         ((causal && !short_steps) || (unmasked && key_blocks <= device_props().sms));
+}
+
+// dQ is summed into the accumulator unless asked for determinism (then in a fixed order, or in a
+// pass of its own) or the kernel always gives it its own pass (the TF32 Hopper backward).
+bool uses_dq_accum(const AttentionProblem& p, const BwdPlan& plan) {
+  if (plan.sm90 && plan.sm90->dq_own_pass) return false;
+  return !p.deterministic || ordered_dq(p, plan);
 }
 
 // The workspace, carved in this order: lse2, dsum, row_sum (fp32 only), one float per padded
-// query row each, then the fp32 dQ accumulator when dQ is summed by atomics.
+// query row each, then the fp32 dQ accumulator when dQ is summed in the main kernel and, when in a
+// fixed order, one count per 64 padded rows.
 struct WorkspaceLayout {
   int64_t rows = 0;
   int dim = 0;
-  size_t lse2 = 0, dsum = 0, row_sum = 0, accum = 0;
+  size_t lse2 = 0, dsum = 0, row_sum = 0, accum = 0, order = 0;
   size_t total() const {
     return Workspace::round_up(lse2) + Workspace::round_up(dsum) + Workspace::round_up(row_sum) +
-           Workspace::round_up(accum);
+           Workspace::round_up(accum) + Workspace::round_up(order);
   }
 };
 
@@ -124,7 +147,8 @@ WorkspaceLayout workspace_layout(const AttentionProblem& p, const BwdPlan& plan)
   w.dim = headdim_bucket(p);
   w.lse2 = w.dsum = size_t(w.rows) * sizeof(float);
   w.row_sum = p.dtype == DType::f32 ? size_t(w.rows) * sizeof(float) : 0;
-  w.accum = uses_atomic_dq(p, plan) ? size_t(w.rows) * size_t(w.dim) * sizeof(float) : 0;
+  w.accum = uses_dq_accum(p, plan) ? size_t(w.rows) * size_t(w.dim) * sizeof(float) : 0;
+  w.order = ordered_dq(p, plan) ? size_t(w.rows / 64) * sizeof(int) : 0;
   return w;
 }
 
@@ -219,7 +243,8 @@ class BackwardPlan final : public detail::BackendPlan {
     params.dsum = ws.take<float>(layout_.dsum);
     params.row_sum = layout_.row_sum > 0 ? ws.take<float>(layout_.row_sum) : nullptr;
     params.dq_accum = layout_.accum > 0 ? ws.take<float>(layout_.accum) : nullptr;
-    // dq_accum starts at zero: the preprocess kernel zeroes it (bwd_preprocess.cuh).
+    params.dq_order = layout_.order > 0 ? ws.take<int>(layout_.order) : nullptr;
+    // dq_accum and dq_order start at zero: the preprocess kernel zeroes them (bwd_preprocess.cuh).
     if (plan_.sm90) {
       BwdSm90Params sm90 = plan_.params;
       sm90.bwd = params;

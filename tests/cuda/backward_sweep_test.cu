@@ -463,8 +463,50 @@ void add_persistent_cases(std::vector<Case>& c, DType t) {
   }
 }
 
+// One length, no mask but the causal one: on Hopper the deterministic mode keeps dQ in the main
+// kernel, each query tile's additions landing in a fixed order (key blocks walk from their own
+// diagonal tile, around to the tiles before it where unmasked; under the causal mask the grid
+// starts the light key blocks first). Ragged last tiles of 128 and 64 queries, GQA, ALiBi's
+// instance, and head dims inside a bucket.
+void add_ordered_dq_cases(std::vector<Case>& c) {
+  const std::string n = "ordered_dq_";
+  {
+    auto s = base(DType::bf16, 1000, 1000, 64);
+    s.heads_q = 8;
+    s.heads_kv = 2;
+    c.push_back({n + "bf16_gqa_d64", s, true});
+  }
+  {
+    auto s = base(DType::bf16, 777, 777, 128);
+    s.batch = 3;
+    s.causal = true;
+    s.softcap = 2.5f;
+    c.push_back({n + "bf16_causal_softcap_d128", s, true});
+  }
+  {
+    auto s = base(DType::f16, 1100, 1100, 128);
+    s.heads_q = 4;
+    s.heads_kv = 4;
+    s.alibi = ProblemShape::Alibi::per_head;
+    c.push_back({n + "f16_alibi_d128", s, true});
+  }
+  {
+    auto s = base(DType::f16, 1152, 1152, 48);  // up to 1024 keys at D <= 64 the causal mode takes dQ's pass
+    s.batch = 1;
+    s.heads_q = 6;
+    s.heads_kv = 3;
+    s.causal = true;
+    c.push_back({n + "f16_causal_gqa_d48", s, true});
+  }
+  {
+    auto s = base(DType::bf16, 500, 500, 96);
+    c.push_back({n + "bf16_d96", s, true});
+  }
+}
+
 std::vector<Case> cases() {
   std::vector<Case> c;
+  add_ordered_dq_cases(c);
   add_persistent_cases(c, DType::bf16);
   add_half_cases(c, DType::bf16);
   add_half_cases(c, DType::f16);
@@ -736,35 +778,40 @@ TEST(BackwardSmallHeaddimQk, GradientsWithin2xOfNaiveOverDraws) {
       }
 }
 
-// deterministic = true: two runs give the same bits, with the library's workspace and the caller's.
-// Head dim 64 takes fp32's exact Hopper passes, 128 and above its portable kernels; 192 and 256 the
-// 16-bit types' wide Hopper kernels; a narrowed build skips the buckets it lacks.
+// deterministic = true: repeated runs give the same bits, with the library's workspace and the
+// caller's. Head dim 64 takes fp32's exact Hopper passes, 128 and above its portable kernels; 192
+// and 256 the 16-bit types' wide Hopper kernels (dQ in a pass of its own); 64 and 128 the 16-bit
+// types' fused kernel with dQ's additions in a fixed order (causal over 9 key blocks, and unmasked
+// over 16, whose orders are a cycle); a narrowed build skips the buckets it lacks.
 TEST(BackwardDeterministic, BitwiseRepeatable) {
   TA_SKIP_WITHOUT_GPU();
-  for (int64_t d : {64, 128, 192, 256})
-    for (DType t : {DType::bf16, DType::f16, DType::f32}) {
-      SCOPED_TRACE(dtype_name(t) + " head dim " + std::to_string(d));
-      auto s = base(t, 700, 700, d);
-      s.heads_q = 4;
-      s.heads_kv = 2;
-      s.causal = true;
-      s.softcap = 2.0f;
-      HostProblem hp(s);
-      DeviceProblem dp(hp);
-      dp.problem.deterministic = true;
-      try {
-        run_forward_backward(dp);
-      } catch (const Error& e) {
-        if (e.kind() == ErrorKind::unsupported) continue;
-        throw;
+  for (bool causal : {true, false})
+    for (int64_t d : {64, 128, 192, 256})
+      for (DType t : {DType::bf16, DType::f16, DType::f32}) {
+        SCOPED_TRACE(dtype_name(t) + " head dim " + std::to_string(d) + (causal ? " causal" : " unmasked"));
+        auto s = base(t, causal ? 1100 : 2000, causal ? 1100 : 2000, d);
+        s.heads_q = 4;
+        s.heads_kv = 2;
+        s.causal = causal;
+        s.softcap = 2.0f;
+        HostProblem hp(s);
+        DeviceProblem dp(hp);
+        dp.problem.deterministic = true;
+        try {
+          run_forward_backward(dp);
+        } catch (const Error& e) {
+          if (e.kind() == ErrorKind::unsupported) continue;
+          throw;
+        }
+        const std::vector<std::byte> dq = hp.dq.bytes, dk = hp.dk.bytes, dv = hp.dv.bytes;
+        const DeviceBuffer ws(tileattn::backward_workspace_size(dp.problem));
+        for (int run = 0; run < 3; ++run) {
+          run_forward_backward(dp, run == 0 ? &ws : nullptr);
+          EXPECT_TRUE(hp.dq.bytes == dq) << "dQ differs between runs";
+          EXPECT_TRUE(hp.dk.bytes == dk) << "dK differs between runs";
+          EXPECT_TRUE(hp.dv.bytes == dv) << "dV differs between runs";
+        }
       }
-      std::vector<std::byte> dq = hp.dq.bytes, dk = hp.dk.bytes, dv = hp.dv.bytes;
-      const DeviceBuffer ws(tileattn::backward_workspace_size(dp.problem));
-      run_forward_backward(dp, &ws);
-      EXPECT_TRUE(hp.dq.bytes == dq) << "dQ differs between runs";
-      EXPECT_TRUE(hp.dk.bytes == dk) << "dK differs between runs";
-      EXPECT_TRUE(hp.dv.bytes == dv) << "dV differs between runs";
-    }
 }
 
 // A caller workspace smaller than the size query says is refused, naming the rule.

@@ -90,6 +90,24 @@ __device__ __forceinline__ void bulk_reduce_add(float* dst, const float* src, ui
                : "memory");
 }
 
+// Until this thread's committed bulk copies have completed, their global writes performed.
+__device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+
+// ---- counts in global memory that blocks of one grid hand work over with ----------------------
+
+// Orders this thread's async-proxy accesses to global memory (bulk copies and reductions) with its
+// generic ones: after bulk_wait, before publishing their writes; after an acquire, before the
+// bulk copies that must follow it.
+__device__ __forceinline__ void fence_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
+__device__ __forceinline__ int load_acquire_gpu(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void add_release_gpu(int* p, int v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+
 // A contiguous run of `bytes` (a multiple of 16, both addresses 16-byte aligned), global -> shared.
 __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(

@@ -25,8 +25,11 @@
 // hold it (DqTileOrder, bwd_dq_tiles_sm90.cuh), so their shared-memory writes are whole 512-byte
 // runs per warp and each part is one contiguous run (row by row, the 256-byte reductions at D = 64
 // cost 28% of the backward's time; docs/perf-log.md). Reductions land in any order, so dQ's low
-// bits vary run to run; the deterministic mode runs without kFusedDq and gives dQ its own pass
-// (bwd_dq_kernel_sm90.cuh).
+// bits vary run to run. The deterministic mode either gives each query tile's reductions a fixed
+// order (p.dq_order: one length, no mask but the causal one; BwdKeyBlock in bwd_stream_sm90.cuh
+// says which order and why it cannot stall the grid), each landing before the next starts, with a
+// second dQ warp taking the odd steps so that the wait for landing stays off the consumers' path,
+// or runs without kFusedDq and gives dQ its own pass (bwd_dq_kernel_sm90.cuh).
 //
 // kAlibi: P carries ALiBi's bias (bwd::grads_to_fragments, bwd_grads.cuh); an instance of its own, so
 // that the kernels without it keep their registers.
@@ -127,6 +130,9 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
   uint64_t* kv_free = ds_ring.end();
 
   const BwdSm90Schedule<kPersistent, BN, BM> schedule(p);
+  // dQ's additions in p.dq_order's order (BwdKeyBlock): each waits until it has landed, which takes
+  // about a step at D = 64, so two dQ warps take the steps in turn.
+  const bool ordered_dq = !kPersistent && p.dq_order != nullptr;
   if constexpr (!kPersistent) {
     const BwdKeyBlock<BN, BM> kb(p);
     if (kb.k0 >= kb.seq.sk) return;
@@ -143,21 +149,24 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
   if (roles.warpgroup == 0) {
     Roles::enter_producer();
     if constexpr (kFusedDq) {
-      if (threadIdx.x / 32 == 1) {
-        // The dQ warp: a consumer's part of the one tile is free again once its reduction has read
-        // it, except after the walk's last tile.
+      const int dq_warp = threadIdx.x / 32 - 1;
+      if (dq_warp == 0 || (dq_warp == 1 && ordered_dq)) {
+        // The dQ warps (the second takes the odd steps, ordered_dq only; they pass the turn to
+        // read the one tile): a consumer's part of the tile is free again once its reduction has
+        // read it, except after the walk's last tile.
         const int total = kPersistent ? schedule.steps(p) : 0;
         int g0 = 0;
         for (BwdWalk w = schedule.begin(); schedule.more(w); schedule.next(w)) {
           const BwdKeyBlock<BN, BM> kb = schedule.key_block(p, w);
           const int left = kPersistent ? total - g0 : kb.n_iter;  // tiles from this key block's first on
           reduce_dq_tiles<kHeadDim, Traits::kDqTileBytes, Traits::kConsumers, Traits::kDqPartBytes,
-                          sm90::kBwdDqPartFull0, Traits::kDqPartBarrierThreads>(
-              p, kb, kb.n_iter, [sdq](int) { return sdq; }, [](int, int) {},
+                          Traits::kDqPartBarrierThreads, !kPersistent>(
+              p, kb, kb.n_iter, sm90::kBwdDqPartFull0, [sdq](int) { return sdq; }, [](int, int) {},
               [left](int it, int part) {
                 if (it + 1 < left)
                   sm90::named_barrier_arrive(sm90::kBwdDqPartEmpty0 + part, Traits::kDqPartBarrierThreads);
-              });
+              },
+              dq_warp, ordered_dq ? 2 : 1, sm90::kBwdDqTurn0 + dq_warp, sm90::kBwdDqTurn0 + 1 - dq_warp);
           g0 += kb.n_iter;
         }
         return;

@@ -100,8 +100,8 @@ __global__ void __launch_bounds__(BwdWideSm90Traits<T, kHeadDim>::kThreads, 1)
     if (kFusedDq && threadIdx.x / 32 == 1) {
       // The dQ warp: the tile lies over its stage's Q and dO, so the stage is free once the
       // reduction has read it.
-      reduce_dq_tiles<kHeadDim, 2 * QTile::kBytes, 1, 2 * QTile::kBytes, sm90::kBwdDqFull, Traits::kDqBarrierThreads>(
-          p, kb, n_iter, [stages](int it) { return reinterpret_cast<const float*>(stages.q(it % kStages)); },
+      reduce_dq_tiles<kHeadDim, 2 * QTile::kBytes, 1, 2 * QTile::kBytes, Traits::kDqBarrierThreads, false>(
+          p, kb, n_iter, sm90::kBwdDqFull, [stages](int it) { return reinterpret_cast<const float*>(stages.q(it % kStages)); },
           [ring](int it, int) { ring.release(it); }, [](int, int) {});
       return;
     }

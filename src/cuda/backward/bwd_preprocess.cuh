@@ -2,7 +2,7 @@
 // The two light kernels around the main backward pass:
 //  - preprocess: D = rowsum(O * dO) (16-bit, and fp32 with given_stats; otherwise fp32's D comes
 //    from bwd_row_stats.cuh) and L * log2(e) (fp32: L) per query row, into the workspace,
-//    and the row's fp32 dQ accumulator (when dQ is summed by atomics) zeroed;
+//    and the row's fp32 dQ accumulator (when dQ is summed by atomics) and dQ order count zeroed;
 //  - convert: the fp32 dQ accumulator, scaled, into dQ in the problem's dtype and strides.
 // One warp per query row, or for 16-bit O and dO that take 16-byte loads (vec_io) a few lanes per
 // row (launch_preprocess); rows past a sequence's end are workspace padding. Both kernels move
@@ -72,6 +72,7 @@ __global__ void __launch_bounds__(kRowKernelThreads) preprocess_kernel(const Bwd
     float4* a = reinterpret_cast<float4*>(p.dq_accum + w * p.dq_accum_dim);
     for (int c = lane; c < p.dq_accum_dim / 4; c += 32) a[c] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   }
+  if (p.dq_order != nullptr && lane == 0 && w % 64 == 0) p.dq_order[w / 64] = 0;
   float acc = 0.0f;
   if (i < s.sq) {
     const T* o = query_row<const T>(p, p.o, b, h, i);
@@ -154,6 +155,9 @@ __global__ void __launch_bounds__(kRowKernelThreads) preprocess_vec_kernel(const
     const int i = i0 + r * Rows::kPass;
     if (sub == 0) store_row_stats<T>(p, s, b, h, i, first + (i - i0) + int(threadIdx.x) / kRowLanes, acc, lse[r]);
   }
+  // A count per 64 rows (blocks of 32 rows: the one that starts them).
+  if (p.dq_order != nullptr && int(threadIdx.x) * 64 < Rows::kBlock && first % 64 == 0)
+    p.dq_order[first / 64 + threadIdx.x] = 0;
 }
 
 // The preprocess for every backward: the lanes-per-row kernel where it applies, else a warp a row.

@@ -23,25 +23,47 @@ namespace tileattn::cuda {
 
 // Keys [k0, k1) of sequence b under kv head hk, and its steps: the query tiles of kBlockM rows
 // that see these keys, for every query head of the kv head's group, head by head.
+//
+// With p.dq_order (one length, no mask but the causal one: the launch rule), a query tile's dQ
+// additions land in a fixed order: from the key block on the tile's diagonal down to block 0, then
+// (unmasked) from the last block down. Each key block walks a head's tiles from its own diagonal
+// tile on (unmasked: round to the tiles before it), so that a tile's additions come in that order
+// a step or more apart and none waits long for the one before. Under the causal mask a block
+// waits only for later key blocks, which the grid then starts first (every wait is on a block
+// already running or done); unmasked, the order is a cycle, and the launch rule keeps a kv head's
+// key blocks few enough to run at once.
 template <int kBlockN, int kBlockM>
 struct BwdKeyBlock {
   bwd::SeqInfo seq;
   Mask mask;
   bwd::TileSpan queries;
   int b, hk, group, k0, k1, n_iter;
+  int shift;  // the walk's first tile, counted from queries.first
 
   // This CTA's block of the (key blocks, batch, kv heads) grid; k0 >= seq.sk: past the sequence.
   __device__ __forceinline__ explicit BwdKeyBlock(const bwd::BwdParams& p)
-      : BwdKeyBlock(p, int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)) {}
-  // Key block `block` of sequence b_ under kv head hk_.
-  __device__ __forceinline__ BwdKeyBlock(const bwd::BwdParams& p, int block, int b_, int hk_)
+      : BwdKeyBlock(p, p.dq_order != nullptr && p.window_right == 0 ? int(gridDim.x - 1 - blockIdx.x) : int(blockIdx.x),
+                    int(blockIdx.y), int(blockIdx.z), p.dq_order != nullptr) {}
+  // Key block `block` of sequence b_ under kv head hk_; ordered: walked for p.dq_order.
+  __device__ __forceinline__ BwdKeyBlock(const bwd::BwdParams& p, int block, int b_, int hk_, bool ordered = false)
       : seq(bwd::seq_info(p, b_)), mask(bwd::seq_mask(p, seq)), b(b_), hk(hk_), group(p.group), k0(block * kBlockN) {
     k1 = min(k0 + kBlockN, seq.sk);
     queries = bwd::tile_span(mask.tile_begin_query(k0), mask.tile_end_query(k1), kBlockM);
     n_iter = queries.count * group;
+    shift = ordered ? k0 / kBlockM - queries.first : 0;
   }
   __device__ __forceinline__ int head(int it) const { return hk * group + it / queries.count; }
-  __device__ __forceinline__ int q0(int it) const { return (queries.first + it % queries.count) * kBlockM; }
+  __device__ __forceinline__ int q0(int it) const {
+    int i = it % queries.count + shift;
+    if (i >= queries.count) i -= queries.count;
+    return (queries.first + i) * kBlockM;
+  }
+  // How many of step it's query tile's dQ additions land before this block's (p.dq_order's order).
+  __device__ __forceinline__ int dq_rank(int it) const {
+    const int blocks = (seq.sk + kBlockN - 1) / kBlockN, n = k0 / kBlockN;
+    const int diagonal = min(blocks - 1, (min(q0(it) + kBlockM, seq.sq) - 1) / kBlockN);
+    return n <= diagonal ? diagonal - n : diagonal + blocks - n;
+  }
 
   // dK (times the scale) and dV from this thread's accumulators: the warp's rows row0.. of the
   // block, columns col0.. of the head dim.
@@ -185,26 +207,50 @@ __device__ __forceinline__ void load_query_block(const BwdSm90Params& params, co
   }
 }
 
-// The dQ warp (a warp of the producer warpgroup; whole warps take part in named barriers): each
-// step's fp32 dQ tile of kTileBytes, in kParts parts of kPartBytes (the last may be shorter) that
-// the consumers write on their own (named barrier kFullBarrier0 + part, kBarrierThreads taking
-// part), each added to its place in the workspace accumulator with one bulk reduction as soon as
-// it is written (a tile's order keeps each part one run there too; rows past the sequence land in
-// workspace padding). tile(it) is where step it's tile lies; read(it, part) runs on the warp's
-// first thread (block thread 32) once the reduction has read the part, done(it, part) on the whole
-// warp after that. Callers' lambdas capture by value: captured by reference, they changed the
-// consumers' code before the loop (fused kernel) and throughout (wide kernel; SASS).
-template <int kHeadDim, int kTileBytes, int kParts, int kPartBytes, int kFullBarrier0, int kBarrierThreads,
-          int kBlockN, int kBlockM, class Tile, class Read, class Done>
+// A dQ warp (a warp of the producer warpgroup; whole warps take part in named barriers): steps
+// first, first + stride, ... of the key block, each an fp32 dQ tile of kTileBytes in kParts parts
+// of kPartBytes (the last may be shorter) that the consumers write on their own (named barrier
+// full0 + part, kBarrierThreads taking part), each added to its place in the workspace accumulator
+// with one bulk reduction as soon as it is written (a tile's order keeps each part one run there
+// too; rows past the sequence land in workspace padding). kOrdered, where p.dq_order is given: in
+// its order, each tile's addition waited for until it has landed, which takes about a step at
+// D = 64 (so the fused kernel gives the odd steps a second warp). With stride 2 the two warps take
+// turns at the tile's barriers: this one waits on named barrier turn_wait (64 threads) before a
+// step's first part and, once it holds the step's last part, lets the other go (turn_signal).
+// tile(it) is where step it's tile lies; read(it, part) runs on the warp's first thread once the
+// reduction has read the part, done(it, part) on the whole warp after that. Callers' lambdas
+// capture by value: captured by reference, they changed the consumers' code before the loop (fused
+// kernel) and throughout (wide kernel; SASS).
+template <int kHeadDim, int kTileBytes, int kParts, int kPartBytes, int kBarrierThreads, bool kOrdered, int kBlockN,
+          int kBlockM, class Tile, class Read, class Done>
 __device__ __forceinline__ void reduce_dq_tiles(const bwd::BwdParams& p, const BwdKeyBlock<kBlockN, kBlockM>& kb,
-                                                int n_iter, Tile tile, Read read, Done done) {
+                                                int n_iter, int full0, Tile tile, Read read, Done done,
+                                                int first = 0, int stride = 1, int turn_wait = 0, int turn_signal = 0) {
   static_assert((kParts - 1) * kPartBytes < kTileBytes && kParts * kPartBytes >= kTileBytes, "parts cover the tile");
-  for (int it = 0; it < n_iter; ++it) {
+  const bool issuer = threadIdx.x % 32 == 0;
+  for (int it = first; it < n_iter; it += stride) {
+    // The tile's earlier additions have landed before this one starts.
+    int* landed = nullptr;
+    if (kOrdered && p.dq_order != nullptr) {
+      landed = p.dq_order + (bwd::ws_row(p, kb.b, kb.head(it)) + kb.q0(it)) / 64;
+      if (issuer) {
+        const int rank = kb.dq_rank(it);
+        // A wait far past any real one (about 40 s) means the order cannot complete: the kernel
+        // ends in an error rather than holding the device.
+        const long long start = clock64();
+        while (sm90::load_acquire_gpu(landed) != rank)
+          if (clock64() - start > (1ll << 36)) __trap();
+        sm90::fence_async_global();
+      }
+      __syncwarp();
+    }
+    if (stride == 2 && it > 0) sm90::named_barrier_sync(turn_wait, 64);
 #pragma unroll
     for (int part = 0; part < kParts; ++part) {
       constexpr int kLast = kTileBytes - (kParts - 1) * kPartBytes;
-      sm90::named_barrier_sync(kFullBarrier0 + part, kBarrierThreads);
-      if (threadIdx.x == 32) {
+      sm90::named_barrier_sync(full0 + part, kBarrierThreads);
+      if (stride == 2 && part + 1 == kParts && it + 1 < n_iter) sm90::named_barrier_arrive(turn_signal, 64);
+      if (issuer) {
         const int64_t at = (bwd::ws_row(p, kb.b, kb.head(it)) + kb.q0(it)) * kHeadDim + part * (kPartBytes / 4);
         sm90::bulk_reduce_add(p.dq_accum + at, tile(it) + part * (kPartBytes / 4),
                               part + 1 < kParts ? kPartBytes : kLast);
@@ -214,6 +260,11 @@ __device__ __forceinline__ void reduce_dq_tiles(const bwd::BwdParams& p, const B
       }
       __syncwarp();
       done(it, part);
+    }
+    if (landed != nullptr && issuer) {  // landed: the tile's next addition may start
+      sm90::bulk_wait();
+      sm90::fence_async_global();
+      sm90::add_release_gpu(landed, 1);
     }
   }
 }

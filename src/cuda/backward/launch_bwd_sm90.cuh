@@ -35,8 +35,8 @@ void launch_bwd_sm90(const BwdSm90Params& params, cudaStream_t stream) {
 }
 
 // Blocks that walk several key blocks pay off where a key block's steps are few: every unit the
-// same work (one length, no mask but the causal one, which pairs key blocks), the fused dQ, more
-// units than SMs. H200, bf16, against a block per key block: N = 1k +4-6%, causal +4-7%; 4k -1%,
+// same work (one length, no mask but the causal one, which pairs key blocks), the fused dQ in any
+// order (the fixed one needs the grid's order of blocks), more units than SMs. H200, bf16, against a block per key block: N = 1k +4-6%, causal +4-7%; 4k -1%,
 // causal +2%; 16k -0.4-1%, causal -2.5-4.5% (docs/perf-log.md). So key ranges up to 1024 take the
 // walk, causal ones up to 4096: the forward's limits too.
 constexpr int kBwdSm90PersistentMaxKeys = 1024;
@@ -45,7 +45,8 @@ inline bool bwd_sm90_persistent(const bwd::BwdParams& p, int block_n) {
   const bool causal = p.window_right == 0 && p.window_left < 0;
   const bool unmasked = p.window_left < 0 && p.window_right < 0;
   const BwdUnits units(p, block_n);
-  return p.dq_accum != nullptr && !p.mod.has_alibi() && p.cu_seqlens_q == nullptr && p.cu_seqlens_k == nullptr &&
+  return p.dq_accum != nullptr && p.dq_order == nullptr && !p.mod.has_alibi() && p.cu_seqlens_q == nullptr &&
+         p.cu_seqlens_k == nullptr &&
          (causal || unmasked) &&
          p.seqlen_k <= (causal ? kBwdSm90PersistentCausalMaxKeys : kBwdSm90PersistentMaxKeys) &&
          units.count > device_props().sms && units.count <= INT32_MAX;
@@ -106,6 +107,12 @@ void launch_main_sm90(const BwdSm90Params& params, cudaStream_t stream) {
   }
 }
 }  // namespace detail
+
+template <class T, int kHeadDim>
+int BwdSm90<T, kHeadDim>::ordered_dq_block_n() {
+  if constexpr (kHeadDim <= 128) return BwdSm90Traits<T, kHeadDim, true>::kBlockN;
+  else return 0;  // the wide kernel: dQ has its own pass
+}
 
 template <class T, int kHeadDim>
 void BwdSm90<T, kHeadDim>::run(const BwdSm90Params& params, cudaStream_t stream) {

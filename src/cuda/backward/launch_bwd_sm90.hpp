@@ -22,6 +22,8 @@ template <class T, int kHeadDim>
 struct BwdSm90 {
   // params.bwd as for the sm80 kernels, without the dQ accumulator.
   static void run(const BwdSm90Params& params, cudaStream_t stream);
+  // Keys a block where the kernel can add dQ in params.bwd.dq_order's fixed order; 0 where it cannot.
+  static int ordered_dq_block_n();
 };
 
 // fp32: fast mode's TF32 products (run) and exact mode's split TF32 (run_exact: statistics, dK,

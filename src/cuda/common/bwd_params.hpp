@@ -61,6 +61,10 @@ struct BwdParams {
   float* row_sum;   // fp32 only: sum of exp(score - row max); 1 where P = 0; null otherwise
   float* dsum;      // D = rowsum(O * dO); 0 for padding
   float* dq_accum;  // fp32 dQ / scale, summed by atomics; null when dQ has its own pass
+  // The deterministic mode's fused dQ (Hopper, launch_bwd_sm90.cuh): per 64 workspace rows, how
+  // many of a query tile's dQ additions have landed, so that each lands in a fixed order
+  // (BwdKeyBlock::dq_rank); null when dQ tiles land in any order or dQ has its own pass.
+  int* dq_order;
 };
 
 struct SeqInfo {
