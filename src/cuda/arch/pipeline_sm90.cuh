@@ -173,9 +173,9 @@ enum NamedBarrier : int {
   // The Hopper backward (backward/*_sm90.cuh). Fused dQ: consumer c's part of a dQ tile is
   // written (it arrives, the dQ warp waits), 1 + c; that part's shared memory is read (the dQ warp
   // arrives), 3 + c; with two dQ warps, dQ warp w may wait for the tile's parts (the other has
-  // waited for the step before's), 5 + w. Wide head dims: the step's P^T and dS^T are written; the whole dQ tile is
-  // written (the consumers arrive, the dQ warp waits); both consumers' products of the step are
-  // done (the tile may go over the stage).
+  // waited for the step before's), 5 + w. Wide head dims: the step's P^T and dS^T are written;
+  // the whole dQ tile is written (the consumers arrive, the dQ warp waits); both consumers'
+  // products of the step are done (the tile may go over the stage).
   kBwdDqPartFull0 = 1,
   kBwdDqPartEmpty0 = 3,
   kBwdDqTurn0 = 5,

@@ -2,7 +2,8 @@
 // The two light kernels around the main backward pass:
 //  - preprocess: D = rowsum(O * dO) (16-bit, and fp32 with given_stats; otherwise fp32's D comes
 //    from bwd_row_stats.cuh) and L * log2(e) (fp32: L) per query row, into the workspace,
-//    and the row's fp32 dQ accumulator (when dQ is summed by atomics) and dQ order count zeroed;
+//    and the row's fp32 dQ accumulator (when dQ is summed by atomics) and, where its additions
+//    land in a fixed order, their counts zeroed;
 //  - convert: the fp32 dQ accumulator, scaled, into dQ in the problem's dtype and strides.
 // One warp per query row, or for 16-bit O and dO that take 16-byte loads (vec_io) a few lanes per
 // row (launch_preprocess); rows past a sequence's end are workspace padding. Both kernels move
