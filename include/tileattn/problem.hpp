@@ -52,8 +52,10 @@ struct AttentionProblem {
   TensorView dq, dk, dv;  // backward outputs; for GQA dK/dV sum over the query heads of each group
 
   // ---- variable length ------------------------------------------------------------------
-  // When set, both are set: int32 offsets of batch + 1 entries, starting at 0, non-decreasing,
-  // in the same memory space as the tensors. total_q/total_k are the rows the buffers hold.
+  // When set, both are set: int32 offsets of batch + 1 entries, from 0 or more, non-decreasing,
+  // in the same memory space as the tensors. total_q/total_k are the rows the buffers hold. Rows
+  // before the first offset or from the last on belong to no sequence (flash-attn's kernels start
+  // sequence b at cu_seqlens[b] too): they get the outputs of a row that sees no key (0, L = -inf).
   const int32_t* cu_seqlens_q = nullptr;
   const int32_t* cu_seqlens_k = nullptr;
   int64_t total_q = 0;

@@ -380,10 +380,10 @@ void dq_tile(const AttentionProblem& p, const ScoreTransform& transform, const R
 
 void backward(const AttentionProblem& p) {
   if (p.is_varlen()) {
-    zero_rows(p, p.dq, first_uncovered_row(p, true), p.total_q, p.heads_q, p.headdim_qk);
-    const int64_t k0 = first_uncovered_row(p, false);
-    zero_rows(p, p.dk, k0, p.total_k, p.heads_kv, p.headdim_qk);
-    zero_rows(p, p.dv, k0, p.total_k, p.heads_kv, p.headdim_v);
+    zero_uncovered_rows(p, p.dq, covered_rows(p, true), p.total_q, p.heads_q, p.headdim_qk);
+    const CoveredRows keys = covered_rows(p, false);
+    zero_uncovered_rows(p, p.dk, keys, p.total_k, p.heads_kv, p.headdim_qk);
+    zero_uncovered_rows(p, p.dv, keys, p.total_k, p.heads_kv, p.headdim_v);
   }
   int64_t max_q, max_k;
   max_lengths(p, max_q, max_k);

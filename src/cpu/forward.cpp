@@ -270,9 +270,13 @@ void forward(const AttentionProblem& problem) {
                   scratch);
   });
   if (p.is_varlen()) {
-    const int64_t r0 = first_uncovered_row(p, true);
-    zero_rows(p, p.o, r0, p.total_q, p.heads_q, p.headdim_v);
-    for (int64_t h = 0; h < p.heads_q; ++h) std::fill(p.lse + h * p.total_q + r0, p.lse + (h + 1) * p.total_q, -INFINITY);
+    const CoveredRows covered = covered_rows(p, true);
+    zero_uncovered_rows(p, p.o, covered, p.total_q, p.heads_q, p.headdim_v);
+    for (int64_t h = 0; h < p.heads_q; ++h) {
+      float* lse = p.lse + h * p.total_q;
+      std::fill(lse, lse + covered.begin, -INFINITY);
+      std::fill(lse + covered.end, lse + p.total_q, -INFINITY);
+    }
   }
 }
 

@@ -179,21 +179,29 @@ inline void load_rows_transposed(const AttentionProblem& p, const TensorView& t,
     load_elements_strided(t.data, row_offset(p, t, s, query_side, i0 + r, h), p.dtype, dim, dst + r, ld);
 }
 
-// Varlen buffers may hold rows after the last sequence (cu_seqlens[batch] < total): no sequence
-// covers them, so they are outputs of nothing, and they get the values of a row that sees no key
-// (zeros; L = -inf) rather than whatever the buffer held. Returns the first such row.
-inline int64_t first_uncovered_row(const AttentionProblem& p, bool query_side) {
-  return query_side ? p.cu_seqlens_q[p.batch] : p.cu_seqlens_k[p.batch];
+// Varlen buffers may hold rows before the first sequence (cu_seqlens[0] > 0) and after the last
+// (cu_seqlens[batch] < total): no sequence covers them, so they are outputs of nothing, and they
+// get the values of a row that sees no key (zeros; L = -inf) rather than whatever the buffer held.
+// The rows [begin, end) the sequences cover.
+struct CoveredRows {
+  int64_t begin, end;
+};
+inline CoveredRows covered_rows(const AttentionProblem& p, bool query_side) {
+  const int32_t* cu = query_side ? p.cu_seqlens_q : p.cu_seqlens_k;
+  return {cu[0], cu[p.batch]};
 }
 
-// Zeros rows [r0, r1) of every head of a varlen tensor.
-inline void zero_rows(const AttentionProblem& p, const TensorView& t, int64_t r0, int64_t r1, int64_t heads,
-                      int64_t dim) {
-  for (int64_t r = r0; r < r1; ++r)
+// Zeros the rows of every head of a varlen tensor of `total` rows that `covered` leaves out.
+inline void zero_uncovered_rows(const AttentionProblem& p, const TensorView& t, CoveredRows covered, int64_t total,
+                                int64_t heads, int64_t dim) {
+  for (int64_t r = 0; r < total; ++r) {
+    if (r == covered.begin) r = std::max(r, covered.end);
+    if (r >= total) break;
     for (int64_t h = 0; h < heads; ++h) {
       const int64_t base = r * t.seq_stride + h * t.head_stride;
       for (int64_t d = 0; d < dim; ++d) store_element(t.data, base + d, p.dtype, 0.0f);
     }
+  }
 }
 
 // Stores rows of src (ld; fp32, or double sums rounded to fp32 first) times a per-row factor

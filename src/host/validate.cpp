@@ -163,11 +163,11 @@ void check_num_threads(int num_threads) {
 }
 
 // cu_seqlens: batch + 1 int32 offsets (host memory) into a buffer of `total` rows, each sequence
-// no longer than `max_len`.
+// no longer than `max_len`; the first may be past row 0 (rows before it belong to no sequence).
 void check_cu_seqlens(const int32_t* host, const char* name, int64_t batch, int64_t total, const char* total_name,
                       int64_t max_len, const char* max_name) {
   const std::string n = name;
-  if (host[0] != 0) invalid(n + "[0]=" + str(int64_t(host[0])) + " must be 0");
+  if (host[0] < 0) invalid(n + "[0]=" + str(int64_t(host[0])) + " must be >= 0");
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t lo = host[size_t(b)], hi = host[size_t(b) + 1];
     if (hi < lo) {

@@ -333,11 +333,14 @@ TEST(ValidateAttention, CuSeqlensBothOrNeither) {
   expect_fwd_error(b.p, ErrorKind::invalid_argument, {"cu_seqlens_q is null", "needs both"});
 }
 
-TEST(ValidateAttention, CuSeqlensMustStartAtZero) {
+// Offsets may start past row 0 (flash-attn's kernels start sequence b at cu_seqlens[b]), not before it.
+TEST(ValidateAttention, CuSeqlensStartAtOrPastRowZero) {
   ValidAttention a;
   a.make_varlen({4, 4}, {6, 6});
   a.cu_q[0] = 1;
-  expect_fwd_error(a.p, ErrorKind::invalid_argument, {"cu_seqlens_q[0]=1 must be 0"});
+  EXPECT_NO_THROW(validate_fwd(a.p));
+  a.cu_q[0] = -1;
+  expect_fwd_error(a.p, ErrorKind::invalid_argument, {"cu_seqlens_q[0]=-1 must be >= 0"});
 }
 
 TEST(ValidateAttention, CuSeqlensMustBeNonDecreasing) {

@@ -125,6 +125,31 @@ def test_varlen_matches_per_sequence_float64(causal):
     _assert_grads_near_float64(out, (q, k, v), ref_out, ref_inputs)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_offsets_may_start_past_row_zero(causal):
+    # flash-attn's kernels start sequence b at cu_seqlens[b]: rows before the first offset, like
+    # rows from the last on, belong to no sequence and come back as a row without keys (zeros, lse
+    # +inf, zero gradients), the rest as the same call over the rows the sequences cover.
+    cu_q = torch.tensor([3, 8, 25], dtype=torch.int32)
+    cu_k = torch.tensor([2, 11, 14], dtype=torch.int32)
+    q = torch.randn(27, 4, 32, requires_grad=True)
+    k = torch.randn(16, 2, 32, requires_grad=True)
+    v = torch.randn(16, 2, 24, requires_grad=True)
+    out, lse, _ = tileattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 17, 9, causal=causal, return_attn_probs=True)
+    ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = naive.varlen_attention(*ref_inputs, cu_q, cu_k, causal=causal)
+    ref_out = torch.cat([ref_out.new_zeros(3, 4, 24), ref_out, ref_out.new_zeros(2, 4, 24)])
+    ref_lse = torch.cat([ref_lse.new_full((4, 3), -math.inf), ref_lse, ref_lse.new_full((4, 2), -math.inf)], dim=1)
+    assert naive.max_error(out, ref_out) < 1e-5
+    assert naive.max_error(lse, naive.flash_lse(ref_lse)) < 1e-5
+    assert torch.equal(out[:3], torch.zeros_like(out[:3])) and torch.equal(out[25:], torch.zeros_like(out[25:]))
+    dout = torch.randn_like(out)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    for g, begin, end in ((dq, 3, 25), (dk, 2, 14), (dv, 2, 14)):
+        assert torch.equal(g[:begin], torch.zeros_like(g[:begin])) and torch.equal(g[end:], torch.zeros_like(g[end:]))
+    _assert_grads_near_float64(out, (q, k, v), ref_out, ref_inputs)
+
+
 @pytest.mark.parametrize("window", [(5, 3), (-1, 7), (0, 1), (2, 1 << 20)], ids=str)
 def test_causal_with_window_keeps_left_and_sets_right_to_zero(window):
     # flash-attn's rule: causal=True with window_size=(left, right) is the window (left, 0).

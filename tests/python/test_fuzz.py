@@ -643,8 +643,8 @@ def run_invalid_case(rng, device: str) -> str:
         expect = (TypeError, r"cu_seqlens_q\.dtype=int64 must be int32")
     elif rule == "cu_start":
         cu_k = cu_k.clone()
-        cu_k[0] = 1
-        expect = (ValueError, r"cu_seqlens_k\[0\]=1 must be 0")
+        cu_k[0] = -1
+        expect = (ValueError, r"cu_seqlens_k\[0\]=-1 must be >= 0")
     elif rule == "cu_decreasing":
         cu_q = torch.cat([cu_q, cu_q[-1:] - 1])
         cu_k = torch.cat([cu_k, cu_k[-1:]])

@@ -1,8 +1,8 @@
 #pragma once
-// Rows of a packed variable-length buffer at or past cu_seqlens[batch] belong to no sequence, and
-// no attention kernel visits them; they are defined here: 0 in O, dQ, dK and dV, -inf in L (the
-// value of a row that sees no key). Where the batch ends is read on the device, so the call never
-// synchronises; blocks wholly before it return at once.
+// Rows of a packed variable-length buffer before cu_seqlens[0] or at or past cu_seqlens[batch]
+// belong to no sequence, and no attention kernel visits them; they are defined here: 0 in O, dQ,
+// dK and dV, -inf in L (the value of a row that sees no key). Where the batch begins and ends is
+// read on the device, so the call never synchronises; blocks wholly inside it return at once.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -19,13 +19,14 @@ constexpr int kUncoveredRowsPerBlock = 8;
 template <class Bits>
 __global__ void define_uncovered_rows_kernel(Bits* data, int64_t row_stride, int64_t head_stride, int heads, int dim,
                                              const int32_t* cu, int batch, int64_t total, float* lse) {
-  const int64_t end = cu[batch] < 0 ? 0 : (cu[batch] > total ? total : int64_t(cu[batch]));
+  auto clamp = [total](int64_t x) { return x < 0 ? 0 : (x > total ? total : x); };
+  const int64_t begin = clamp(cu[0]), end = clamp(cu[batch]);
   const int64_t row0 = int64_t(blockIdx.x) * kUncoveredRowsPerBlock;
-  if (row0 + kUncoveredRowsPerBlock <= end) return;
+  if (row0 >= begin && row0 + kUncoveredRowsPerBlock <= end) return;
   const int64_t per_row = int64_t(heads) * dim;
   for (int64_t i = threadIdx.x; i < kUncoveredRowsPerBlock * per_row; i += blockDim.x) {
     const int64_t row = row0 + i / per_row;
-    if (row < end || row >= total) continue;
+    if ((row >= begin && row < end) || row >= total) continue;
     const int h = int(i % per_row / dim), d = int(i % dim);
     data[row * row_stride + h * head_stride + d] = Bits(0);
     if (lse != nullptr && d == 0) lse[h * total + row] = -INFINITY;
