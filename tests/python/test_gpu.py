@@ -81,6 +81,33 @@ def test_varlen_cuda(cuda):
         naive.assert_2x_rule(a, n, r, FLOOR[torch.bfloat16] * 2, name)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_offsets_past_row_zero_cuda(causal, cuda):
+    # Sequences start at cu_seqlens[b] (flash-attn's reading); rows before the first offset and
+    # from the last on belong to none and come back as a row without keys (zeros, lse +inf, zero
+    # gradients), on the Hopper kernels and the portable ones alike.
+    cu_q = torch.tensor([5, 42, 42, 170], dtype=torch.int32, device=cuda)
+    cu_k = torch.tensor([3, 60, 61, 189], dtype=torch.int32, device=cuda)
+    q, k, v = _inputs((176, 4, 64), (193, 2, 64), (193, 2, 64), torch.bfloat16, cuda)
+    out, lse, _ = tileattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 128, 128, causal=causal,
+                                                  return_attn_probs=True)
+    ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref, _ = naive.varlen_attention(*ref_inputs, cu_q.cpu(), cu_k.cpu(), causal=causal)
+    naive_same, _ = naive.varlen_attention(q, k, v, cu_q.cpu(), cu_k.cpu(), causal=causal)
+    naive.assert_2x_rule(out[5:170], naive_same, ref, FLOOR[torch.bfloat16], "out")
+    for rows in (out[:5], out[170:]):
+        assert torch.equal(rows, torch.zeros_like(rows))
+    assert torch.isinf(lse[:, :5]).all() and torch.isinf(lse[:, 170:]).all()
+    dout = torch.randn_like(out)
+    ours = torch.autograd.grad(out, (q, k, v), dout)
+    oracle = torch.autograd.grad(ref, ref_inputs, dout[5:170].double())
+    same_precision = torch.autograd.grad(naive_same, (q, k, v), dout[5:170])
+    for name, a, n, r, (begin, end) in zip(("dq", "dk", "dv"), ours, same_precision, oracle,
+                                            ((5, 170), (3, 189), (3, 189))):
+        naive.assert_2x_rule(a, n, r, FLOOR[torch.bfloat16] * 2, name)
+        assert torch.equal(a[:begin], torch.zeros_like(a[:begin])) and torch.equal(a[end:], torch.zeros_like(a[end:]))
+
+
 def test_softmax_matmul_cuda(cuda):
     x = torch.randn(4, 128, 1000, device=cuda)
     v = torch.randn(4, 1000, 64, device=cuda)
