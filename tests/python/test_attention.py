@@ -36,17 +36,29 @@ def _inputs(batch, seqlen_q, seqlen_k, heads_q, heads_kv, d, dv, dtype):
     return [t.requires_grad_() for t in (q, k, v)]
 
 
+def _varlen_inputs(lens_q, lens_k, heads_q, heads_kv, d, dv):
+    """cu_seqlens_q and _k from the sequences' lengths, and packed fp32 q, k, v that need grads."""
+    cu_q = torch.tensor([0] + lens_q, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    cu_k = torch.tensor([0] + lens_k, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    q = torch.randn(int(cu_q[-1]), heads_q, d, requires_grad=True)
+    k = torch.randn(int(cu_k[-1]), heads_kv, d, requires_grad=True)
+    v = torch.randn(int(cu_k[-1]), heads_kv, dv, requires_grad=True)
+    return cu_q, cu_k, q, k, v
+
+
 def _grads(out, inputs, dout):
     return torch.autograd.grad(out, inputs, dout)
 
 
 def _assert_grads_near_float64(out, inputs, ref_out, ref_inputs, what=None):
-    """dq, dk, dv of out within 4e-5 of the float64 reference's, for one fresh random dout."""
+    """dq, dk, dv of out within 4e-5 of the float64 reference's, for one fresh random dout;
+    returns ours."""
     dout = torch.randn_like(out)
     ours = _grads(out, inputs, dout)
     oracle = _grads(ref_out, ref_inputs, dout.double())
     for name, a, r in zip(("dq", "dk", "dv"), ours, oracle):
         assert naive.max_error(a, r) < 4e-5, name if what is None else (what, name)
+    return ours
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
@@ -110,11 +122,7 @@ def test_deterministic_backward_is_bitwise_reproducible():
 @pytest.mark.parametrize("causal", [False, True])
 def test_varlen_matches_per_sequence_float64(causal):
     lens_q, lens_k = [5, 0, 31, 17], [9, 4, 31, 3]
-    cu_q = torch.tensor([0] + lens_q, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    cu_k = torch.tensor([0] + lens_k, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    q = torch.randn(int(cu_q[-1]), 4, 32, requires_grad=True)
-    k = torch.randn(int(cu_k[-1]), 2, 32, requires_grad=True)
-    v = torch.randn(int(cu_k[-1]), 2, 24, requires_grad=True)
+    cu_q, cu_k, q, k, v = _varlen_inputs(lens_q, lens_k, 4, 2, 32, 24)
     out, lse, _ = tileattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
                                                   return_attn_probs=True)
     assert lse.shape == (4, q.shape[0])
@@ -143,11 +151,9 @@ def test_varlen_offsets_may_start_past_row_zero(causal):
     assert naive.max_error(out, ref_out) < 1e-5
     assert naive.max_error(lse, naive.flash_lse(ref_lse)) < 1e-5
     assert torch.equal(out[:3], torch.zeros_like(out[:3])) and torch.equal(out[25:], torch.zeros_like(out[25:]))
-    dout = torch.randn_like(out)
-    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    dq, dk, dv = _assert_grads_near_float64(out, (q, k, v), ref_out, ref_inputs)
     for g, begin, end in ((dq, 3, 25), (dk, 2, 14), (dv, 2, 14)):
         assert torch.equal(g[:begin], torch.zeros_like(g[:begin])) and torch.equal(g[end:], torch.zeros_like(g[end:]))
-    _assert_grads_near_float64(out, (q, k, v), ref_out, ref_inputs)
 
 
 @pytest.mark.parametrize("window", [(5, 3), (-1, 7), (0, 1), (2, 1 << 20)], ids=str)
@@ -163,11 +169,7 @@ def test_causal_with_window_keeps_left_and_sets_right_to_zero(window):
 
 def test_varlen_causal_with_window_keeps_left_and_sets_right_to_zero():
     lens_q, lens_k = [7, 12, 3], [9, 12, 20]
-    cu_q = torch.tensor([0] + lens_q, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    cu_k = torch.tensor([0] + lens_k, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    q = torch.randn(int(cu_q[-1]), 2, 16, requires_grad=True)
-    k = torch.randn(int(cu_k[-1]), 2, 16, requires_grad=True)
-    v = torch.randn(int(cu_k[-1]), 2, 16, requires_grad=True)
+    cu_q, cu_k, q, k, v = _varlen_inputs(lens_q, lens_k, 2, 2, 16, 16)
     out = tileattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
                                           window_size=(4, 6))
     ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
@@ -203,11 +205,7 @@ def test_left_only_window_leaves_early_rows_without_keys_as_flash_attn():
 def test_varlen_window_reads_against_max_seqlen_k():
     # max_seqlen_k = 3 (not each sequence's own count) bounds a left-only window on the right.
     lens_q, lens_k = [10, 4, 9], [2, 3, 1]
-    cu_q = torch.tensor([0] + lens_q, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    cu_k = torch.tensor([0] + lens_k, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    q = torch.randn(int(cu_q[-1]), 2, 16, requires_grad=True)
-    k = torch.randn(int(cu_k[-1]), 2, 16, requires_grad=True)
-    v = torch.randn(int(cu_k[-1]), 2, 16, requires_grad=True)
+    cu_q, cu_k, q, k, v = _varlen_inputs(lens_q, lens_k, 2, 2, 16, 16)
     ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
     for window, applied in (((1, -1), (1, 3)), ((-1, 3), (-1, -1)), ((0, 2), (0, 2))):
         out = tileattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), window_size=window)
