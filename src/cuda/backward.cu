@@ -119,11 +119,11 @@ bool ordered_dq(const AttentionProblem& p, const BwdPlan& plan) {
          ((causal && !short_steps) || (unmasked && key_blocks <= device_props().sms));
 }
 
-// dQ is summed into the accumulator unless asked for determinism (then in a fixed order, or in a
-// pass of its own) or the kernel always gives it its own pass (the TF32 Hopper backward).
-bool uses_dq_accum(const AttentionProblem& p, const BwdPlan& plan) {
+// dQ is summed into the accumulator unless asked for determinism (then in a fixed order, `ordered`,
+// or in a pass of its own) or the kernel always gives it its own pass (the TF32 Hopper backward).
+bool uses_dq_accum(const AttentionProblem& p, const BwdPlan& plan, bool ordered) {
   if (plan.sm90 && plan.sm90->dq_own_pass) return false;
-  return !p.deterministic || ordered_dq(p, plan);
+  return !p.deterministic || ordered;
 }
 
 // The workspace, carved in this order: lse2, dsum, row_sum (fp32 only), one float per padded
@@ -147,8 +147,9 @@ WorkspaceLayout workspace_layout(const AttentionProblem& p, const BwdPlan& plan)
   w.dim = headdim_bucket(p);
   w.lse2 = w.dsum = size_t(w.rows) * sizeof(float);
   w.row_sum = p.dtype == DType::f32 ? size_t(w.rows) * sizeof(float) : 0;
-  w.accum = uses_dq_accum(p, plan) ? size_t(w.rows) * size_t(w.dim) * sizeof(float) : 0;
-  w.order = ordered_dq(p, plan) ? size_t(w.rows / 64) * sizeof(int) : 0;
+  const bool ordered = ordered_dq(p, plan);
+  w.accum = uses_dq_accum(p, plan, ordered) ? size_t(w.rows) * size_t(w.dim) * sizeof(float) : 0;
+  w.order = ordered ? size_t(w.rows / 64) * sizeof(int) : 0;
   return w;
 }
 
