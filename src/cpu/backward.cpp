@@ -38,14 +38,25 @@ constexpr int64_t kFusedTasksPerThread = 2;
 // (vcvtps2pd, vaddpd) was ~7% of a backward.
 constexpr int64_t kWidenTiles = 4;
 
-// Per (row, head), in L's layout: D, and (compute_delta_consistent only) 1 / rowsum(P), by which
-// every P of the row is multiplied, so that the weights sum to 1 as a softmax's do: the P
-// recomputed from the stored fp32 L carry L's rounding (up to ~|L| 2^-24) as one factor per row,
-// which a D formed from those same P would otherwise turn into an error of D itself.
+// Up to this headdim_qk, dS = P (dP - D) is formed in double from a double D and rounded once, and
+// dQ = dS K, dK = dS^T Q sum in double (gemm_wide). There scale >= 1/sqrt(8) and the scores are
+// sums of a few terms, so dQ and dK reach the tens (headdim_v 256), and fp32's roundings of
+// dP - D, of D itself (the same way across a row, which dQ adds up) and of the products' runs put
+// them past the 2x rule in ~1 case in 1,000: BackwardAccuracy.Fp32SmallHeaddimQkLargeHeaddimV
+// failed 4% of its runs. The products are a few percent of the work there; at headdim 64 the
+// double dS alone cost ~3% of a backward, and fp32 holds the rule.
+constexpr int64_t kNarrowHeaddim = 8;
+
+// Per (row, head), in L's layout: D (in double: kNarrowHeaddim), and (compute_delta_consistent
+// only) 1 / rowsum(P), by which every P of the row is multiplied, so that the weights sum to 1 as
+// a softmax's do: the P recomputed from the stored fp32 L carry L's rounding (up to ~|L| 2^-24) as
+// one factor per row, which a D formed from those same P would otherwise turn into an error of D
+// itself.
 // from_tile: every sequence's keys fit one key tile, and each pass forms D and the factor from
 // that tile's own P and dP instead (tile_row_terms); delta and norm stay empty.
 struct RowTerms {
-  std::vector<float> delta, norm;
+  std::vector<double> delta;
+  std::vector<float> norm;
   bool from_tile = false;
 };
 
@@ -56,7 +67,8 @@ struct QueryRows {
 };
 
 struct BackwardScratch {
-  AlignedVector<float> q, dout, lse, delta;  // query tile: Q, dO rows where copied, L (less its ALiBi offset), D
+  AlignedVector<float> q, dout, lse;         // query tile: Q, dO rows where copied, L (less its ALiBi offset)
+  AlignedVector<double> delta;               // the tile's rows' D
   RowsView qv{}, dov{};                      // the tile's Q and dO rows, wherever they are
   float slope = 0.0f;                        // ALiBi slope of the tile's head
   int64_t head = 0;                          // the tile's query head (dropout's stream)
@@ -114,7 +126,7 @@ void load_query_tile(const AttentionProblem& p, const ScoreTransform& transform,
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t li = lse_index(p, s, i0 + i, h);
     w.lse[size_t(i)] = row_lse(p, transform, s, i0 + i, h, w.slope);
-    w.delta[size_t(i)] = terms.from_tile ? 0.0f : terms.delta[size_t(li)];
+    w.delta[size_t(i)] = terms.from_tile ? 0.0 : terms.delta[size_t(li)];
     w.norm[size_t(i)] = terms.norm.empty() ? 1.0f : terms.norm[size_t(li)];
   }
 }
@@ -186,22 +198,29 @@ void tile_row_terms(int64_t rows, int64_t n, BackwardScratch& w) {
       sum += double(pi[j]) * double(dpi[j]);
       weight += double(pi[j]);
     }
-    w.delta[size_t(i)] = weight > 0.0 ? float(sum / weight) : 0.0f;
+    w.delta[size_t(i)] = weight > 0.0 ? sum / weight : 0.0;
     const float norm = weight > 0.0 ? float(1.0 / weight) : 1.0f;
     for (int64_t j = 0; j < n; ++j) pi[j] *= norm;
   }
 }
 
-// probabilities_and_dp, then dS = P * (dP - D) (through the cap derivative) into w.ds.
+// probabilities_and_dp, then dS = P * (dP - D) (through the cap derivative) into w.ds; in double
+// up to kNarrowHeaddim.
 void probabilities_and_ds(const AttentionProblem& p, const ScoreTransform& transform, const Sequence& s, int64_t i0,
                           int64_t rows, int64_t j0, int64_t n, BackwardScratch& w) {
   probabilities_and_dp(p, transform, s, i0, rows, j0, n, w);
   if (w.tile_terms) tile_row_terms(rows, n, w);
+  const bool narrow = p.headdim_qk <= kNarrowHeaddim;
   for (int64_t i = 0; i < rows; ++i) {
     const float* pi = &w.p[size_t(i * kTileK)];
     float* dsi = &w.ds[size_t(i * kTileK)];
-    const float delta = w.delta[size_t(i)];
-    for (int64_t j = 0; j < n; ++j) dsi[j] = pi[j] * (dsi[j] - delta);
+    const double delta = w.delta[size_t(i)];
+    if (narrow) {
+      for (int64_t j = 0; j < n; ++j) dsi[j] = float(double(pi[j]) * (double(dsi[j]) - delta));
+    } else {
+      const float d = float(delta);
+      for (int64_t j = 0; j < n; ++j) dsi[j] = pi[j] * (dsi[j] - d);
+    }
     if (transform.softcap > 0.0f) {
       const float* thi = &w.th[size_t(i * kTileK)];
       for (int64_t j = 0; j < n; ++j) dsi[j] *= softcap_grad(thi[j] * transform.softcap, transform.softcap);
@@ -218,7 +237,7 @@ int64_t first_key_tile(const Sequence& s, int64_t i0) { return s.mask.tile_begin
 // rounded exactly as an element of dP = dO V^T is (dot_chunked): with one visible key
 // O = V, and dS is then exactly 0, as in a naive implementation (D = rowsum(P * dP) there); a D
 // rounded differently from dP left dP - D at a few ulp of |dP| and dQ, dK at ~1e-5 instead of 0.
-void compute_delta(const AttentionProblem& p, int threads, int64_t tiles, std::vector<float>& delta) {
+void compute_delta(const AttentionProblem& p, int threads, int64_t tiles, std::vector<double>& delta) {
   parallel_for(p.batch * p.heads_q * tiles, threads, [&](int64_t task) {
     const int64_t tile = task % tiles, bh = task / tiles, b = bh / p.heads_q, h = bh % p.heads_q;
     const Sequence s = sequence(p, b);
@@ -275,7 +294,7 @@ void compute_delta_consistent(const AttentionProblem& p, const ScoreTransform& t
     }
     for (int64_t i = 0; i < rows; ++i) {
       const int64_t li = lse_index(p, s, i0 + i, h);
-      terms.delta[size_t(li)] = weights[i] > 0.0 ? float(sums[i] / weights[i]) : 0.0f;
+      terms.delta[size_t(li)] = weights[i] > 0.0 ? sums[i] / weights[i] : 0.0;
       terms.norm[size_t(li)] = weights[i] > 0.0 ? float(1.0 / weights[i]) : 1.0f;
     }
   });
@@ -290,6 +309,14 @@ void compute_delta_consistent(const AttentionProblem& p, const ScoreTransform& t
 bool use_consistent_delta(const AttentionProblem& p, const ScoreTransform& transform) {
   if (p.partial_keys) return false;
   return p.dtype != DType::f32 || transform.mod.alibi_lse_offset || delta_from_p_and_dp(p);
+}
+
+// dQ (rows x dqk, in double) += dS K of the tile: the fused and split schedules' one way, so that
+// they agree bitwise.
+void add_dq(BackwardScratch& w, int64_t rows, int64_t n, int64_t dqk, double* dq) {
+  if (dqk <= kNarrowHeaddim) return gemm_wide(w.ds.data(), kTileK, 1, w.k.data(), dqk, dq, dqk, rows, dqk, n);
+  gemm(w.ds.data(), kTileK, 1, w.k.data(), dqk, w.part.data(), dqk, rows, dqk, n);
+  add_wide(dq, dqk, w.part.data(), dqk, rows, dqk);
 }
 
 // dK, dV of one key tile, summed over the GQA group's query heads and the query tiles that see
@@ -309,9 +336,10 @@ void key_tile(const AttentionProblem& p, const ScoreTransform& transform, const 
 
   const int64_t query_begin = s.mask.tile_begin_query(int(j0)), query_end = s.mask.tile_end_query(int(j1));
   int64_t pending = 0;  // query tiles in part_dk / part_dv, not yet in the double sums
+  const bool narrow = dqk <= kNarrowHeaddim;
   auto widen = [&] {
     add_wide(w.wide2.data(), dv, w.part_dv.data(), dv, n, dv);
-    add_wide(w.wide.data(), dqk, w.part_dk.data(), dqk, n, dqk);
+    if (!narrow) add_wide(w.wide.data(), dqk, w.part_dk.data(), dqk, n, dqk);
     pending = 0;
   };
   for (int64_t g = 0; g < group; ++g) {
@@ -324,12 +352,12 @@ void key_tile(const AttentionProblem& p, const ScoreTransform& transform, const 
       // dV += P^T dO (P dropped);  dK += dS^T Q;  dQ += dS K
       const auto product = pending == 0 ? gemm : gemm_accumulate;
       product(w.p.data(), 1, kTileK, w.dov.data, w.dov.ld, w.part_dv.data(), dv, n, dv, rows);
-      product(w.ds.data(), 1, kTileK, w.qv.data, w.qv.ld, w.part_dk.data(), dqk, n, dqk, rows);
+      if (narrow)
+        gemm_wide(w.ds.data(), 1, kTileK, w.qv.data, w.qv.ld, w.wide.data(), dqk, n, dqk, rows);
+      else
+        product(w.ds.data(), 1, kTileK, w.qv.data, w.qv.ld, w.part_dk.data(), dqk, n, dqk, rows);
       if (++pending == kWidenTiles) widen();
-      if (dq_accum) {
-        gemm(w.ds.data(), kTileK, 1, w.k.data(), dqk, w.part.data(), dqk, rows, dqk, n);
-        add_wide(dq_accum + (g * s.len_q + i0) * dqk, dqk, w.part.data(), dqk, rows, dqk);
-      }
+      if (dq_accum) add_dq(w, rows, n, dqk, dq_accum + (g * s.len_q + i0) * dqk);
     }
   }
   if (pending > 0) widen();
@@ -369,9 +397,7 @@ void dq_tile(const AttentionProblem& p, const ScoreTransform& transform, const R
     load_rows_transposed(p, p.v, s, false, hk, j0, n, dv, w.vt.data(), kTileK);
     load_rows(p, p.k, s, false, hk, j0, n, dqk, w.k.data(), dqk);
     probabilities_and_ds(p, transform, s, i0, rows, j0, n, w);
-    // dQ += dS K
-    gemm(w.ds.data(), kTileK, 1, w.k.data(), dqk, w.part.data(), dqk, rows, dqk, n);
-    add_wide(w.wide.data(), dqk, w.part.data(), dqk, rows, dqk);
+    add_dq(w, rows, n, dqk, w.wide.data());
   }
   store_rows(p, p.dq, s, true, h, i0, rows, dqk, w.wide.data(), dqk, nullptr, *p.softmax_scale);
 }

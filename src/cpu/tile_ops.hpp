@@ -500,6 +500,48 @@ inline void add_row_products(const float* x, const float* y, int64_t ld, int64_t
   }
 }
 
+// C[m x n] += A[m x k] B[k x n] for n <= 8 and k <= 64, each element's k terms summed in double
+// (each product exact), then added to the double C: the backward's dQ and dK where headdim_qk is
+// that small (src/cpu/backward.cpp, kNarrowHeaddim). A row of B is two vectors of four doubles,
+// and four rows of C go at once, so that eight sums are in flight rather than one.
+inline void gemm_wide(const float* a, int64_t a_row, int64_t a_col, const float* b, int64_t ldb, double* c,
+                      int64_t ldc, int64_t m, int64_t n, int64_t k) {
+  constexpr int64_t kMaxK = 64, kRows = 4;
+  f64x4 b_lo[kMaxK], b_hi[kMaxK];
+  for (int64_t t = 0; t < k; ++t) {
+    double row[8] = {};
+    for (int64_t j = 0; j < n; ++j) row[j] = b[t * ldb + j];
+    std::memcpy(&b_lo[t], row, sizeof(f64x4));
+    std::memcpy(&b_hi[t], row + 4, sizeof(f64x4));
+  }
+  const auto store = [&](int64_t i, f64x4 lo, f64x4 hi) {
+    double row[8];
+    std::memcpy(row, &lo, sizeof lo);
+    std::memcpy(row + 4, &hi, sizeof hi);
+    for (int64_t j = 0; j < n; ++j) c[i * ldc + j] += row[j];
+  };
+  int64_t i = 0;
+  for (; i + kRows <= m; i += kRows) {
+    f64x4 lo[kRows] = {}, hi[kRows] = {};
+    for (int64_t t = 0; t < k; ++t)
+      for (int64_t r = 0; r < kRows; ++r) {
+        const double x = a[(i + r) * a_row + t * a_col];
+        lo[r] += x * b_lo[t];
+        if (n > 4) hi[r] += x * b_hi[t];
+      }
+    for (int64_t r = 0; r < kRows; ++r) store(i + r, lo[r], hi[r]);
+  }
+  for (; i < m; ++i) {
+    f64x4 lo = {}, hi = {};
+    for (int64_t t = 0; t < k; ++t) {
+      const double x = a[i * a_row + t * a_col];
+      lo += x * b_lo[t];
+      hi += x * b_hi[t];
+    }
+    store(i, lo, hi);
+  }
+}
+
 // keep[i * row_step + j * col_step] = 1 where element (query i0 + i, key j0 + j) of sequence b,
 // head h is kept, else 0 (common/philox.hpp's rule): one Philox call per four aligned keys.
 inline void dropout_keep_tile(const Dropout& d, int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t j0, int64_t n,
