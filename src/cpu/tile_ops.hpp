@@ -536,7 +536,7 @@ inline void gemm_wide(const float* a, int64_t a_row, int64_t a_col, const float*
     for (int64_t t = 0; t < k; ++t) {
       const double x = a[i * a_row + t * a_col];
       lo += x * b_lo[t];
-      hi += x * b_hi[t];
+      if (n > 4) hi += x * b_hi[t];
     }
     store(i, lo, hi);
   }

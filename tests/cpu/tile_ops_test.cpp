@@ -133,5 +133,40 @@ TEST(TileOps, Avx512AndTargetKernelsGiveTheSameBits) {
   use_gemm_kernels(in_use);
 }
 
+// gemm_wide's contract (the backward's dQ and dK at headdim_qk <= 8): C += each element's k terms
+// summed in double in order, each product exact, added to the double C once; so it equals that
+// scalar sum bit for bit, with every row count (blocks of four and the rest), both layouts of A,
+// and nothing written outside the block.
+TEST(TileOps, GemmWideAddsTheExactProductsInDouble) {
+  std::mt19937 rng(test::fresh_seed() & 0xffffffffu);
+  std::normal_distribution<float> dist;
+  for (int64_t m : {1, 3, 4, 7, 64})
+    for (int64_t n : {1, 2, 4, 5, 8})
+      for (int64_t k : {1, 17, 64})
+        for (bool transposed_a : {false, true}) {
+          const int64_t lda = 70, ldb = 9, ldc = 11;
+          std::vector<float> a(size_t(lda * 70)), b(size_t(ldb * 64));
+          std::vector<double> c(size_t(ldc * 70));
+          for (auto& e : a) e = dist(rng);
+          for (auto& e : b) e = dist(rng);
+          for (auto& e : c) e = dist(rng);
+          const std::vector<double> before = c;
+          const int64_t a_row = transposed_a ? 1 : lda, a_col = transposed_a ? lda : 1;
+          gemm_wide(a.data(), a_row, a_col, b.data(), ldb, c.data(), ldc, m, n, k);
+          for (int64_t i = 0; i < 70; ++i)
+            for (int64_t j = 0; j < ldc; ++j) {
+              const size_t at = size_t(i * ldc + j);
+              if (i >= m || j >= n) {
+                ASSERT_EQ(c[at], before[at]) << "wrote outside the block";
+                continue;
+              }
+              double sum = 0.0;
+              for (int64_t t = 0; t < k; ++t)
+                sum += double(a[size_t(i * a_row + t * a_col)]) * double(b[size_t(t * ldb + j)]);
+              ASSERT_EQ(c[at], before[at] + sum) << m << " " << n << " " << k << " transposed " << transposed_a;
+            }
+        }
+}
+
 }  // namespace
 }  // namespace tileattn::cpu
