@@ -46,6 +46,7 @@ constexpr int64_t kWidenTiles = 4;
 // failed 4% of its runs. The products are a few percent of the work there; at headdim 64 the
 // double dS alone cost ~3% of a backward, and fp32 holds the rule.
 constexpr int64_t kNarrowHeaddim = 8;
+static_assert(kNarrowHeaddim <= 8, "gemm_wide holds a row of B in eight doubles");
 
 // Per (row, head), in L's layout: D (in double: kNarrowHeaddim), and (compute_delta_consistent
 // only) 1 / rowsum(P), by which every P of the row is multiplied, so that the weights sum to 1 as

@@ -500,13 +500,14 @@ inline void add_row_products(const float* x, const float* y, int64_t ld, int64_t
   }
 }
 
-// C[m x n] += A[m x k] B[k x n] for n <= 8 and k <= 64, each element's k terms summed in double
-// (each product exact), then added to the double C: the backward's dQ and dK where headdim_qk is
-// that small (src/cpu/backward.cpp, kNarrowHeaddim). A row of B is two vectors of four doubles,
-// and four rows of C go at once, so that eight sums are in flight rather than one.
+// C[m x n] += A[m x k] B[k x n] for n <= 8 and k up to a tile's rows or keys, each element's k
+// terms summed in double (each product exact), then added to the double C: the backward's dQ and
+// dK where headdim_qk is that small (src/cpu/backward.cpp, kNarrowHeaddim). A row of B is two
+// vectors of four doubles, and four rows of C go at once, so that eight sums are in flight rather
+// than one.
 inline void gemm_wide(const float* a, int64_t a_row, int64_t a_col, const float* b, int64_t ldb, double* c,
                       int64_t ldc, int64_t m, int64_t n, int64_t k) {
-  constexpr int64_t kMaxK = 64, kRows = 4;
+  constexpr int64_t kMaxK = std::max(kTileQ, kTileK), kRows = 4;
   f64x4 b_lo[kMaxK], b_hi[kMaxK];
   for (int64_t t = 0; t < k; ++t) {
     double row[8] = {};
