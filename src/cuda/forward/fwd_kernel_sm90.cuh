@@ -25,6 +25,8 @@
 // first K for 10% of its time.
 #include <cuda_runtime.h>
 
+#include <type_traits>
+
 #include "common/mask.hpp"
 #include "cuda/forward/fwd_block.cuh"
 #include "cuda/forward/softmax_fwd_sm80.cuh"
@@ -92,6 +94,9 @@ __global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim, kBlockN_, kPersiste
   using KVTile = typename Traits::KVTile;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kKVBytes = Traits::kKVBytes;
   constexpr int kQBytes = Traits::kQBytes;
+  // A step's key tile in two halves of whole k-steps, where a mask may hide one: not in the
+  // 192-key and three-consumer instances (unmasked ranges only) nor at the wide head dims' steps.
+  constexpr bool kHalves = kBlockN == 128 && kConsumers == 2;
   const FwdParams& p = params.fwd;
 
   extern __shared__ unsigned char smem_raw[];
@@ -183,6 +188,12 @@ __global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim, kBlockN_, kPersiste
       float acc_s[1][kBlockN / 8][4];
       uint32_t pa[kBlockN / 16][4];  // P of the previous tile, rounded to T, in the A-fragment layout
 
+      // Whether no row of this consumer sees the second half of the first tile visited (under a
+      // causal mask, consumer 0 on the diagonal tile; else a ragged last tile): its softmax, P and
+      // P V then take the first half alone, P being 0 past it. Under a causal mask or a window no
+      // later tile can be so (the consumers' rows end 64 keys apart). S stays whole: a narrower S
+      // accumulator in one branch made ptxas serialise every wgmma of the kernel.
+      const bool half0 = kHalves && (tiles.end - 1) * kBlockN + kBlockN / 2 >= mask.end_key(blk.m0 + 64 * consumer + 63);
       // S = Q K^T of the i-th tile visited, issued (not waited for).
       auto issue_s = [&](int i) {
         const uint64_t k_desc = KVTile::k_major(smem_address(sK + k_ring.slot(i0 + i) * kKVBytes), 0);
@@ -193,28 +204,30 @@ __global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim, kBlockN_, kPersiste
           sm90::Wgmma<T, kBlockN>::ss(acc_s[0], QTile::k_step(q_desc, ks), KVTile::k_step(k_desc, ks), ks > 0);
         sm90::wgmma_commit();
       };
-      // Once that S has completed: K's stage goes back, the scores are modified and folded into
-      // the row statistics (P in acc_s; alpha: how much the output so far must shrink).
-      auto score = [&](int i, float (&alpha)[1][2]) -> bool {
+      // Once that S has completed: K's stage goes back, the scores s (acc_s, or its first half) are
+      // modified and folded into the row statistics (P in s; alpha: how much the output so far must
+      // shrink).
+      auto score = [&](int i, auto& s, float (&alpha)[1][2]) -> bool {
         sm90::fence_registers(acc_s[0]);
         k_ring.release_warp(i0 + i, lane);
-        if (p.softcap_pre > 0.0f) softcap_scores(acc_s, p.softcap_pre, p.softcap_post);
+        if (p.softcap_pre > 0.0f) softcap_scores(s, p.softcap_pre, p.softcap_post);
         const int key0 = (tiles.end - 1 - i) * kBlockN;
-        if constexpr (kAlibi) alibi_scores(acc_s, slope_raw, row0, key0, blk.seqlen_q, blk.seqlen_k);
+        if constexpr (kAlibi) alibi_scores(s, slope_raw, row0, key0, blk.seqlen_q, blk.seqlen_k);
         if (!(key0 >= tiles.full_begin && key0 + kBlockN <= tiles.full_end)) {
-          if (mask.has_left()) mask_scores<true>(acc_s, mask, row0, key0);
-          else mask_scores<false>(acc_s, mask, row0, key0);
+          if (mask.has_left()) mask_scores<true>(s, mask, row0, key0);
+          else mask_scores<false>(s, mask, row0, key0);
         }
-        return stats.fold(acc_s, p.scale_log2, alpha);
+        return stats.fold(s, p.scale_log2, alpha);
       };
-      // An S column-tile pair is one k-step of 16 keys.
-      auto pack_p = [&] {
+      // P rounded to T in the A-fragment layout: an S column-tile pair is one k-step of 16 keys.
+      auto pack_p = [&](const auto& s) {
+        constexpr int kSteps = int(std::extent_v<std::remove_reference_t<decltype(s[0])>>) / 2;
 #pragma unroll
-        for (int ks = 0; ks < kBlockN / 16; ++ks) {
-          pa[ks][0] = pack2<T>(acc_s[0][2 * ks][0], acc_s[0][2 * ks][1]);
-          pa[ks][1] = pack2<T>(acc_s[0][2 * ks][2], acc_s[0][2 * ks][3]);
-          pa[ks][2] = pack2<T>(acc_s[0][2 * ks + 1][0], acc_s[0][2 * ks + 1][1]);
-          pa[ks][3] = pack2<T>(acc_s[0][2 * ks + 1][2], acc_s[0][2 * ks + 1][3]);
+        for (int ks = 0; ks < kSteps; ++ks) {
+          pa[ks][0] = pack2<T>(s[0][2 * ks][0], s[0][2 * ks][1]);
+          pa[ks][1] = pack2<T>(s[0][2 * ks][2], s[0][2 * ks][3]);
+          pa[ks][2] = pack2<T>(s[0][2 * ks + 1][0], s[0][2 * ks + 1][1]);
+          pa[ks][3] = pack2<T>(s[0][2 * ks + 1][2], s[0][2 * ks + 1][3]);
         }
       };
       // O += P V of the i-th tile visited, issued.
@@ -223,9 +236,15 @@ __global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim, kBlockN_, kPersiste
         v_ring.wait(i0 + i);
         sm90::fence_registers(acc_o[0]);
         sm90::wgmma_fence();
+        if (i == 0 && half0) {
 #pragma unroll
-        for (int ks = 0; ks < kBlockN / 16; ++ks)
-          sm90::Wgmma<T, kHeadDim>::template rs<1>(acc_o[0], pa[ks], KVTile::n_step(v_desc, ks), 1);
+          for (int ks = 0; ks < kBlockN / 32; ++ks)
+            sm90::Wgmma<T, kHeadDim>::template rs<1>(acc_o[0], pa[ks], KVTile::n_step(v_desc, ks), 1);
+        } else {
+#pragma unroll
+          for (int ks = 0; ks < kBlockN / 16; ++ks)
+            sm90::Wgmma<T, kHeadDim>::template rs<1>(acc_o[0], pa[ks], KVTile::n_step(v_desc, ks), 1);
+        }
         sm90::wgmma_commit();
       };
       auto release_v = [&](int i) {
@@ -252,19 +271,28 @@ __global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim, kBlockN_, kPersiste
         }
       }
       sm90::wgmma_wait<0>();
-      score(0, alpha);  // O is still zero: nothing to rescale
-      pack_p();
+      // O is still zero: nothing to rescale. Where a mask hides the first tile's second half from
+      // this consumer, the softmax and P take the first half alone, in the walk's instance (it
+      // runs the short causal ranges; the other instances' wgmmas were serialised by ptxas with it).
+      if (kPersistent && half0) {
+        auto& first = reinterpret_cast<float(&)[1][kBlockN / 16][4]>(acc_s);
+        score(0, first, alpha);
+        pack_p(first);
+      } else {
+        score(0, acc_s, alpha);
+        pack_p(acc_s);
+      }
       for (int i = 1; i < count; ++i) {
         turns.take();
         issue_s(i);
         issue_pv(i - 1);
         turns.hand_over();
         sm90::wgmma_wait<1>();  // S of tile i
-        const bool moved = score(i, alpha);
+        const bool moved = score(i, acc_s, alpha);
         sm90::wgmma_wait<0>();  // P V of tile i - 1
         release_v(i - 1);
         if (moved) stats.rescale(acc_o, alpha);
-        pack_p();
+        pack_p(acc_s);
       }
       turns.take();
       issue_pv(count - 1);
