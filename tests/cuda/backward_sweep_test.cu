@@ -448,6 +448,15 @@ void add_persistent_cases(std::vector<Case>& c, DType t) {
     c.push_back({n + "causal_sk_gt_sq_d128", s, true});
   }
   {
+    // At D = 128 a step is half a key block: on the diagonal, consumer 1 sees no query and skips
+    // the step, and dQ reads the first half of dS^T alone (the last query tile ragged).
+    auto s = base(t, 500, 500, 128);
+    s.batch = 9;
+    s.heads_q = s.heads_kv = 8;
+    s.causal = true;
+    c.push_back({n + "causal_d128_diagonal_steps", s, true});
+  }
+  {
     auto s = base(t, 400, 260, 64);  // the first 140 rows see no key
     s.batch = 12;
     s.heads_q = s.heads_kv = 6;

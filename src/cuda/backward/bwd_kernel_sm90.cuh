@@ -112,6 +112,10 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
   using QTile = typename Traits::QTile;
   using DsTile = typename Traits::DsTile;
   constexpr int BN = Traits::kBlockN, BM = Traits::kBlockM, kStages = Traits::kStages;
+  // Consumer 1 skips the steps whose queries see none of its keys (the causal diagonal at D > 64,
+  // where a step is half a key block) in the walk's instance, which runs the short key ranges
+  // where that step is a larger share; the one-block-per-key-block instance spilled with it.
+  constexpr bool kSkipHidden = kPersistent;
   const bwd::BwdParams& p = params.bwd;
 
   extern __shared__ unsigned char smem_raw[];
@@ -206,15 +210,23 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
     const uint64_t k_dq = KVTile::n_major(smem_address(sK) + k_panel * KVTile::kPanelBytes, 0);
     [[maybe_unused]] float* dq_part = sdq + consumer * Traits::DqOrder::kPartFloats + 4 * (int(threadIdx.x) % 128);
     [[maybe_unused]] float dq[1][kDqCols / 8][4];
-    // dQ(t) = dS(t) K (t: the walk's item), issued once both consumers' halves of dS^T(t) are written.
+    // dQ(t) = dS(t) K (t: the walk's item), issued once both consumers' halves of dS^T(t) are
+    // written; over the first half's keys alone where consumer 1 skipped the step.
     [[maybe_unused]] auto issue_dq = [&](int t) {
       ds_ring.wait(t);
       const uint64_t ds_desc = DsTile::n_major(smem_address(ds_buffer(t)) + ds_panel * DsTile::kPanelBytes, 0);
       sm90::wgmma_fence();
+      if (kSkipHidden && kb.second_half_hidden(t - g0)) {
 #pragma unroll
-      for (int ks = 0; ks < BN / 16; ++ks)
-        sm90::Wgmma<T, kDqCols>::template ss<1, 1>(dq[0], DsTile::n_step(ds_desc, ks), KVTile::n_step(k_dq, ks),
-                                                    ks > 0);
+        for (int ks = 0; ks < BN / 32; ++ks)
+          sm90::Wgmma<T, kDqCols>::template ss<1, 1>(dq[0], DsTile::n_step(ds_desc, ks), KVTile::n_step(k_dq, ks),
+                                                      ks > 0);
+      } else {
+#pragma unroll
+        for (int ks = 0; ks < BN / 16; ++ks)
+          sm90::Wgmma<T, kDqCols>::template ss<1, 1>(dq[0], DsTile::n_step(ds_desc, ks), KVTile::n_step(k_dq, ks),
+                                                      ks > 0);
+      }
       sm90::wgmma_commit();
     };
     // Once dQ(t) has landed: its dS^T buffer is free of this warp, and this consumer's part of the
@@ -240,6 +252,21 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
       const uint32_t q_addr = smem_address(stages.q(s)), do_addr = smem_address(stages.dout(s));
       const float slope = kAlibi ? p.mod.slope(kb.b, kb.head(it)) : 0.0f;
       ring.wait_slot(g, s);
+      if (kSkipHidden && consumer == 1 && kb.second_half_hidden(it)) {
+        // No query of the step sees this consumer's keys: P^T = dS^T = 0 and dK, dV gain nothing.
+        // Its half of dS^T stays unwritten (the dQ products skip it); the hand-shakes go on.
+        if constexpr (kFusedDq) {
+          ds_ring.acquire(g);
+          ds_ring.publish_warp(g, lane);
+        }
+        if constexpr (kWithDq) {
+          issue_dq(g - 1);
+          sm90::wgmma_wait<0>();
+          hand_over_dq(g - 1);
+        }
+        ring.release_warp(g, lane);
+        return;
+      }
 
       float st[1][BM / 8][4], dpt[1][BM / 8][4];
       score_products<T, BM, kHeadDim, KVTile, QTile>(st, dpt, k_base, q_addr, v_base, do_addr);

@@ -58,6 +58,11 @@ struct BwdKeyBlock {
     if (i >= queries.count) i -= queries.count;
     return (queries.first + i) * kBlockM;
   }
+  // Whether no query of step it sees a key of the block's second half (consumer 1's keys): under a
+  // causal mask, the diagonal step where query tiles are half a key block.
+  __device__ __forceinline__ bool second_half_hidden(int it) const {
+    return mask.end_key(min(q0(it) + kBlockM, seq.sq) - 1) <= k0 + kBlockN / 2;
+  }
   // How many of step it's query tile's dQ additions land before this block's (p.dq_order's order).
   __device__ __forceinline__ int dq_rank(int it) const {
     const int blocks = (seq.sk + kBlockN - 1) / kBlockN, n = k0 / kBlockN;
