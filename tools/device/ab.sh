@@ -12,7 +12,7 @@
 # D in {64, 128}, N in {1k, 4k, 16k}, causal or not).
 #
 # Options:
-#   --pass forward|backward   (default forward)
+#   --pass forward|backward   (default forward); forward,backward times both on the same builds
 #   --dtype bf16|f32|f32_fast element type of every shape (default bf16; f32 is the exact mode)
 #   --headdims "LIST"         TILEATTN_HEADDIMS of both builds (default "64;128")
 #   --rounds N                alternating rounds (default 3)
@@ -20,6 +20,8 @@
 #                             NAME (a temporary override the working tree reads), as variants
 #   --jobs N                  build parallelism per build (default: half the cores)
 #   --base-patch FILE         the patch that turns the base into the working tree (default ab_base.diff)
+#   --tests FILTER            also build the new tree's GPU tests and run those matching the gtest
+#                             filter after the timing (log: tests.log)
 set -uo pipefail
 
 cd "$(dirname "$0")/../.."
@@ -34,6 +36,7 @@ ENV_NAME=""
 ENV_VALUES=()
 JOBS=$(( $(nproc) / 2 ))
 PATCH=ab_base.diff
+TESTS=""
 SHAPES=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -44,6 +47,7 @@ while [[ $# -gt 0 ]]; do
     --env) ENV_NAME="${2%%=*}"; IFS=, read -ra ENV_VALUES <<< "${2#*=}"; shift ;;
     --jobs) JOBS="$2"; shift ;;
     --base-patch) PATCH="$2"; shift ;;
+    --tests) TESTS="$2"; shift ;;
     -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
     -*) echo "ab.sh: unknown option $1" >&2; exit 2 ;;
     *) SHAPES+=("$1") ;;
@@ -70,12 +74,13 @@ else
   exit 1
 fi
 
-build() {  # SOURCE_DIR NAME: the library and bench_attention in SOURCE_DIR/build-ab
+build() {  # SOURCE_DIR NAME [TARGET...]: the library, bench_attention and TARGETs in SOURCE_DIR/build-ab
   local src=$1 name=$2
+  shift 2
   (cd "$src" &&
     cmake -S . -B build-ab -G Ninja -DCMAKE_BUILD_TYPE=Release -DTILEATTN_CUDA=ON -DTILEATTN_CUDA_ARCHITECTURES=90a \
       -DTILEATTN_HEADDIMS="$HEADDIMS" -DTILEATTN_BUILD_PYTHON=OFF &&
-    cmake --build build-ab -j "$JOBS" --target tileattn &&
+    cmake --build build-ab -j "$JOBS" --target tileattn "$@" &&
     nvcc -O3 -std=c++20 -arch=sm_90a -Iinclude -Isrc tools/device/bench_attention.cu build-ab/libtileattn.a -lpthread \
       -o build-ab/bench_attention) > "$OUT/build_$name.log" 2>&1
   local rc=$?
@@ -83,7 +88,7 @@ build() {  # SOURCE_DIR NAME: the library and bench_attention in SOURCE_DIR/buil
   return $rc
 }
 build "$BASE" base & BASE_PID=$!
-build "$ROOT" new || exit 1
+build "$ROOT" new ${TESTS:+tileattn_cuda_tests} || exit 1
 wait $BASE_PID || exit 1
 
 # variant NAME BINARY [ENV=VALUE]: one timed pass of every shape, CSV rows prefixed with the variant and round.
@@ -92,9 +97,12 @@ rm -f "$CSV"
 variant() {
   local name=$1 bin=$2 round=$3 out
   shift 3
-  out=$(env "$@" "$bin" --pass "$PASS" --dtype "$DTYPE" "${SHAPES[@]}")
-  [[ -f "$CSV" ]] || echo "variant,round,$(head -1 <<< "$out")" > "$CSV"  # the harness's own columns
-  tail -n +2 <<< "$out" | sed "s/^/$name,$round,/" >> "$CSV"
+  local pass
+  for pass in ${PASS//,/ }; do
+    out=$(env "$@" "$bin" --pass "$pass" --dtype "$DTYPE" "${SHAPES[@]}")
+    [[ -f "$CSV" ]] || echo "variant,round,pass,$(head -1 <<< "$out")" > "$CSV"  # the harness's own columns
+    tail -n +2 <<< "$out" | sed "s/^/$name,$round,$pass,/" >> "$CSV"
+  done
 }
 for ((r = 1; r <= ROUNDS; ++r)); do
   variant base "$BASE/build-ab/bench_attention" "$r"
@@ -109,12 +117,12 @@ rows = list(csv.DictReader(open(sys.argv[1])))
 shape_key = ("batch", "heads", "seqlen_q", "seqlen_k", "headdim", "causal", "heads_kv")
 variants, shapes, tf = [], [], defaultdict(list)
 for r in rows:
-    s = tuple(r.get(k) for k in shape_key) + (r["impl"],)  # the default and deterministic backward apart
+    s = ({"forward": "fwd", "backward": "bwd"}[r["pass"]],) + tuple(r.get(k) for k in shape_key) + (r["impl"],)  # the default and deterministic backward apart
     if r["variant"] not in variants: variants.append(r["variant"])
     if s not in shapes: shapes.append(s)
     tf[(r["variant"], s)].append(float(r["tflops"]))
 print("TFLOP/s per round; ratio: median over rounds of variant / base")
-print("shape (B,H,Nq,Nk,D,causal,Hkv,impl)".ljust(40) + "".join(v[:22].rjust(24) for v in variants) +
+print("pass,shape (B,H,Nq,Nk,D,causal,Hkv,impl)".ljust(44) + "".join(v[:22].rjust(24) for v in variants) +
       "".join(("/base " + v[:12]).rjust(20) for v in variants[1:]))
 for s in shapes:
     cells = ["/".join(f"{x:.1f}" for x in tf[(v, s)]).rjust(24) for v in variants]
@@ -122,6 +130,12 @@ for s in shapes:
     for v in variants[1:]:
         pairs = [a / b for a, b in zip(tf[(v, s)], tf[("base", s)]) if b > 0]
         ratios.append((f"{statistics.median(pairs):.3f}" if pairs else "-").rjust(20))
-    print(",".join(s).ljust(40) + "".join(cells) + "".join(ratios))
+    print(",".join(s).ljust(44) + "".join(cells) + "".join(ratios))
 EOF
 rm -rf "$BASE"
+
+if [[ -n "$TESTS" ]]; then
+  "$ROOT/build-ab/tests/tileattn_cuda_tests" --gtest_filter="$TESTS" > "$OUT/tests.log" 2>&1
+  echo "tests ($TESTS): rc=$? $(grep -E '^\[  PASSED  \]' "$OUT/tests.log")"
+  grep -E '^\[  FAILED  \] [A-Za-z]' "$OUT/tests.log" | head -20
+fi
