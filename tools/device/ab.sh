@@ -117,7 +117,8 @@ rows = list(csv.DictReader(open(sys.argv[1])))
 shape_key = ("batch", "heads", "seqlen_q", "seqlen_k", "headdim", "causal", "heads_kv")
 variants, shapes, tf = [], [], defaultdict(list)
 for r in rows:
-    s = ({"forward": "fwd", "backward": "bwd"}[r["pass"]],) + tuple(r.get(k) for k in shape_key) + (r["impl"],)  # the default and deterministic backward apart
+    # the pass first; the default and deterministic backward apart
+    s = ({"forward": "fwd", "backward": "bwd"}[r["pass"]],) + tuple(r.get(k) for k in shape_key) + (r["impl"],)
     if r["variant"] not in variants: variants.append(r["variant"])
     if s not in shapes: shapes.append(s)
     tf[(r["variant"], s)].append(float(r["tflops"]))
