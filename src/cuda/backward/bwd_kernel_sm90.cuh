@@ -216,17 +216,15 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
       ds_ring.wait(t);
       const uint64_t ds_desc = DsTile::n_major(smem_address(ds_buffer(t)) + ds_panel * DsTile::kPanelBytes, 0);
       sm90::wgmma_fence();
-      if (kSkipHidden && kb.second_half_hidden(t - g0)) {
+      // Over the first `keys` keys (a constant in each branch, so that ptxas sees every group).
+      auto products = [&](auto keys) {
 #pragma unroll
-        for (int ks = 0; ks < BN / 32; ++ks)
+        for (int ks = 0; ks < decltype(keys)::value / 16; ++ks)
           sm90::Wgmma<T, kDqCols>::template ss<1, 1>(dq[0], DsTile::n_step(ds_desc, ks), KVTile::n_step(k_dq, ks),
                                                       ks > 0);
-      } else {
-#pragma unroll
-        for (int ks = 0; ks < BN / 16; ++ks)
-          sm90::Wgmma<T, kDqCols>::template ss<1, 1>(dq[0], DsTile::n_step(ds_desc, ks), KVTile::n_step(k_dq, ks),
-                                                      ks > 0);
-      }
+      };
+      if (kSkipHidden && kb.second_half_hidden(t - g0)) products(std::integral_constant<int, BN / 2>{});
+      else products(std::integral_constant<int, BN>{});
       sm90::wgmma_commit();
     };
     // Once dQ(t) has landed: its dS^T buffer is free of this warp, and this consumer's part of the

@@ -193,7 +193,8 @@ __global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim, kBlockN_, kPersiste
       // P V then take the first half alone, P being 0 past it. Under a causal mask or a window no
       // later tile can be so (the consumers' rows end 64 keys apart). S stays whole: a narrower S
       // accumulator in one branch made ptxas serialise every wgmma of the kernel.
-      const bool half0 = kHalves && (tiles.end - 1) * kBlockN + kBlockN / 2 >= mask.end_key(blk.m0 + 64 * consumer + 63);
+      const bool half0 =
+          kHalves && (tiles.end - 1) * kBlockN + kBlockN / 2 >= mask.end_key(blk.m0 + 64 * consumer + 63);
       // S = Q K^T of the i-th tile visited, issued (not waited for).
       auto issue_s = [&](int i) {
         const uint64_t k_desc = KVTile::k_major(smem_address(sK + k_ring.slot(i0 + i) * kKVBytes), 0);
@@ -236,15 +237,14 @@ __global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim, kBlockN_, kPersiste
         v_ring.wait(i0 + i);
         sm90::fence_registers(acc_o[0]);
         sm90::wgmma_fence();
-        if (i == 0 && half0) {
+        // Over the first `keys` keys (a constant in each branch, so that ptxas sees every group).
+        auto products = [&](auto keys) {
 #pragma unroll
-          for (int ks = 0; ks < kBlockN / 32; ++ks)
+          for (int ks = 0; ks < decltype(keys)::value / 16; ++ks)
             sm90::Wgmma<T, kHeadDim>::template rs<1>(acc_o[0], pa[ks], KVTile::n_step(v_desc, ks), 1);
-        } else {
-#pragma unroll
-          for (int ks = 0; ks < kBlockN / 16; ++ks)
-            sm90::Wgmma<T, kHeadDim>::template rs<1>(acc_o[0], pa[ks], KVTile::n_step(v_desc, ks), 1);
-        }
+        };
+        if (i == 0 && half0) products(std::integral_constant<int, kBlockN / 2>{});
+        else products(std::integral_constant<int, kBlockN>{});
         sm90::wgmma_commit();
       };
       auto release_v = [&](int i) {
