@@ -75,7 +75,7 @@ std::optional<BwdKernelSm90> pick_backward_tf32_sm90(const AttentionProblem& p, 
   if (!fast && p.partial_keys) return kernel;
   with_bucket(BwdTf32Sm90HeadDims{}, bucket, [&](auto d) {
     using K = BwdTf32Sm90<decltype(d)::value>;
-    kernel = fast ? BwdKernelSm90{&K::run, true} : BwdKernelSm90{&K::run_exact, true, kBwdExactBoxRows};
+    kernel = fast ? BwdKernelSm90{&K::run, true} : BwdKernelSm90{&K::run_exact, !K::kExactSumsDq, kBwdExactBoxRows};
   });
   return kernel;
 }

@@ -571,6 +571,13 @@ std::vector<Case> cases() {
     s.causal = true;
     c.push_back({"f32_varlen_causal_d64", s});
   }
+  // No mask and eight key blocks: each query row's dQ is summed from eight blocks' additions (the
+  // exact mode's dK pass adds its parts into the workspace), softcapped.
+  {
+    auto s = base(DType::f32, 260, 1000, 64);
+    s.softcap = 3.0f;
+    c.push_back({"f32_softcap_key_blocks_d64", s});
+  }
   // headdim_v below headdim_qk in one bucket (V's and dO's tiles end in zero columns), four query
   // heads a kv head, a window on both sides.
   {

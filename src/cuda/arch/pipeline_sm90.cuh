@@ -183,9 +183,11 @@ enum NamedBarrier : int {
   kBwdDqFull = 2,
   kBwdStepDone = 3,
   // fp32's exact backward: the splitting warps have read a stage's raw tile (it may be split over
-  // itself); each consumer's rows are read (their lo parts may go over them), 2 + consumer.
+  // itself); each consumer's rows are read (their lo parts may go over them), 2 + consumer; each
+  // consumer's dS tiles are free, written, read by dQ's product, its dQ part written, 4 + consumer.
   kBwdExactRawRead = 1,
   kBwdExactRowsSplit0 = 2,
+  kBwdExactDs0 = 4,
 };
 
 }  // namespace tileattn::cuda::sm90

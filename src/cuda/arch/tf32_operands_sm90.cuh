@@ -101,6 +101,11 @@ struct Tf32Transposed {
   }
 };
 
+// Byte offset of fp32 element (row, col) in a PanelTile<tile_rows, dim, 4>.
+__device__ __forceinline__ constexpr int tf32_panel_offset(int row, int col, int tile_rows) {
+  return (col / 32) * tile_rows * 128 + row * 128 + ((((col % 32) / 4) ^ (row % 8)) * 16) + (col % 4) * 4;
+}
+
 // Rows row0 .. row0 + 15 (this warp's) of a PanelTile<rows, kDim, 4> at `tile` as kDim / 8 A
 // fragments: fragment ks holds (row0 + g, 8 ks + t), (row0 + g + 8, 8 ks + t), (row0 + g,
 // 8 ks + t + 4), (row0 + g + 8, 8 ks + t + 4) for lane (g, t). row0 is a multiple of 8.
@@ -113,9 +118,24 @@ __device__ __forceinline__ void tf32_a_fragments(uint32_t (&a)[kDim / 8][4], con
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int row = row0 + g + 8 * (i % 2), col = 8 * ks + t + 4 * (i / 2);
-      const unsigned char* at = tile + (col / 32) * tile_rows * 128 + row * 128 +
-                                ((((col % 32) / 4) ^ (row % 8)) * 16) + (col % 4) * 4;
-      a[ks][i] = fp32::to_tf32(*reinterpret_cast<const float*>(at));
+      a[ks][i] = fp32::to_tf32(*reinterpret_cast<const float*>(tile + tf32_panel_offset(row, col, tile_rows)));
+    }
+}
+
+// The transpose's A fragments: columns col0 .. col0 + 15 (this warp's M rows) over tile rows
+// row0 .. row0 + kK - 1 (the k dimension) of a PanelTile<tile_rows, dim, 4> whose values are
+// TF32 already: fragment kk holds (row0 + 8 kk + t, col0 + g), (row0 + 8 kk + t, col0 + g + 8),
+// (row0 + 8 kk + t + 4, col0 + g), (row0 + 8 kk + t + 4, col0 + g + 8) for lane (g, t).
+template <int kK>
+__device__ __forceinline__ void tf32_a_fragments_of_transpose(uint32_t (&a)[kK / 8][4], const unsigned char* tile,
+                                                              int tile_rows, int row0, int col0, int lane) {
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int kk = 0; kk < kK / 8; ++kk)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int row = row0 + 8 * kk + t + 4 * (i / 2), col = col0 + g + 8 * (i % 2);
+      a[kk][i] = *reinterpret_cast<const uint32_t*>(tile + tf32_panel_offset(row, col, tile_rows));
     }
 }
 

@@ -1,11 +1,14 @@
 #pragma once
-// The Hopper backward of fp32 attention in exact mode (split TF32): four passes of one kernel
-// shape, run in this order after the preprocess:
+// The Hopper backward of fp32 attention in exact mode (split TF32): passes of one kernel shape,
+// run in this order after the preprocess:
 //   stats  (128 queries a block) each row's max and sum of the scaled scores and
 //          D = rowsum(P dP) / rowsum(P), online over the row's key tiles, into the workspace
-//   dK     (128 keys a block)    S^T, dP^T, dS^T, dK += dS^T Q
+//   dK     (128 keys a block)    S^T, dP^T, dS^T, dK += dS^T Q; and, where dQ is summed
+//          (ExactPass::dkdq, head dim 64), dQ^T += K^T dS^T, each consumer's part of a step added
+//          into the workspace's fp32 dQ by one bulk reduction
 //   dV     (128 keys a block)    S^T, P^T, dV += P^T dO
-//   dQ     (128 queries a block) S, dP, dS, dQ += dS K
+//   dQ     (128 queries a block) S, dP, dS, dQ += dS K, where dQ is not summed (the
+//          deterministic mode, head dim 32)
 // the portable exact kernels' sequence (bwd_row_stats.cuh says why the statistics are rebuilt and
 // D taken from the passes' own P and dP) with every product on the tensor core. Each pass streams
 // 32 rows of the other side a step:
@@ -23,7 +26,9 @@
 // sums term for term. A gradient step (32 products a dot) goes into two fresh accumulators of 16
 // hi products, then is added to the gradient in fp32.
 // dV has its own pass so that no consumer holds two gradients and two fresh sums: registers, not
-// products, bound this shape (docs/perf-log.md).
+// products, bound this shape (docs/perf-log.md). dQ's product in the dK pass reads K^T as A
+// fragments loaded each step from the block's K (hi kept beside lo) and dS from a tile each
+// consumer writes; shared memory then holds two stages, not three.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -45,11 +50,12 @@
 
 namespace tileattn::cuda {
 
-enum class ExactPass { stats, dk, dv, dq };
+enum class ExactPass { stats, dk, dkdq, dv, dq };
 
 template <int kHeadDim, ExactPass kPass>
 struct BwdExactSm90Traits {
-  static constexpr bool kRowsAreKeys = kPass == ExactPass::dk || kPass == ExactPass::dv;
+  static constexpr bool kSumsDq = kPass == ExactPass::dkdq;    // dQ's product too, into the workspace
+  static constexpr bool kRowsAreKeys = kPass == ExactPass::dk || kSumsDq || kPass == ExactPass::dv;
   static constexpr bool kHasDp = kPass != ExactPass::dv;      // dP = dO V^T is formed
   static constexpr bool kHasGrad = kPass != ExactPass::stats;  // a gradient product follows
   using Roles = sm90::WarpRoles<2, 56, 224>;
@@ -57,31 +63,41 @@ struct BwdExactSm90Traits {
   static constexpr int kThreads = Roles::kThreads;
   static constexpr int kSplitThreads = 96;  // producer warps 1-3
   static_assert(kBwdExactBoxRows <= kSplitThreads, "one split thread a row sum");
+  static constexpr int kDim = kHeadDim;
   static constexpr int kBlockRows = 64 * kConsumers;
   static constexpr int kStep = kBwdExactBoxRows;
-  static constexpr int kStages = 3;
+  static constexpr int kStages = kSumsDq ? 2 : 3;
   using RowTile = sm90::PanelTile<kBlockRows, kHeadDim, 4>;
   using StepTile = sm90::PanelTile<kStep, kHeadDim, 4>;
   using StepT = sm90::Tf32Transposed<kStep, kHeadDim>;
   static_assert(StepT::kBytes == StepTile::kBytes, "a step's tiles and their transposes take the same bytes");
   static constexpr int kTile = StepTile::kBytes;
-  // The rows: Q, dO (queries) or K, V (keys); dV's pass holds K alone.
+  // The rows: Q, dO (queries) or K, V (keys); dV's pass holds K alone. Each consumer's lo parts go
+  // over its rows; summing dQ, K's hi parts stay too, in a third tile.
   static constexpr int kRowTiles = kHasDp ? 2 : 1;
+  static constexpr int kKeptTiles = kRowTiles + (kSumsDq ? 1 : 0);
+  // Summing dQ: each consumer's dS of a step (queries x its 64 keys, K-major) in two parts, and
+  // after dQ's product, its part of the step's dQ (queries x head dim, row-major) over them.
+  using DsTile = sm90::PanelTile<kStep, 64, 4>;
+  static constexpr int kDsBytes = kSumsDq ? 2 * DsTile::kBytes : 0;
+  static_assert(!kSumsDq || (kHeadDim == 64 && kStep * kHeadDim * 4 <= kDsBytes),
+                "dQ's product: m64 over the head dim; its part fits the dS tiles");
   // A stage: X (K or Q: the score product's B) and its lo part; Y (V or dO) and its lo part for
   // dP (dV's pass: the raw dO, read only to transpose); the gradient product's B (K^T, Q^T or
-  // dO^T) in two parts; rows being keys, the step's queries' max, sum and D.
+  // dO^T) in two parts. Beside it, rows being keys: the step's queries' max, sum and D, and the
+  // split warps' reciprocals of the sums.
   static constexpr int kX = 0, kXLo = kTile, kY = 2 * kTile, kYLo = 3 * kTile;
   static constexpr int kZT = (kHasDp ? 4 : 3) * kTile;
-  static constexpr int kStats = kZT + (kHasGrad ? 2 * kTile : 0);
+  static constexpr int kStageBytes = kZT + (kHasGrad ? 2 * kTile : 0);
   static constexpr int kStatsBytes = kRowsAreKeys ? 3 * kStep * 4 : 0;
-  static constexpr int kInvSums = kStats + kStatsBytes;  // the split warps' reciprocals of the sums
+  static constexpr int kInvSums = kStatsBytes;
+  static constexpr int kStatsStride = kRowsAreKeys ? kStatsBytes + kStep * 4 : 0;
   static constexpr int kLoadBytes = 2 * kTile + kStatsBytes;
-  static constexpr int kStageBytes = (kInvSums + (kRowsAreKeys ? kStep * 4 : 0) + 1023) / 1024 * 1024;
   using Barriers = BwdBarriers<kStages>;
   using Ready = sm90::StageRing<kStages>;  // a stage's parts are written (its full barriers only)
-  enum Region { kRows, kStagesRegion, kBarriers };
-  using Smem = sm90::SmemRegions<kRowTiles * RowTile::kBytes, kStages * kStageBytes,
-                                 Barriers::kBytes + Ready::kBarrierBytes>;
+  enum Region { kRows, kStagesRegion, kDs, kStats, kBarriers };
+  using Smem = sm90::SmemRegions<kKeptTiles * RowTile::kBytes, kStages * kStageBytes, kConsumers * kDsBytes,
+                                 kStages * kStatsStride, Barriers::kBytes + Ready::kBarrierBytes>;
   static constexpr int kSmemBytes = Smem::kBytes;
   static_assert(kHeadDim == 32 || kHeadDim == 64, "exact sm90 backward: head dims 32 and 64");
   static_assert(bwd::kWorkspaceRowTile % kStep == 0 && bwd::kWorkspaceRowTile % kBlockRows == 0,
@@ -232,6 +248,112 @@ struct OnlineRowStats {
   }
 };
 
+// A consumer's share of dQ in the dK pass: dQ^T (head dim x step queries) += K^T dS^T over its 64
+// keys, split as the other products (K^T's hi and lo parts as A fragments from the block's K, dS's
+// from the tiles the consumer writes), then added into the workspace's fp32 dQ (rows of kD floats)
+// by one bulk reduction. Its tiles: dS hi and lo (PanelTile<kStep, 64, 4>, the keys K-major), and
+// over them once the product has read them, the step's dQ part row-major. One thread of the
+// consumer issues the reductions.
+template <class Traits>
+struct DqSum {
+  using DsTile = typename Traits::DsTile;
+  static constexpr int kD = Traits::kDim, kStep = Traits::kStep, kBlockRows = Traits::kBlockRows;
+  static constexpr int kLoOffset = -Traits::kRowTiles * Traits::RowTile::kBytes;
+  unsigned char* tiles;
+  const unsigned char* k_hi;  // the block's K: hi parts (Traits::RowTile), lo parts kLoOffset after
+  int key0, consumer;
+
+  // The lane and warp in the consumer, the thread index read again where used: the offsets they
+  // give, hoisted out of the step loop, would hold registers the products need (spills).
+  __device__ __forceinline__ static int tid() {
+    uint32_t x;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(x));
+    return int(x);
+  }
+  __device__ __forceinline__ static int lane() { return tid() % 32; }
+  __device__ __forceinline__ static int warp() { return tid() / 32 % 4; }
+  __device__ __forceinline__ static bool issuer() { return threadIdx.x % 128 == 0; }
+  __device__ __forceinline__ void sync() const { sm90::named_barrier_sync(sm90::kBwdExactDs0 + consumer, 128); }
+
+  // dS^T's fragments (keys of this warp's rows, the step's queries; see exact_grad_fragments) into
+  // the tiles, once the last reduction has read them.
+  template <int NT>
+  __device__ __forceinline__ void write(const uint32_t (&hi)[NT][4], const uint32_t (&lo)[NT][4]) const {
+    if (issuer()) sm90::bulk_wait_read();
+    sync();
+    const int w = warp(), g = lane() / 4, t = lane() % 4;
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int at = sm90::tf32_panel_offset(8 * j + 2 * t + e, 16 * w + g + 8 * half, kStep);
+          *reinterpret_cast<uint32_t*>(tiles + at) = hi[j][half + 2 * e];
+          *reinterpret_cast<uint32_t*>(tiles + DsTile::kBytes + at) = lo[j][half + 2 * e];
+        }
+    sm90::fence_shared_to_async();
+  }
+
+  // The product over the written tiles in halves of 32 keys (16 hi products an accumulator, as a
+  // gradient step's), added to the part in fp32, then the part into `dq` (the step's first query
+  // row of the workspace).
+  __device__ __forceinline__ void add_dq(float* dq) const {
+    using Mma = sm90::Wgmma<float, kStep>;
+    sync();  // every warp's dS is written
+    const uint64_t ds_hi = sm90::k_major_descriptor(smem_address(tiles));
+    const uint64_t ds_lo = sm90::descriptor_plus(ds_hi, DsTile::kBytes);
+    float part[kStep / 8][4];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      uint32_t kt_hi[4][4], kt_lo[4][4];
+      const int k0 = key0 + 32 * half;
+      sm90::tf32_a_fragments_of_transpose<32>(kt_hi, k_hi, kBlockRows, k0, 16 * warp(), lane());
+      sm90::tf32_a_fragments_of_transpose<32>(kt_lo, k_hi + kLoOffset, kBlockRows, k0, 16 * warp(), lane());
+      float fresh[2][kStep / 8][4];
+      sm90::wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) Mma::rs(fresh[0], kt_lo[kk], DsTile::k_step(ds_hi, 4 * half + kk), kk > 0);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) Mma::rs(fresh[0], kt_hi[kk], DsTile::k_step(ds_lo, 4 * half + kk), 1);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+        Mma::rs(fresh[kk / 2], kt_hi[kk], DsTile::k_step(ds_hi, 4 * half + kk), kk == 2 ? 0 : 1);
+      sm90::wgmma_commit();
+      sm90::wgmma_wait<0>();
+      sm90::fence_registers(fresh[0]);
+      sm90::fence_registers(fresh[1]);
+#pragma unroll
+      for (int j = 0; j < kStep / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float x = fresh[0][j][e] + fresh[1][j][e];
+          part[j][e] = half == 0 ? x : part[j][e] + x;
+        }
+    }
+    sync();  // every warp's product has read the tiles
+    // Accumulator (row g + 8 (e / 2), column 8 j + 2 t + e % 2) of this warp's 16 head-dim rows:
+    // dQ[query][d] at query * kD + d.
+    float* out = reinterpret_cast<float*>(tiles);
+    const int w = warp(), g = lane() / 4, t = lane() % 4;
+#pragma unroll
+    for (int j = 0; j < kStep / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) out[(8 * j + 2 * t + e % 2) * kD + 16 * w + g + 8 * (e / 2)] = part[j][e];
+    sm90::fence_shared_to_async();
+    sync();
+    if (issuer()) {
+      sm90::bulk_reduce_add(dq, out, kStep * kD * 4);
+      sm90::bulk_commit();
+    }
+  }
+
+  // Before the block ends: its last reduction has completed.
+  __device__ __forceinline__ void drain() const {
+    if (issuer()) sm90::bulk_wait();
+  }
+};
+
 }  // namespace exact
 #endif
 
@@ -252,6 +374,9 @@ __global__ void __launch_bounds__(BwdExactSm90Traits<kHeadDim, kPass>::kThreads,
   const typename Traits::Smem smem(smem_raw);
   auto rows = [&](int r) { return smem.template at<Traits::kRows>() + r * RowTile::kBytes; };
   auto stage = [&](int s) { return smem.template at<Traits::kStagesRegion>() + s * Traits::kStageBytes; };
+  auto stage_stats = [&](int s) {
+    return reinterpret_cast<float*>(smem.template at<Traits::kStats>() + s * Traits::kStatsStride);
+  };
   const typename Traits::Barriers bars(smem.template at<Traits::kBarriers, uint64_t>());
   const auto& ring = bars.ring;
   const typename Traits::Ready ready{ring.end()};
@@ -309,7 +434,7 @@ __global__ void __launch_bounds__(BwdExactSm90Traits<kHeadDim, kPass>::kThreads,
         StepTile::template load<kBwdExactBoxRows>(st + Traits::kY, step_maps[1], full, step_base + c0, map_head, batch);
         if constexpr (kRowsAreKeys) {
           const int64_t w = bwd::ws_row(p, b, hs) + c0;
-          float* stats = reinterpret_cast<float*>(st + Traits::kStats);
+          float* stats = stage_stats(s);
           sm90::bulk_load(stats, p.lse2 + w, BS * 4, full);
           sm90::bulk_load(stats + BS, p.row_sum + w, BS * 4, full);
           sm90::bulk_load(stats + 2 * BS, p.dsum + w, BS * 4, full);
@@ -332,8 +457,8 @@ __global__ void __launch_bounds__(BwdExactSm90Traits<kHeadDim, kPass>::kThreads,
       exact::split_in_place<Traits::kTile>(st + Traits::kX, st + Traits::kXLo, tid, Traits::kSplitThreads);
       if constexpr (kRowsAreKeys) {
         // The reciprocals of the step's row sums, for the consumers' P (bwd_grads.cuh).
-        const float* sums = reinterpret_cast<const float*>(st + Traits::kStats) + BS;
-        if (tid < BS) reinterpret_cast<float*>(st + Traits::kInvSums)[tid] = 1.0f / sums[tid];
+        float* stats = stage_stats(s);
+        if (tid < BS) stats[Traits::kInvSums / 4 + tid] = 1.0f / stats[BS + tid];
       }
       if constexpr (kHasDp)
         exact::split_in_place<Traits::kTile>(st + Traits::kY, st + Traits::kYLo, tid, Traits::kSplitThreads);
@@ -383,12 +508,16 @@ __global__ void __launch_bounds__(BwdExactSm90Traits<kHeadDim, kPass>::kThreads,
       for (int r = 0; r < Traits::kRowTiles; ++r)
 #pragma unroll
         for (int c = 0; c < RowTile::kPanels; ++c) {
-          float4* at = reinterpret_cast<float4*>(rows(r) + c * RowTile::kPanelBytes + consumer * 64 * 128);
+          const int offset = c * RowTile::kPanelBytes + consumer * 64 * 128;
+          float4* at = reinterpret_cast<float4*>(rows(r) + offset);
+          [[maybe_unused]] float4* kept = reinterpret_cast<float4*>(rows(Traits::kRowTiles) + offset);
 #pragma unroll 2
           for (int idx = ctid; idx < 64 * 8; idx += 128) {
             float4 hi, lo;
             fp32::split_tf32(at[idx], hi, lo);
             at[idx] = fp32::tf32_rn(lo);
+            if constexpr (Traits::kSumsDq)
+              if (r == 0) kept[idx] = hi;  // K's, for dQ's product
           }
         }
     }
@@ -396,6 +525,9 @@ __global__ void __launch_bounds__(BwdExactSm90Traits<kHeadDim, kPass>::kThreads,
     sm90::named_barrier_sync(sm90::kBwdExactRowsSplit0 + consumer, 128);
     const uint64_t lo0 = sm90::k_major_descriptor(smem_address(rows(0)) + consumer * 64 * 128);
     const uint64_t lo1 = sm90::k_major_descriptor(smem_address(rows(Traits::kRowTiles - 1)) + consumer * 64 * 128);
+    [[maybe_unused]] exact::DqSum<Traits> ds_tiles{
+        smem.template at<Traits::kDs>() + consumer * Traits::kDsBytes, rows(Traits::kRowTiles), 64 * consumer,
+        consumer};
     // Rows every column of a step sees in full need no mask arithmetic (rows are queries).
     const int full_begin = kRowsAreKeys ? 0 : mask.full_begin_key(r1);
     const int full_end = kRowsAreKeys ? 0 : mask.full_end_key(r0);
@@ -428,10 +560,10 @@ __global__ void __launch_bounds__(BwdExactSm90Traits<kHeadDim, kPass>::kThreads,
       frag.col0 = c0;
       bool masked;
       if constexpr (kRowsAreKeys) {
-        const float* col_stats = reinterpret_cast<const float*>(st + Traits::kStats);
+        const float* col_stats = stage_stats(s);
         frag.col_lse2 = col_stats;
         frag.col_sum = col_stats + BS;
-        frag.col_inv_sum = reinterpret_cast<const float*>(st + Traits::kInvSums);
+        frag.col_inv_sum = col_stats + Traits::kInvSums / 4;
         frag.col_dsum = col_stats + 2 * BS;
         masked = !(mask.full_begin_key(min(c0 + BS, seq.sq)) <= r0 && mask.full_end_key(c0) >= r0 + BR);
       } else {
@@ -447,6 +579,9 @@ __global__ void __launch_bounds__(BwdExactSm90Traits<kHeadDim, kPass>::kThreads,
         else
           bwd::exact_grad_fragments<kRowsAreKeys, false, kAlibi>(masked, sc, dp, frag, p, g_hi, g_lo, slope);
 
+        // dS for dQ's product, before dK's product reads the same registers (a wgmma's A registers
+        // may not be read until it completes).
+        if constexpr (Traits::kSumsDq) ds_tiles.write(g_hi, g_lo);
         // This step's gradient terms in two fresh accumulators, half the hi k-steps each (the lo
         // terms first, in the first), added to the gradient in fp32.
         const uint64_t zt_hi = at(Traits::kZT), zt_lo = at(Traits::kZT + StepT::kBytes);
@@ -471,7 +606,9 @@ __global__ void __launch_bounds__(BwdExactSm90Traits<kHeadDim, kPass>::kThreads,
           for (int e = 0; e < 4; ++e) grad[0][j][e] += fresh[0][j][e] + fresh[1][j][e];
       }
       ring.release_warp(i, lane);  // the stage is read
+      if constexpr (Traits::kSumsDq) ds_tiles.add_dq(p.dq_accum + (bwd::ws_row(p, b, step_head(i)) + c0) * D);
     }
+    if constexpr (Traits::kSumsDq) ds_tiles.drain();
   }
 
   if constexpr (kPass == ExactPass::stats) {
@@ -481,11 +618,12 @@ __global__ void __launch_bounds__(BwdExactSm90Traits<kHeadDim, kPass>::kThreads,
                int64_t(r0 + row0) * p.dq.seq;
     bwd::store_grad_frag<float>(false, grad, p.scale, g, p.dq.seq, r1 - r0 - row0, p.headdim_qk);
   } else {
-    const bwd::Strided& t = kPass == ExactPass::dk ? p.dk : p.dv;
+    constexpr bool kDk = kPass != ExactPass::dv;
+    const bwd::Strided& t = kDk ? p.dk : p.dv;
     float* g = static_cast<float*>(t.ptr) + bwd::seq_base(p, t, b, false) + int64_t(h) * t.head +
                int64_t(r0 + row0) * t.seq;
-    bwd::store_grad_frag<float>(false, grad, kPass == ExactPass::dk ? p.scale : 1.0f, g, t.seq, r1 - r0 - row0,
-                                kPass == ExactPass::dk ? p.headdim_qk : p.headdim_v);
+    bwd::store_grad_frag<float>(false, grad, kDk ? p.scale : 1.0f, g, t.seq, r1 - r0 - row0,
+                                kDk ? p.headdim_qk : p.headdim_v);
   }
 #endif
 }

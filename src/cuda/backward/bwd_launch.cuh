@@ -24,7 +24,7 @@ namespace tileattn::cuda::bwd {
 // Everything after the preprocess: the row statistics (fp32, or 16-bit's D where asked), dK/dV,
 // then dQ's conversion or pass.
 template <class T, int D, Fp32Math M>
-void launch_passes(const BwdParams& p, unsigned row_blocks, cudaStream_t stream) {
+void launch_passes(const BwdParams& p, cudaStream_t stream) {
   using KV = DkdvTile<T, D>;
   launch_row_stats<T, D, M>(p, stream);
 
@@ -35,7 +35,7 @@ void launch_passes(const BwdParams& p, unsigned row_blocks, cudaStream_t stream)
   TA_CUDA_CHECK_LAUNCH("backward dK/dV");
 
   if (p.dq_accum != nullptr) {
-    convert_dq_kernel<T><<<row_blocks, kRowKernelThreads, 0, stream>>>(p);
+    launch_convert_dq<T>(p, stream);
     TA_CUDA_CHECK_LAUNCH("backward dQ conversion");
   } else {
     using Q = DqTile<T, D>;
@@ -60,17 +60,15 @@ void launch_backward(const BwdParams& params, cudaStream_t stream) {
                                             std::to_string(needed) + " bytes of shared memory per block; this device " +
                                             "allows " + std::to_string(smem_optin));
 
-  const int64_t rows = int64_t(p.batch) * p.heads_q * p.seqlen_q_rounded;
-  const unsigned row_blocks = unsigned((rows + kRowKernelThreads / 32 - 1) / (kRowKernelThreads / 32));
   static_assert(kWorkspaceRowTile % DkdvTile<T, D>::kBlockM == 0 && kWorkspaceRowTile % DqTile<T, D>::kBlockM == 0,
                 "query tiles never reach past the workspace padding");
   launch_preprocess<T>(p, stream);
   TA_CUDA_CHECK_LAUNCH("backward preprocess");
   if constexpr (std::is_same_v<T, float>) {
-    if (p.fp32_fast) launch_passes<T, D, Fp32Math::tf32>(p, row_blocks, stream);
-    else launch_passes<T, D, Fp32Math::fp64>(p, row_blocks, stream);
+    if (p.fp32_fast) launch_passes<T, D, Fp32Math::tf32>(p, stream);
+    else launch_passes<T, D, Fp32Math::fp64>(p, stream);
   } else {
-    launch_passes<T, D, Fp32Math::fp64>(p, row_blocks, stream);
+    launch_passes<T, D, Fp32Math::fp64>(p, stream);
   }
 }
 

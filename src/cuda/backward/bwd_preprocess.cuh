@@ -192,4 +192,12 @@ __global__ void __launch_bounds__(kRowKernelThreads) convert_dq_kernel(const Bwd
   for (int c = threadIdx.x & 31; c < p.headdim_qk; c += 32) dq[c] = from_float<T>(a[c] * p.scale);
 }
 
+// dQ = scale * the accumulator, a warp a row.
+template <class T>
+void launch_convert_dq(const BwdParams& p, cudaStream_t stream) {
+  const int64_t rows = int64_t(p.batch) * p.heads_q * p.seqlen_q_rounded;
+  constexpr int kRowsPerBlock = kRowKernelThreads / 32;
+  convert_dq_kernel<T><<<unsigned((rows + kRowsPerBlock - 1) / kRowsPerBlock), kRowKernelThreads, 0, stream>>>(p);
+}
+
 }  // namespace tileattn::cuda::bwd

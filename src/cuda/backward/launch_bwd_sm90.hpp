@@ -26,11 +26,12 @@ struct BwdSm90 {
   static int ordered_dq_block_n();
 };
 
-// fp32: fast mode's TF32 products (run) and exact mode's split TF32 (run_exact: statistics, dK,
-// dV and dQ passes, tensor maps with boxes of kBwdExactBoxRows rows); dQ always in its own pass
-// (no dQ accumulator).
+// fp32: fast mode's TF32 products (run; dQ in its own pass, no accumulator) and exact mode's split
+// TF32 (run_exact: statistics, dK, dV and dQ passes, tensor maps with boxes of kBwdExactBoxRows
+// rows). Where kExactSumsDq, exact mode sums dQ in the dK pass when given the accumulator.
 template <int kHeadDim>
 struct BwdTf32Sm90 {
+  static constexpr bool kExactSumsDq = kHeadDim == 64;
   static void run(const BwdSm90Params& params, cudaStream_t stream);
   static void run_exact(const BwdSm90Params& params, cudaStream_t stream);
 };

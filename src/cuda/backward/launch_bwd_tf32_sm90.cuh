@@ -49,16 +49,32 @@ void launch_exact_pass_sm90(const BwdSm90Params& params, cudaStream_t stream) {
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
 }
 
+// dQ summed in the dK pass where the plan gave the accumulator (the preprocess zeroed it), else
+// in a pass of its own.
 template <int kHeadDim, bool kAlibi>
 void launch_exact_sm90(const BwdSm90Params& params, cudaStream_t stream) {
+  const bool sums_dq = BwdTf32Sm90<kHeadDim>::kExactSumsDq && params.bwd.dq_accum != nullptr;
   launch_exact_pass_sm90<kHeadDim, ExactPass::stats, kAlibi>(params, stream);
   TA_CUDA_CHECK_LAUNCH("backward row statistics (exact, sm90)");
-  launch_exact_pass_sm90<kHeadDim, ExactPass::dk, kAlibi>(params, stream);
-  TA_CUDA_CHECK_LAUNCH("backward dK (exact, sm90)");
+  if constexpr (BwdTf32Sm90<kHeadDim>::kExactSumsDq) {
+    if (sums_dq) {
+      launch_exact_pass_sm90<kHeadDim, ExactPass::dkdq, kAlibi>(params, stream);
+      TA_CUDA_CHECK_LAUNCH("backward dK and dQ (exact, sm90)");
+    }
+  }
+  if (!sums_dq) {
+    launch_exact_pass_sm90<kHeadDim, ExactPass::dk, kAlibi>(params, stream);
+    TA_CUDA_CHECK_LAUNCH("backward dK (exact, sm90)");
+  }
   launch_exact_pass_sm90<kHeadDim, ExactPass::dv, kAlibi>(params, stream);
   TA_CUDA_CHECK_LAUNCH("backward dV (exact, sm90)");
-  launch_exact_pass_sm90<kHeadDim, ExactPass::dq, kAlibi>(params, stream);
-  TA_CUDA_CHECK_LAUNCH("backward dQ (exact, sm90)");
+  if (sums_dq) {
+    bwd::launch_convert_dq<float>(params.bwd, stream);
+    TA_CUDA_CHECK_LAUNCH("backward dQ conversion (exact, sm90)");
+  } else {
+    launch_exact_pass_sm90<kHeadDim, ExactPass::dq, kAlibi>(params, stream);
+    TA_CUDA_CHECK_LAUNCH("backward dQ (exact, sm90)");
+  }
 }
 }  // namespace detail
 
