@@ -303,34 +303,29 @@ struct DqSum {
     sync();  // every warp's dS is written
     const uint64_t ds_hi = sm90::k_major_descriptor(smem_address(tiles));
     const uint64_t ds_lo = sm90::descriptor_plus(ds_hi, DsTile::kBytes);
-    float part[kStep / 8][4];
+    // Two accumulators over both halves, 32 hi products each (as the scores'), summed once. Not a
+    // pair of fresh accumulators a half: with the first half's read and the second's restarting
+    // them (scale-d 0), ptxas issued the second half's products alone and doubled them.
+    float acc[2][kStep / 8][4];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       uint32_t kt_hi[4][4], kt_lo[4][4];
       const int k0 = key0 + 32 * half;
       sm90::tf32_a_fragments_of_transpose<32>(kt_hi, k_hi, kBlockRows, k0, 16 * warp(), lane());
       sm90::tf32_a_fragments_of_transpose<32>(kt_lo, k_hi + kLoOffset, kBlockRows, k0, 16 * warp(), lane());
-      float fresh[2][kStep / 8][4];
       sm90::wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) Mma::rs(fresh[0], kt_lo[kk], DsTile::k_step(ds_hi, 4 * half + kk), kk > 0);
+      for (int kk = 0; kk < 4; ++kk)
+        Mma::rs(acc[0], kt_lo[kk], DsTile::k_step(ds_hi, 4 * half + kk), half > 0 || kk > 0);
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) Mma::rs(fresh[0], kt_hi[kk], DsTile::k_step(ds_lo, 4 * half + kk), 1);
+      for (int kk = 0; kk < 4; ++kk) Mma::rs(acc[0], kt_hi[kk], DsTile::k_step(ds_lo, 4 * half + kk), 1);
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
-        Mma::rs(fresh[kk / 2], kt_hi[kk], DsTile::k_step(ds_hi, 4 * half + kk), kk == 2 ? 0 : 1);
-      sm90::wgmma_commit();
-      sm90::wgmma_wait<0>();
-      sm90::fence_registers(fresh[0]);
-      sm90::fence_registers(fresh[1]);
-#pragma unroll
-      for (int j = 0; j < kStep / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float x = fresh[0][j][e] + fresh[1][j][e];
-          part[j][e] = half == 0 ? x : part[j][e] + x;
-        }
+        Mma::rs(acc[kk / 2], kt_hi[kk], DsTile::k_step(ds_hi, 4 * half + kk), half == 0 && kk == 2 ? 0 : 1);
     }
+    sm90::wgmma_commit();
+    float part[kStep / 8][4];
+    split_sum<2, kStep>(acc, part);
     sync();  // every warp's product has read the tiles
     // Accumulator (row g + 8 (e / 2), column 8 j + 2 t + e % 2) of this warp's 16 head-dim rows:
     // dQ[query][d] at query * kD + d.
