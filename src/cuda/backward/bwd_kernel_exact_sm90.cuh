@@ -295,9 +295,8 @@ struct DqSum {
     sm90::fence_shared_to_async();
   }
 
-  // The product over the written tiles in halves of 32 keys (16 hi products an accumulator, as a
-  // gradient step's), added to the part in fp32, then the part into `dq` (the step's first query
-  // row of the workspace).
+  // The product over the written tiles, K^T's fragments loaded 32 keys at a time, then the part
+  // into `dq` (the step's first query row of the workspace).
   __device__ __forceinline__ void add_dq(float* dq) const {
     using Mma = sm90::Wgmma<float, kStep>;
     sync();  // every warp's dS is written
