@@ -87,9 +87,18 @@ TEST(ForwardKernelChoice, EnvironmentForcesThePortableKernel) {
   const char* old = std::getenv("TILEATTN_CUDA_KERNELS");
   const std::string saved = old ? old : "";
   setenv("TILEATTN_CUDA_KERNELS", "sm80", 1);
-  EXPECT_STREQ(cuda::forward_kernel_name(dp.problem), "sm80");
+  std::string name;
+  bool built = true;
+  try {
+    name = cuda::forward_kernel_name(dp.problem);
+  } catch (const Error& e) {
+    if (e.kind() != ErrorKind::unsupported) throw;
+    built = false;  // a narrowed build (TILEATTN_HEADDIMS) lacks the bucket
+  }
   if (old) setenv("TILEATTN_CUDA_KERNELS", saved.c_str(), 1);
   else unsetenv("TILEATTN_CUDA_KERNELS");
+  if (!built) GTEST_SKIP() << "head dim 128 is not in this build";
+  EXPECT_EQ(name, "sm80");
 }
 
 }  // namespace

@@ -125,7 +125,13 @@ void check(const AppendCase& c) {
     p.backend = on_gpu ? Backend::cuda : Backend::cpu;
     return p;
   };
-  tileattn::forward(problem(true));
+  try {
+    tileattn::forward(problem(true));
+  } catch (const Error& e) {
+    // A narrowed build (TILEATTN_HEADDIMS) lacks the bucket.
+    if (e.kind() == ErrorKind::unsupported && std::string(e.what()).find("head-dim bucket") != std::string::npos) return;
+    throw;
+  }
   check_cuda(cudaDeviceSynchronize(), "forward");
   tileattn::forward(problem(false));
 
