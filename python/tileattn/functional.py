@@ -600,11 +600,26 @@ def _kernels_take(query: Tensor, value: Tensor) -> bool:
                                                    and 0 < value.shape[-1] <= _ext.max_headdim)
 
 
+def _torch_operand(t: Tensor) -> Tensor:
+    """t, or a contiguous copy of a CUDA tensor whose rows PyTorch's fused kernels may misread: a last
+    dimension that is not unit-stride, or a base or stride that is not a whole 16 bytes. Given rows
+    padded by a few elements, they returned wrong values and faulted (misaligned address) on an H100."""
+    if not t.is_cuda or t.dim() == 0:
+        return t
+    unit = max(16 // t.element_size(), 1)
+    aligned = (t.stride(-1) == 1 or t.shape[-1] <= 1) and all(
+        stride % unit == 0 for stride, size in zip(t.stride()[:-1], t.shape[:-1]) if size > 1)
+    if aligned and not torch.compiler.is_compiling():  # a traced tensor has no address
+        aligned = t.data_ptr() % 16 == 0
+    return t if aligned else t.contiguous()
+
+
 def _torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, why=_ARBITRARY_MASK):
     if why not in _warned and not torch.compiler.is_compiling():  # a traced warn() breaks the graph
         _warned.add(why)
         warnings.warn(f"tileattn.scaled_dot_product_attention: {why} (once per process)", stacklevel=3)
     kwargs = dict(enable_gqa=True) if enable_gqa else {}  # the argument is new in PyTorch 2.5
+    query, key, value = (_torch_operand(t) for t in (query, key, value))
     return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                                           is_causal=is_causal, scale=scale, **kwargs)
 

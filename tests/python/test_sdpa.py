@@ -126,6 +126,29 @@ def test_attn_mask_gives_torch_results(mask):
         assert naive.max_error(a, r) < 1e-5
 
 
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore:tileattn.scaled_dot_product_attention. a call with attn_mask")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_attn_mask_on_rows_padded_by_a_few_elements(dtype, cuda):
+    """The call PyTorch's SDPA computes (attn_mask) takes rows whose stride is not a whole 16 bytes
+    (each row of a wider tensor, as a slice leaves them) and still gives the float64 result."""
+    def padded(n):
+        return torch.randn(2, 3, n, 40 + 3, dtype=dtype, device=cuda)[..., :40].requires_grad_()
+
+    q, k, v = padded(37), padded(29), padded(29)
+    attn_mask = torch.rand(37, 29, device=cuda) > 0.3
+    attn_mask[:, 0] = True
+    out = tileattn.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+    ref_qkv = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = _sdpa64(*ref_qkv, attn_mask=attn_mask)
+    dout = torch.randn_like(out)
+    ours = (out, *torch.autograd.grad(out, (q, k, v), dout))
+    oracle = (ref, *torch.autograd.grad(ref, ref_qkv, dout.double()))
+    tolerance = 1e-2 if dtype == torch.float16 else 1e-4
+    for a, r in zip(ours, oracle):
+        assert naive.max_error(a, r) < tolerance
+
+
 def test_attn_mask_warns_once(recwarn):
     import tileattn.functional as functional
     functional._warned.clear()
