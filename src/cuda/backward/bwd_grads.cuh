@@ -278,6 +278,11 @@ struct VisibleSpan {
 template <class T>
 constexpr int kTilesPerStep = sizeof(T) == 2 ? 2 : 1;
 
+// Where accumulator element (row g + 8 half, column 8 j + 2t + e) sits in TF32 A fragments: slot
+// half + 2e of fragment j, which the tensor core reads as k position t + 4e (the B operands are
+// written in that column order, tf32_operands_sm90.cuh).
+__device__ __forceinline__ constexpr int tf32_a_slot(int half, int e) { return half + 2 * e; }
+
 // s, dp: m64nN accumulators (per warp the mma.sync C layout). Writes P and dS as A fragments of
 // the next product, rounded to T (16-bit: k-step ks covers columns 16 ks .. 16 ks + 15) or to
 // TF32 for fp32 (the fast mode; k-step ks covers columns 8 ks .. 8 ks + 7, fragment position t
@@ -329,8 +334,8 @@ __device__ __forceinline__ void grads_to_fragments(const float (&s)[1][NT][4], c
       } else {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          pa[j][half + 2 * e] = fp32::to_tf32(pv[e]);
-          da[j][half + 2 * e] = fp32::to_tf32(ds[e]);
+          pa[j][tf32_a_slot(half, e)] = fp32::to_tf32(pv[e]);
+          da[j][tf32_a_slot(half, e)] = fp32::to_tf32(ds[e]);
         }
       }
     }
@@ -388,8 +393,8 @@ __device__ __forceinline__ void exact_grad_fragments(const float (&s)[NT][4], co
         }
         float h, r;
         fp32::split_tf32(x, h, r);
-        hi[j][half + 2 * e] = __float_as_uint(h);
-        lo[j][half + 2 * e] = fp32::tf32_bits(r);
+        hi[j][tf32_a_slot(half, e)] = __float_as_uint(h);
+        lo[j][tf32_a_slot(half, e)] = fp32::tf32_bits(r);
       }
 }
 

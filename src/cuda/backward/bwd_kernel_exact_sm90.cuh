@@ -289,8 +289,8 @@ struct DqSum {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int at = sm90::tf32_panel_offset(8 * j + 2 * t + e, 16 * w + g + 8 * half, kStep);
-          *reinterpret_cast<uint32_t*>(tiles + at) = hi[j][half + 2 * e];
-          *reinterpret_cast<uint32_t*>(tiles + DsTile::kBytes + at) = lo[j][half + 2 * e];
+          *reinterpret_cast<uint32_t*>(tiles + at) = hi[j][bwd::tf32_a_slot(half, e)];
+          *reinterpret_cast<uint32_t*>(tiles + DsTile::kBytes + at) = lo[j][bwd::tf32_a_slot(half, e)];
         }
     sm90::fence_shared_to_async();
   }
