@@ -1,8 +1,9 @@
 #pragma once
 // Where the backward's D = rowsum(O * dO) is not accurate enough, so that D must come from the
 // gradient passes' own P and dP, D = rowsum(P * dP) / rowsum(P) (docs/accuracy.md). One rule for
-// the CPU backward (src/cpu/backward.cpp) and the CUDA 16-bit backward (bwd_row_stats.cuh); the
-// CUDA fp32 backward forms D from P and dP always.
+// the CPU backward (src/cpu/backward.cpp), the CUDA 16-bit backward (bwd_row_stats.cuh) and the
+// Hopper exact fp32 backward, which otherwise takes rowsum(O * dO) on rows of many keys
+// (BwdParams::delta_from_out); the portable CUDA fp32 backward forms D from P and dP always.
 #include "tileattn/problem.hpp"
 
 namespace tileattn {

@@ -42,6 +42,17 @@ struct Mask {
   TA_HOST_DEVICE int full_begin_key(int i1) const { return begin_key(i1 - 1); }
   TA_HOST_DEVICE int full_end_key(int i0) const { return end_key(i0); }
 
+  // Keys row i sees, and the fewest any row of [i0, i1) sees: along the rows the count rises, holds,
+  // then falls, so its least over a range is at one of its ends.
+  TA_HOST_DEVICE int visible_keys(int i) const {
+    const int n = end_key(i) - begin_key(i);
+    return n > 0 ? n : 0;
+  }
+  TA_HOST_DEVICE int fewest_visible_keys(int i0, int i1) const {
+    const int a = visible_keys(i0), b = visible_keys(i1 - 1);
+    return a < b ? a : b;
+  }
+
   // Query range that sees at least one key of the key tile [j0, j1) (for backward loops over keys).
   TA_HOST_DEVICE int tile_begin_query(int j0) const {
     if (!has_right()) return 0;

@@ -227,6 +227,9 @@ class BackwardPlan final : public detail::BackendPlan {
     params.fp32_fast = p.dtype == DType::f32 && p.fp32_mode == Fp32Mode::fast;
     params.given_stats = p.partial_keys || params.fp32_fast;
     params.consistent_delta = p.dtype != DType::f32 && delta_from_p_and_dp(p);
+    // Only the Hopper exact passes read it (bwd_kernel_exact_sm90.cuh).
+    params.delta_from_out =
+        plan_.sm90 && p.dtype == DType::f32 && !params.fp32_fast && !params.given_stats && !delta_from_p_and_dp(p);
     params.seqlen_q_rounded = int(layout_.rows / (p.batch * p.heads_q));
     params.dq_accum_dim = layout_.dim;
   }

@@ -578,6 +578,16 @@ std::vector<Case> cases() {
     s.softcap = 3.0f;
     c.push_back({"f32_softcap_key_blocks_d64", s});
   }
+  // Sequences whose later query tiles see 256 keys or more and earlier ones fewer: on Hopper the
+  // exact backward's statistics then differ by tile (D from O, or from P and dP), decided per
+  // sequence in the kernel (BwdParams::delta_from_out).
+  {
+    auto s = base(DType::f32, 1, 1, 64);
+    s.seqlens_q = {600, 40, 1};
+    s.seqlens_k = {700, 300, 290};
+    s.causal = true;
+    c.push_back({"f32_varlen_causal_long_rows_d64", s});
+  }
   // headdim_v below headdim_qk in one bucket (V's and dO's tiles end in zero columns), four query
   // heads a kv head, a window on both sides.
   {

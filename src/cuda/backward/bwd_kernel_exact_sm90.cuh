@@ -2,7 +2,9 @@
 // The Hopper backward of fp32 attention in exact mode (split TF32): passes of one kernel shape,
 // run in this order after the preprocess:
 //   stats  (128 queries a block) each row's max and sum of the scaled scores and
-//          D = rowsum(P dP) / rowsum(P), online over the row's key tiles, into the workspace
+//          D = rowsum(P dP) / rowsum(P), online over the row's key tiles, into the workspace;
+//          with BwdParams::delta_from_out, blocks whose rows all see many keys run max_sum
+//          instead: S alone, for the max and sum, D being the preprocess's rowsum(O dO)
 //   dK     (128 keys a block)    S^T, dP^T, dS^T, dK += dS^T Q; and, where dQ is summed
 //          (ExactPass::dkdq, head dim 64), dQ^T += K^T dS^T, each consumer's part of a step added
 //          into the workspace's fp32 dQ by one bulk reduction
@@ -50,14 +52,16 @@
 
 namespace tileattn::cuda {
 
-enum class ExactPass { stats, dk, dkdq, dv, dq };
+enum class ExactPass { stats, max_sum, dk, dkdq, dv, dq };
 
 template <int kHeadDim, ExactPass kPass>
 struct BwdExactSm90Traits {
   static constexpr bool kSumsDq = kPass == ExactPass::dkdq;    // dQ's product too, into the workspace
   static constexpr bool kRowsAreKeys = kPass == ExactPass::dk || kSumsDq || kPass == ExactPass::dv;
-  static constexpr bool kHasDp = kPass != ExactPass::dv;      // dP = dO V^T is formed
-  static constexpr bool kHasGrad = kPass != ExactPass::stats;  // a gradient product follows
+  static constexpr bool kStatsPass = kPass == ExactPass::stats || kPass == ExactPass::max_sum;
+  static constexpr bool kHasDp = kPass != ExactPass::dv && kPass != ExactPass::max_sum;  // dP = dO V^T is formed
+  static constexpr bool kLoadsY = kPass != ExactPass::max_sum;  // V or dO each step
+  static constexpr bool kHasGrad = !kStatsPass;                      // a gradient product follows
   using Roles = sm90::WarpRoles<2, 56, 224>;
   static constexpr int kConsumers = Roles::kConsumers;
   static constexpr int kThreads = Roles::kThreads;
@@ -87,12 +91,12 @@ struct BwdExactSm90Traits {
   // dO^T) in two parts. Beside it, rows being keys: the step's queries' max, sum and D, and the
   // split warps' reciprocals of the sums.
   static constexpr int kX = 0, kXLo = kTile, kY = 2 * kTile, kYLo = 3 * kTile;
-  static constexpr int kZT = (kHasDp ? 4 : 3) * kTile;
+  static constexpr int kZT = (kHasDp ? 4 : kLoadsY ? 3 : 2) * kTile;
   static constexpr int kStageBytes = kZT + (kHasGrad ? 2 * kTile : 0);
   static constexpr int kStatsBytes = kRowsAreKeys ? 3 * kStep * 4 : 0;
   static constexpr int kInvSums = kStatsBytes;
   static constexpr int kStatsStride = kRowsAreKeys ? kStatsBytes + kStep * 4 : 0;
-  static constexpr int kLoadBytes = 2 * kTile + kStatsBytes;
+  static constexpr int kLoadBytes = (kLoadsY ? 2 : 1) * kTile + kStatsBytes;
   using Barriers = BwdBarriers<kStages>;
   using Ready = sm90::StageRing<kStages>;  // a stage's parts are written (its full barriers only)
   enum Region { kRows, kStagesRegion, kDs, kStats, kBarriers };
@@ -172,8 +176,11 @@ __device__ __forceinline__ void split_sum(float (&acc)[kAccs][kN / 8][4], float 
 }
 
 // A query row's running statistics over its key tiles: max m and sum l of exp(score - m), and
-// dn = sum of exp(score - m) dP, the sums in double (rescaled as m grows), as the portable pass
-// sums P dP. Each of this thread's two rows (g, g + 8) has its own.
+// with kWithD dn = sum of exp(score - m) dP, the sums in double (rescaled as m grows), as the
+// portable pass sums P dP. Each of this thread's two rows (g, g + 8) has its own. Without D (rows
+// of many keys) a step's terms meet in fp32 first and l takes one conversion a step: the
+// conversions to double, not the products, bounded that pass.
+template <bool kWithD>
 struct OnlineRowStats {
   float m[2] = {-INFINITY, -INFINITY};
   double l[2] = {0.0, 0.0}, dn[2] = {0.0, 0.0};
@@ -206,14 +213,20 @@ struct OnlineRowStats {
         dn[half] *= factor;
         m[half] = mn;
       }
+      [[maybe_unused]] float step_sum = 0.0f;
 #pragma unroll
       for (int j = 0; j < NT; ++j)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const float x = expf(v[j][e] - mn);
-          l[half] += double(x);
-          dn[half] += double(x) * double(dp[j][2 * half + e]);
+          if constexpr (kWithD) {
+            l[half] += double(x);
+            dn[half] += double(x) * double(dp[j][2 * half + e]);
+          } else {
+            step_sum += x;
+          }
         }
+      if constexpr (!kWithD) l[half] += double(step_sum);
     }
   }
 
@@ -230,7 +243,7 @@ struct OnlineRowStats {
   }
 
   // The quad's sums merged (its lanes share m); lane t = 0 writes rows that saw a key: lse2 := m,
-  // row_sum and D. Others keep the preprocess's (+inf, 1, 0), which make P zero.
+  // row_sum and, kWithD, D. Others keep the preprocess's (+inf, 1, 0), which make P zero.
   __device__ __forceinline__ void store(const bwd::BwdParams& p, int64_t w, int row, int sq) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -242,7 +255,7 @@ struct OnlineRowStats {
       if (threadIdx.x % 4 == 0 && row + 8 * half < sq && l[half] > 0.0) {
         p.lse2[w + 8 * half] = m[half];
         p.row_sum[w + 8 * half] = float(l[half]);
-        p.dsum[w + 8 * half] = float(dn[half] / l[half]);
+        if constexpr (kWithD) p.dsum[w + 8 * half] = float(dn[half] / l[half]);
       }
     }
   }
@@ -396,6 +409,11 @@ __global__ void __launch_bounds__(BwdExactSm90Traits<kHeadDim, kPass>::kThreads,
     n_steps = keys.count;
   }
   if (r0 >= (kRowsAreKeys ? seq.sk : seq.sq)) return;
+  if constexpr (Traits::kStatsPass) {
+    // The statistics pass this block's rows take (BwdParams::delta_from_out); the other exits.
+    const bool from_out = p.delta_from_out && mask.fewest_visible_keys(r0, r1) >= bwd::kDeltaFromOutMinKeys;
+    if (from_out != (kPass == ExactPass::max_sum)) return;
+  }
   // Step i's first column (key or query) and, rows being keys, its query head.
   auto col0 = [&](int i) { return (keys.first + (kRowsAreKeys ? i % keys.count : i)) * BS; };
   auto step_head = [&](int i) { return kRowsAreKeys ? h * p.group + i / keys.count : h; };
@@ -425,7 +443,8 @@ __global__ void __launch_bounds__(BwdExactSm90Traits<kHeadDim, kPass>::kThreads,
         const int c0 = col0(i), hs = step_head(i);
         const int map_head = kRowsAreKeys ? hs : h / p.group;
         StepTile::template load<kBwdExactBoxRows>(st + Traits::kX, step_maps[0], full, step_base + c0, map_head, batch);
-        StepTile::template load<kBwdExactBoxRows>(st + Traits::kY, step_maps[1], full, step_base + c0, map_head, batch);
+        if constexpr (Traits::kLoadsY)
+          StepTile::template load<kBwdExactBoxRows>(st + Traits::kY, step_maps[1], full, step_base + c0, map_head, batch);
         if constexpr (kRowsAreKeys) {
           const int64_t w = bwd::ws_row(p, b, hs) + c0;
           float* stats = stage_stats(s);
@@ -474,7 +493,7 @@ __global__ void __launch_bounds__(BwdExactSm90Traits<kHeadDim, kPass>::kThreads,
 #pragma unroll
       for (int e = 0; e < 4; ++e) grad[0][j][e] = 0.0f;
   }
-  [[maybe_unused]] exact::OnlineRowStats stats;
+  [[maybe_unused]] exact::OnlineRowStats<kHasDp> stats;
   bwd::Fragment frag{nullptr, nullptr, {0.0f, 0.0f}, {0.0f, 0.0f}, 0, r0 + row0 + lane / 4, mask};
   const int64_t w_rows = kRowsAreKeys ? 0 : bwd::ws_row(p, b, h) + r0 + row0 + lane / 4;  // past the end: padding
 
@@ -564,8 +583,8 @@ __global__ void __launch_bounds__(BwdExactSm90Traits<kHeadDim, kPass>::kThreads,
         masked = !(c0 >= full_begin && c0 + BS <= full_end);
       }
 
-      if constexpr (kPass == ExactPass::stats) {
-        stats.template add<kAlibi>(masked, sc, dp, frag, p, slope);
+      if constexpr (Traits::kStatsPass) {
+        stats.template add<kAlibi>(masked, sc, dp, frag, p, slope);  // dp unread without D
       } else {
         uint32_t g_hi[BS / 8][4], g_lo[BS / 8][4];
         if constexpr (kPass == ExactPass::dv)
@@ -605,7 +624,7 @@ __global__ void __launch_bounds__(BwdExactSm90Traits<kHeadDim, kPass>::kThreads,
     if constexpr (Traits::kSumsDq) ds_tiles.drain();
   }
 
-  if constexpr (kPass == ExactPass::stats) {
+  if constexpr (Traits::kStatsPass) {
     stats.store(p, w_rows, r0 + row0 + lane / 4, seq.sq);
   } else if constexpr (kPass == ExactPass::dq) {
     float* g = static_cast<float*>(p.dq.ptr) + bwd::seq_base(p, p.dq, b, true) + int64_t(h) * p.dq.head +

@@ -1,7 +1,7 @@
 #pragma once
 // The two light kernels around the main backward pass:
-//  - preprocess: D = rowsum(O * dO) (16-bit, and fp32 with given_stats; otherwise fp32's D comes
-//    from bwd_row_stats.cuh) and L * log2(e) (fp32: L) per query row, into the workspace,
+//  - preprocess: D = rowsum(O * dO) (16-bit, and fp32 with given_stats or delta_from_out; otherwise
+//    fp32's D comes from bwd_row_stats.cuh) and L * log2(e) (fp32: L) per query row, into the workspace,
 //    and the row's fp32 dQ accumulator (when dQ is summed by atomics) and, where its additions
 //    land in a fixed order, their counts zeroed;
 //  - convert: the fp32 dQ accumulator, scaled, into dQ in the problem's dtype and strides.
@@ -82,12 +82,12 @@ __global__ void __launch_bounds__(kRowKernelThreads) preprocess_kernel(const Bwd
     // gradient passes' own P and dP (bwd_row_stats.cuh says why); 0 here until it does. With
     // given_stats (partial_keys: the call's P and dP are only part of the row; the fast mode) D is
     // the given O's, here: summed in double and rounded once, as the exact products it cancels
-    // against are.
+    // against are; so with delta_from_out, for the rows whose statistics pass leaves D alone.
     if constexpr (!std::is_same_v<T, float>) {
       for (int c = lane; c < p.headdim_v; c += 32) acc = fmaf(to_float(o[c]), to_float(d[c]), acc);
 #pragma unroll
       for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-    } else if (p.given_stats) {
+    } else if (p.given_stats || p.delta_from_out) {
       double wide = 0.0;
       for (int c = lane; c < p.headdim_v; c += 32) wide = fma(double(o[c]), double(d[c]), wide);
 #pragma unroll

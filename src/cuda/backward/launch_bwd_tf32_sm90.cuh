@@ -49,13 +49,28 @@ void launch_exact_pass_sm90(const BwdSm90Params& params, cudaStream_t stream) {
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
 }
 
-// dQ summed in the dK pass where the plan gave the accumulator (the preprocess zeroed it), else
-// in a pass of its own.
+// Whether a query tile may take the statistics pass with D (all do unless delta_from_out; with it,
+// those with a row that sees fewer than kDeltaFromOutMinKeys keys, which varlen learns per block).
+inline bool some_rows_take_d_from_p(const bwd::BwdParams& p) {
+  if (!p.delta_from_out || p.cu_seqlens_q != nullptr) return true;
+  const Mask mask{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
+  return mask.fewest_visible_keys(0, p.seqlen_q) < bwd::kDeltaFromOutMinKeys;
+}
+
+// The statistics (each block runs one of the two passes, the other's launch exits at once), then
+// dQ summed in the dK pass where the plan gave the accumulator (the preprocess zeroed it), else in
+// a pass of its own.
 template <int kHeadDim, bool kAlibi>
 void launch_exact_sm90(const BwdSm90Params& params, cudaStream_t stream) {
   const bool sums_dq = BwdTf32Sm90<kHeadDim>::kExactSumsDq && params.bwd.dq_accum != nullptr;
-  launch_exact_pass_sm90<kHeadDim, ExactPass::stats, kAlibi>(params, stream);
-  TA_CUDA_CHECK_LAUNCH("backward row statistics (exact, sm90)");
+  if (some_rows_take_d_from_p(params.bwd)) {
+    launch_exact_pass_sm90<kHeadDim, ExactPass::stats, kAlibi>(params, stream);
+    TA_CUDA_CHECK_LAUNCH("backward row statistics (exact, sm90)");
+  }
+  if (params.bwd.delta_from_out) {
+    launch_exact_pass_sm90<kHeadDim, ExactPass::max_sum, kAlibi>(params, stream);
+    TA_CUDA_CHECK_LAUNCH("backward row max and sum (exact, sm90)");
+  }
   if constexpr (BwdTf32Sm90<kHeadDim>::kExactSumsDq) {
     if (sums_dq) {
       launch_exact_pass_sm90<kHeadDim, ExactPass::dkdq, kAlibi>(params, stream);
@@ -92,7 +107,7 @@ template <int kHeadDim>
 void BwdTf32Sm90<kHeadDim>::run_exact(const BwdSm90Params& params, cudaStream_t stream) {
   const bwd::BwdParams& p = params.bwd;
   if (!bwd_sm90_has_work(p)) return;
-  bwd::launch_preprocess<float>(p, stream);  // L (or +inf), row sum 1 and D 0 per row: the statistics pass's start
+  bwd::launch_preprocess<float>(p, stream);  // L (or +inf), row sum 1 and D (0 or O's) per row: the statistics' start
   TA_CUDA_CHECK_LAUNCH("backward preprocess");
   if (p.mod.has_alibi()) detail::launch_exact_sm90<kHeadDim, true>(params, stream);
   else detail::launch_exact_sm90<kHeadDim, false>(params, stream);

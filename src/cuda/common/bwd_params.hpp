@@ -48,6 +48,12 @@ struct BwdParams {
   // the preprocess's rowsum(O dO), where that is not accurate enough (common/delta_rule.hpp).
   bool consistent_delta;
   bool fp32_fast;  // fp32 products as one TF32 product each (Fp32Mode::fast), else exact
+  // fp32 exact on Hopper: D = rowsum(O * dO), summed in double by the preprocess, for query tiles
+  // whose rows all see at least kDeltaFromOutMinKeys keys; their statistics pass forms S alone (the
+  // row's max and sum). Tiles with a row that sees fewer keep D = rowsum(P dP) / rowsum(P) from the
+  // gradient passes' own P and dP, where dS cancels most (docs/accuracy.md). Off where
+  // delta_from_p_and_dp holds (common/delta_rule.hpp).
+  bool delta_from_out;
   int dkdv_stages;  // query-tile buffers of the dK/dV kernel: 2 where shared memory allows, else 1
   int dq_stages;    // key-tile buffers of the dQ pass, likewise
 
@@ -66,6 +72,9 @@ struct BwdParams {
   // (BwdKeyBlock::dq_rank); null when dQ tiles land in any order or dQ has its own pass.
   int* dq_order;
 };
+
+// The fewest keys a row sees for its D to come from O (delta_from_out above).
+constexpr int kDeltaFromOutMinKeys = 256;
 
 struct SeqInfo {
   int64_t row_q;  // row of the sequence's first query in varlen's (heads_q, total_q) L
