@@ -69,7 +69,9 @@ struct BwdExactSm90Traits {
   static_assert(kBwdExactBoxRows <= kSplitThreads, "one split thread a row sum");
   static constexpr int kDim = kHeadDim;
   static constexpr int kBlockRows = 64 * kConsumers;
-  static constexpr int kStep = kBwdExactBoxRows;
+  // max_sum holds no dP and no gradient: its steps take two boxes of keys, halving the waits,
+  // hand-offs and row-max shuffles a key that bound it.
+  static constexpr int kStep = kPass == ExactPass::max_sum ? 2 * kBwdExactBoxRows : kBwdExactBoxRows;
   static constexpr int kStages = kSumsDq ? 2 : 3;
   using RowTile = sm90::PanelTile<kBlockRows, kHeadDim, 4>;
   using StepTile = sm90::PanelTile<kStep, kHeadDim, 4>;
