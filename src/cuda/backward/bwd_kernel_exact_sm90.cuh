@@ -416,6 +416,15 @@ __global__ void __launch_bounds__(BwdExactSm90Traits<kHeadDim, kPass>::kThreads,
     const bool from_out = p.delta_from_out && mask.fewest_visible_keys(r0, r1) >= bwd::kDeltaFromOutMinKeys;
     if (from_out != (kPass == ExactPass::max_sum)) return;
   }
+  if constexpr (kPass == ExactPass::max_sum) {
+    // Rows whose max and sum the forward handed over (BwdParams::fwd_stats) need no pass.
+    if (p.fwd_stats != nullptr) {
+      const int i = r0 + int(threadIdx.x);
+      bool given = true;
+      if (int(threadIdx.x) < BR && i < r1) given = !isnan(p.fwd_stats[2 * bwd::lse_index(p, seq, b, h, i) + 1]);
+      if (__syncthreads_and(given)) return;
+    }
+  }
   // Step i's first column (key or query) and, rows being keys, its query head.
   auto col0 = [&](int i) { return (keys.first + (kRowsAreKeys ? i % keys.count : i)) * BS; };
   auto step_head = [&](int i) { return kRowsAreKeys ? h * p.group + i / keys.count : h; };
