@@ -48,6 +48,14 @@ struct AttentionProblem {
   // Log-sum-exp of the scaled (soft-capped, ALiBi-biased) scores, natural log, fp32, contiguous:
   // (batch, heads_q, seqlen_q), or (heads_q, total_q) for varlen. -inf for rows that see no key.
   float* lse = nullptr;
+  // Optional, fp32 on the CUDA backend only: two fp32 per row of L, in L's order ((batch, heads_q,
+  // seqlen_q, 2), or (heads_q, total_q, 2) for varlen). The forward writes each row's max of the
+  // scaled scores and the sum of exp(score - max) there where its kernel forms them as the exact
+  // backward would (exact mode on Hopper, head dims up to 64, no soft cap or ALiBi; a row that sees
+  // no key gets -inf and 0), and NaN elsewhere. The backward given the forward's buffer takes
+  // those rows' statistics from it instead of recomputing each row's scores for them; its results
+  // are the same to rounding.
+  float* softmax_stats = nullptr;
   TensorView dout;        // backward inputs
   TensorView dq, dk, dv;  // backward outputs; for GQA dK/dV sum over the query heads of each group
 

@@ -230,6 +230,7 @@ class BackwardPlan final : public detail::BackendPlan {
     // Only the Hopper exact passes read it (bwd_kernel_exact_sm90.cuh).
     params.delta_from_out =
         plan_.sm90 && p.dtype == DType::f32 && !params.fp32_fast && !params.given_stats && !delta_from_p_and_dp(p);
+    params.fwd_stats = params.delta_from_out && p.alibi_slopes == nullptr ? p.softmax_stats : nullptr;
     params.seqlen_q_rounded = int(layout_.rows / (p.batch * p.heads_q));
     params.dq_accum_dim = layout_.dim;
   }

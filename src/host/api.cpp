@@ -38,6 +38,7 @@ void check_memory(const AttentionProblem& p, host::Pass pass, Backend backend) {
   check_memory_space(p.v.data, "v.data", backend);
   check_memory_space(p.o.data, "o.data", backend);
   check_memory_space(p.lse, "lse", backend);
+  check_memory_space(p.softmax_stats, "softmax_stats", backend);
   if (pass == host::Pass::backward) {
     check_memory_space(p.dout.data, "dout.data", backend);
     check_memory_space(p.dq.data, "dq.data", backend);

@@ -377,6 +377,11 @@ AttentionProblem validate_attention(const AttentionProblem& problem, Pass pass, 
     check_aligned(t.view->data, element_bytes(p.dtype), std::string(t.name) + ".data", dtype_text);
   }
   check_aligned(p.lse, sizeof(float), "lse", "an f32 element");
+  if (p.softmax_stats != nullptr) {
+    if (p.dtype != DType::f32 || backend != Backend::cuda)
+      invalid("softmax_stats is for fp32 problems on the CUDA backend (set it to nullptr here)");
+    check_aligned(p.softmax_stats, sizeof(float), "softmax_stats", "an f32 element");
+  }
   if (varlen) {
     check_aligned(p.cu_seqlens_q, sizeof(int32_t), "cu_seqlens_q", "an int32 offset");
     check_aligned(p.cu_seqlens_k, sizeof(int32_t), "cu_seqlens_k", "an int32 offset");

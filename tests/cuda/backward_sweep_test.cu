@@ -602,10 +602,20 @@ std::vector<Case> cases() {
   return c;
 }
 
-// `workspace` (optional) is the backward's caller scratch; the forward allocates its own.
-void run_forward_backward(DeviceProblem& dp, const DeviceBuffer* workspace = nullptr) {
+// `workspace` (optional) is the backward's caller scratch; the forward allocates its own. With
+// `hand_stats` (fp32) the forward's row statistics go to the backward (AttentionProblem::
+// softmax_stats), as the Python layer hands them over.
+void run_forward_backward(DeviceProblem& dp, const DeviceBuffer* workspace = nullptr, bool hand_stats = false) {
   dp.poison_outputs();
   AttentionProblem p = dp.problem;
+  DeviceBuffer stats;
+  if (hand_stats) {
+    // Poisoned, not NaN: rows the forward left unwritten would be taken as statistics.
+    const int64_t rows = p.heads_q * (p.is_varlen() ? p.total_q : p.batch * p.seqlen_q);
+    const std::vector<float> poison(size_t(2 * rows), -123.0f);
+    stats = DeviceBuffer(poison.data(), poison.size() * sizeof(float));
+    p.softmax_stats = stats.get<float>();
+  }
   tileattn::forward(p);
   check_cuda(cudaDeviceSynchronize(), "forward");
   if (workspace != nullptr) {
@@ -661,8 +671,13 @@ TEST_P(Backward, GradientsWithin2xOfNaive) {
   const auto ref = cpu::reference_backward(host::validate_attention(hp.problem, host::Pass::backward, Backend::cpu));
   DeviceProblem dp(hp);
   const Grads naive = naive_backward(dp.problem);
-  for (bool deterministic : {false, true}) {
-    SCOPED_TRACE(deterministic ? "deterministic" : "atomic dQ");
+  struct Run {
+    bool deterministic, hand_stats;
+  };
+  std::vector<Run> runs = {{false, false}, {true, false}};
+  if (hp.problem.dtype == DType::f32) runs.push_back({false, true});
+  for (const auto [deterministic, hand_stats] : runs) {
+    SCOPED_TRACE(std::string(deterministic ? "deterministic" : "atomic dQ") + (hand_stats ? ", forward's statistics" : ""));
     dp.problem.deterministic = deterministic;
     const int bucket = tileattn::cuda::bucket_of(tileattn::cuda::BwdSm80HeadDims{},
                                                  int(std::max(hp.problem.headdim_qk, hp.problem.headdim_v)));
@@ -674,7 +689,7 @@ TEST_P(Backward, GradientsWithin2xOfNaive) {
     try {
       if (expect_sm90 && hopper_kernels_run())
         EXPECT_STREQ(tileattn::plan_backward(dp.problem).kernel_name(), "sm90");
-      run_forward_backward(dp);
+      run_forward_backward(dp, nullptr, hand_stats);
     } catch (const Error& e) {
       // A narrowed build (TILEATTN_HEADDIMS) lacks the bucket; every other error is a failure.
       if (e.kind() == ErrorKind::unsupported) GTEST_SKIP() << e.what();
@@ -709,8 +724,13 @@ TEST_P(BackwardFp32Fast, GradientsWithinTf32Bound) {
                                                int(std::max(hp.problem.headdim_qk, hp.problem.headdim_v)));
   const bool tf32_hopper =
       bucket != 0 && tileattn::cuda::bucket_of(tileattn::cuda::BwdTf32Sm90HeadDims{}, bucket) == bucket;
-  for (bool deterministic : {false, true}) {
-    SCOPED_TRACE(deterministic ? "deterministic" : "atomic dQ");
+  struct Run {
+    bool deterministic, hand_stats;
+  };
+  std::vector<Run> runs = {{false, false}, {true, false}};
+  if (hp.problem.dtype == DType::f32) runs.push_back({false, true});
+  for (const auto [deterministic, hand_stats] : runs) {
+    SCOPED_TRACE(std::string(deterministic ? "deterministic" : "atomic dQ") + (hand_stats ? ", forward's statistics" : ""));
     dp.problem.deterministic = deterministic;
     dp.problem.fp32_mode = Fp32Mode::fast;
     try {

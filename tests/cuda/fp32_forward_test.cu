@@ -3,8 +3,10 @@
 //   fast mode (TF32): a TF32 bound, documented in docs/perf.md.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cpu/reference.hpp"
@@ -280,6 +282,43 @@ TEST(Fp32ForwardOneKey, ExactModeGivesVExactly) {
     int64_t bad = 0;
     for (size_t i = 0; i < o.size(); ++i) bad += o[i] != v[i];
     EXPECT_EQ(bad, 0) << "head dim " << d << ": " << bad << " of " << o.size() << " outputs differ from V";
+  }
+}
+
+// AttentionProblem::softmax_stats: where the exact Hopper kernel runs without a cap, each row's
+// (max, sum) with L = max + log(sum) to fp32 rounding at |L| (and -inf, 0 for a row that sees no
+// key); NaN everywhere else (a soft cap here, fast mode), never the poison it was handed.
+TEST(Fp32ForwardSoftmaxStats, RowMaxAndSumOrNaN) {
+  TA_SKIP_WITHOUT_GPU();
+  auto s = base(300, 100, 64);  // bottom-right causal: the first 200 rows see no key
+  s.causal = true;
+  for (const auto [mode, softcap] : {std::pair{Fp32Mode::exact, 0.0f}, std::pair{Fp32Mode::exact, 2.0f},
+                                     std::pair{Fp32Mode::fast, 0.0f}}) {
+    SCOPED_TRACE(std::string(mode == Fp32Mode::exact ? "exact" : "fast") + " softcap " + std::to_string(softcap));
+    s.softcap = softcap;
+    HostProblem hp(s);
+    DeviceProblem dp(hp);
+    const size_t rows = size_t(hp.lse_elements());
+    std::vector<float> stats(2 * rows, -123.0f);
+    DeviceBuffer buffer(stats.data(), stats.size() * sizeof(float));
+    dp.problem.softmax_stats = buffer.get<float>();
+    if (!run(dp, mode)) GTEST_SKIP() << "head dim outside this build's buckets";
+    buffer.download(stats.data());
+    const bool written = mode == Fp32Mode::exact && softcap == 0.0f && hopper_kernels_run();
+    int64_t bad = 0;
+    for (size_t r = 0; r < rows; ++r) {
+      const float m = stats[2 * r], l = stats[2 * r + 1], lse = hp.lse[r];
+      if (!written) {
+        bad += !(std::isnan(m) && std::isnan(l));
+      } else if (std::isinf(lse)) {
+        bad += !(m == -INFINITY && l == 0.0f);
+      } else {
+        // L's own roundings (its max in log2 units, the log, the sum) at the terms' magnitude.
+        const double log_l = std::log(double(l)), gap = std::abs(double(m) + log_l - double(lse));
+        bad += !(l >= 1.0f && gap <= 8 * 0x1p-24 * std::max({1.0, std::abs(double(m)), log_l}));
+      }
+    }
+    EXPECT_EQ(bad, 0) << bad << " of " << rows << " rows";
   }
 }
 

@@ -8,8 +8,9 @@
 //     gbps counts one read of Q, K, V and one write of O (the floor for memory-bound decoding).
 //   bench_attention --pass backward [--dtype T] SHAPE...   impl,dtype,batch,heads,seqlen_q,seqlen_k,headdim,causal,ms,tflops,heads_kv
 //     impl is tileattn (dQ by atomics) or tileattn_det (deterministic: dQ in its own pass). The
-//     forward runs once to give O and L; only the backward is timed, counted as 2.5x the forward
-//     FLOPs (include/tileattn/flops.hpp).
+//     forward runs once to give O and L (fp32: and its row statistics, softmax_stats, as the
+//     Python layer hands them over; tileattn_recompute is the backward without them); only the
+//     backward is timed, counted as 2.5x the forward FLOPs (include/tileattn/flops.hpp).
 // Every timed call gets a caller workspace, keeping allocation out of the timed region.
 #include <cstdio>
 #include <cstring>
@@ -87,10 +88,20 @@ void run_shape(const ElementType& t, bool backward, long long b, long long h, lo
 
   p.dout = view(mem.random(nq_el, 5), nq, h), p.dq = view(mem.random(nq_el, 6), nq, h);
   p.dk = view(mem.random(nk_el, 7), nk, hkv), p.dv = view(mem.random(nk_el, 8), nk, hkv);
+  float* stats = mem.f32 ? static_cast<float*>(mem.bytes(size_t(b * h * nq) * 8)) : nullptr;
+  p.softmax_stats = stats;
   tileattn::forward(p);
   check(cudaDeviceSynchronize(), "forward");
   const double flops = tileattn::attention_backward_flops(b, h, nq, nk, d, d, causal != 0);
-  for (bool det : {false, true}) {
+  struct Run {
+    const char* name;
+    bool det, stats;
+  };
+  for (const Run& run : {Run{"tileattn", false, true}, Run{"tileattn_recompute", false, false},
+                         Run{"tileattn_det", true, true}}) {
+    if (!run.stats && !mem.f32) continue;
+    const bool det = run.det;
+    p.softmax_stats = run.stats ? stats : nullptr;
     p.deterministic = det;
     p.workspace = nullptr;
     p.workspace_bytes = tileattn::backward_workspace_size(p);
@@ -98,8 +109,8 @@ void run_shape(const ElementType& t, bool backward, long long b, long long h, lo
     if (p.workspace_bytes) check(cudaMalloc(&workspace, p.workspace_bytes), "cudaMalloc");
     p.workspace = workspace;
     const double ms = bench::median_ms(kBackwardTiming, [&] { tileattn::backward(p); });
-    std::printf("%s,%s,%lld,%lld,%lld,%lld,%lld,%d,%.4f,%.1f,%lld\n", det ? "tileattn_det" : "tileattn", t.name, b, h,
-                nq, nk, d, causal, ms, flops / ms / 1e9, hkv);
+    std::printf("%s,%s,%lld,%lld,%lld,%lld,%lld,%d,%.4f,%.1f,%lld\n", run.name, t.name, b, h, nq, nk, d, causal, ms,
+                flops / ms / 1e9, hkv);
     std::fflush(stdout);
     cudaFree(workspace);
   }

@@ -69,7 +69,9 @@ struct BwdExactSm90Traits {
   static_assert(kBwdExactBoxRows <= kSplitThreads, "one split thread a row sum");
   static constexpr int kDim = kHeadDim;
   static constexpr int kBlockRows = 64 * kConsumers;
-  static constexpr int kStep = kBwdExactBoxRows;
+  // max_sum holds no dP and no gradient: its steps take two boxes of keys, halving the waits,
+  // hand-offs and row-max shuffles a key that bound it.
+  static constexpr int kStep = kPass == ExactPass::max_sum ? 2 * kBwdExactBoxRows : kBwdExactBoxRows;
   static constexpr int kStages = kSumsDq ? 2 : 3;
   using RowTile = sm90::PanelTile<kBlockRows, kHeadDim, 4>;
   using StepTile = sm90::PanelTile<kStep, kHeadDim, 4>;
@@ -413,6 +415,15 @@ __global__ void __launch_bounds__(BwdExactSm90Traits<kHeadDim, kPass>::kThreads,
     // The statistics pass this block's rows take (BwdParams::delta_from_out); the other exits.
     const bool from_out = p.delta_from_out && mask.fewest_visible_keys(r0, r1) >= bwd::kDeltaFromOutMinKeys;
     if (from_out != (kPass == ExactPass::max_sum)) return;
+  }
+  if constexpr (kPass == ExactPass::max_sum) {
+    // Rows whose max and sum the forward handed over (BwdParams::fwd_stats) need no pass.
+    if (p.fwd_stats != nullptr) {
+      const int i = r0 + int(threadIdx.x);
+      bool given = true;
+      if (int(threadIdx.x) < BR && i < r1) given = !isnan(p.fwd_stats[2 * bwd::lse_index(p, seq, b, h, i) + 1]);
+      if (__syncthreads_and(given)) return;
+    }
   }
   // Step i's first column (key or query) and, rows being keys, its query head.
   auto col0 = [&](int i) { return (keys.first + (kRowsAreKeys ? i % keys.count : i)) * BS; };

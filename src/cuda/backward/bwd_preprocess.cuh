@@ -95,7 +95,16 @@ __global__ void __launch_bounds__(kRowKernelThreads) preprocess_kernel(const Bwd
       acc = float(wide);
     }
   }
-  if (lane == 0) store_row_stats<T>(p, s, b, h, i, w, acc, forward_lse(p, s, b, h, i));
+  if (lane == 0) {
+    store_row_stats<T>(p, s, b, h, i, w, acc, forward_lse(p, s, b, h, i));
+    if constexpr (std::is_same_v<T, float>)
+      if (p.fwd_stats != nullptr && i < s.sq) {
+        // The forward's max and sum, where it wrote them (NaN otherwise: max_sum forms them).
+        const float* given = p.fwd_stats + 2 * lse_index(p, s, b, h, i);
+        const float m = given[0], l = given[1];
+        if (!isnan(l) && m != -INFINITY) p.lse2[w] = m, p.row_sum[w] = l;  // -inf: no key, as L says
+      }
+  }
 }
 
 // 16-bit O and dO with 16-byte rows (vec_io): kRowLanes lanes a row, each with at most one 16-byte

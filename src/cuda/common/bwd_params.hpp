@@ -54,6 +54,10 @@ struct BwdParams {
   // gradient passes' own P and dP, where dS cancels most (docs/accuracy.md). Off where
   // delta_from_p_and_dp holds (common/delta_rule.hpp).
   bool delta_from_out;
+  // With delta_from_out: the forward's (max, sum) per row of L (AttentionProblem::softmax_stats),
+  // NaN where it wrote none. The preprocess takes the rows that hold them, and blocks of
+  // ExactPass::max_sum whose rows all do have nothing to compute.
+  const float* fwd_stats;
   int dkdv_stages;  // query-tile buffers of the dK/dV kernel: 2 where shared memory allows, else 1
   int dq_stages;    // key-tile buffers of the dQ pass, likewise
 

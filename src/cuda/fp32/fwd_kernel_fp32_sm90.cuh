@@ -214,6 +214,9 @@ __global__ void __launch_bounds__(FwdSm90Tile<kD, kExact>::kThreads, 1)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc_o[dt][e] = 0.0f;
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
+  // Exact mode without a cap or bias: the row's largest raw score, whose scaled value is the max
+  // the backward's statistics would find (the scaling is monotone and the products the same).
+  [[maybe_unused]] float raw_max[2] = {-INFINITY, -INFINITY};
 
   if (n_tiles > 0) {
     // Q, read by every key tile, is rounded to TF32 once (each consumer its own 64 rows): into
@@ -324,6 +327,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<kD, kExact>::kThreads, 1)
         for (int nt = 0; nt < kBN / 8; ++nt) mx = fmaxf(mx, fmaxf(acc_s[nt][2 * hf], acc_s[nt][2 * hf + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        if constexpr (kExact && !kAlibi) raw_max[hf] = fmaxf(raw_max[hf], mx);
         mx = fmaxf(row_max[hf], mx * to_log2);
         factor[hf] = rescale_factor(row_max[hf], mx);
         row_max[hf] = mx;
@@ -429,6 +433,13 @@ __global__ void __launch_bounds__(FwdSm90Tile<kD, kExact>::kThreads, 1)
       if (t == 0) lse[i] = l;
     } else {
       if (t == 0) lse[i] = finish_lse(row_max[hf], sum);
+      // The backward's natural-units max (scaled as bwd::stats_score scales) and this row's sum.
+      if constexpr (kExact)
+        if (p.softmax_stats != nullptr && p.softcap == 0.0f && t == 0) {
+          float* stats = p.softmax_stats + 2 * (lse_off + i);
+          stats[0] = raw_max[hf] == -INFINITY ? -INFINITY : __fmul_rn(raw_max[hf], p.scale);
+          stats[1] = sum;
+        }
     }
   }
 #endif

@@ -15,6 +15,9 @@ struct FwdParams {
   const float* v;
   float* o;
   float* lse;
+  // Where the exact Hopper kernel hands each row's (max, sum) to the backward (AttentionProblem::
+  // softmax_stats); null, or NaN-filled by the host, where no kernel writes it.
+  float* softmax_stats;
   int64_t q_batch_stride, q_seq_stride, q_head_stride;
   int64_t k_batch_stride, k_seq_stride, k_head_stride;
   int64_t v_batch_stride, v_seq_stride, v_head_stride;
