@@ -221,6 +221,7 @@ struct AttentionTensors {
   OptRef alibi_slopes, dropout_rng;
   OptRef seqused_k, leftpad_k, kv_batch_idx, block_table;
   OptRef k_new, v_new, rotary_cos, rotary_sin;  // appending to the cache (flash-attn's k, v)
+  OptRef softmax_stats;  // fp32 on CUDA: the forward's row statistics for the backward (problem.hpp)
 };
 
 // q, k and v alone, before the outputs are shaped from them: the three ranks first (the order the
@@ -418,6 +419,16 @@ inline AttentionProblem attention_problem(const AttentionTensors& t, const Optio
   if (t.k_new || t.v_new || t.rotary_cos || t.rotary_sin) detail::set_append(p, t, options);
   p.o = view_of(t.out, varlen);
   p.lse = static_cast<float*>(t.lse.ptr);
+  if (t.softmax_stats) {
+    // Two float32 a row of L, in L's order (problem.hpp's softmax_stats).
+    if (varlen)
+      check_aux(*t.softmax_stats, "softmax_stats", {p.heads_q, p.total_q, 2}, "(heads, total_q, 2)", kF32, "float32",
+                t.q, "q");
+    else
+      check_aux(*t.softmax_stats, "softmax_stats", {p.batch, p.heads_q, p.seqlen_q, 2}, "(batch, heads, seqlen_q, 2)",
+                kF32, "float32", t.q, "q");
+    p.softmax_stats = static_cast<float*>(t.softmax_stats->ptr);
+  }
   if (has_grads) {
     p.dout = view_of(*t.dout, varlen);
     p.dq = view_of(*t.dq, varlen);

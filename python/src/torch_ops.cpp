@@ -203,6 +203,39 @@ Tensor empty_like_layout(const Tensor& like, int64_t last) {
 Tensor rows_contiguous(const Tensor& t) { return t.dim() > 0 && t.size(-1) > 1 && t.stride(-1) != 1 ? t.contiguous() : t; }
 OptTensor rows_contiguous(const OptTensor& t) { return t ? OptTensor(rows_contiguous(*t)) : t; }
 
+// Whether the forward hands its row statistics to the backward (problem.hpp's softmax_stats: fp32
+// on CUDA); elsewhere attention_forward_stats returns an empty tensor for them.
+bool hands_stats(const Tensor& q) { return q.scalar_type() == at::kFloat && q.is_cuda(); }
+
+std::tuple<Tensor, Tensor, Tensor> attention_forward_stats(
+    const Tensor& q_arg, const Tensor& k_arg, const Tensor& v_arg, const OptTensor& cu_seqlens_q,
+    const OptTensor& cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, std::optional<double> softmax_scale,
+    bool causal, SymInt window_left, SymInt window_right, double softcap, bool deterministic,
+    const OptTensor& alibi_slopes, double dropout_p, const OptTensor& dropout_rng) {
+  return translate_errors([&] {
+    const Tensor q = rows_contiguous(q_arg), k = rows_contiguous(k_arg), v = rows_contiguous(v_arg);
+    const bool varlen = cu_seqlens_q.has_value();
+    check_inputs(tensor_ref(q), tensor_ref(k), tensor_ref(v), varlen);
+    Tensor out = empty_like_layout(q, v.size(-1));
+    Tensor lse = varlen ? at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat))
+                        : at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
+    AttentionTensors t = tensors_of(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_rng);
+    Tensor stats;
+    if (hands_stats(q)) {
+      auto shape = lse.sizes().vec();
+      shape.push_back(2);
+      stats = at::empty(shape, lse.options());
+      t.softmax_stats = tensor_ref(stats);
+    } else {
+      stats = at::empty({0}, lse.options());
+    }
+    const Options o = options_of(q, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
+                                 softcap, deterministic, dropout_p);
+    plan_and_run(attention_problem(t, o), q, false);
+    return std::make_tuple(out, lse, stats);
+  });
+}
+
 std::tuple<Tensor, Tensor> attention_forward(const Tensor& q_arg, const Tensor& k_arg, const Tensor& v_arg,
                                              const OptTensor& cu_seqlens_q, const OptTensor& cu_seqlens_k,
                                              SymInt max_seqlen_q, SymInt max_seqlen_k,
@@ -230,7 +263,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(
     const Tensor& lse, const OptTensor& cu_seqlens_q, const OptTensor& cu_seqlens_k, SymInt max_seqlen_q,
     SymInt max_seqlen_k, std::optional<double> softmax_scale, bool causal, SymInt window_left, SymInt window_right,
     double softcap, bool deterministic, const OptTensor& alibi_slopes, double dropout_p,
-    const OptTensor& dropout_rng) {
+    const OptTensor& dropout_rng, const OptTensor& softmax_stats) {
   return translate_errors([&] {
     const Tensor q = rows_contiguous(q_arg), k = rows_contiguous(k_arg), v = rows_contiguous(v_arg);
     check_inputs(tensor_ref(q), tensor_ref(k), tensor_ref(v), cu_seqlens_q.has_value());
@@ -244,6 +277,8 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(
     t.dq = tensor_ref(dq);
     t.dk = tensor_ref(dk);
     t.dv = tensor_ref(dv);
+    // attention_forward_stats' third output; empty where that forward hands none over.
+    if (softmax_stats && softmax_stats->numel() > 0) t.softmax_stats = tensor_ref(*softmax_stats);
     const Options o = options_of(q, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
                                  softcap, deterministic, dropout_p);
     plan_and_run(attention_problem(t, o), q, true);
@@ -291,11 +326,18 @@ std::tuple<Tensor, Tensor> cache_forward(const Tensor& q_arg, const Tensor& k, c
 }
 
 using ForwardSig = decltype(attention_forward);
+using ForwardStatsSig = decltype(attention_forward_stats);
 using BackwardSig = decltype(attention_backward);
 
 const c10::TypedOperatorHandle<ForwardSig>& forward_op() {
   static const auto op =
       c10::Dispatcher::singleton().findSchemaOrThrow("tileattn::attention_forward", "").typed<ForwardSig>();
+  return op;
+}
+const c10::TypedOperatorHandle<ForwardStatsSig>& forward_stats_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("tileattn::attention_forward_stats", "")
+                             .typed<ForwardStatsSig>();
   return op;
 }
 const c10::TypedOperatorHandle<BackwardSig>& backward_op() {
@@ -321,7 +363,7 @@ void refuse_forward_ad(const Tensor& q, const Tensor& k, const Tensor& v, const 
 // operator through the dispatcher, so a torch.compile trace records it and a second derivative
 // meets attention_backward's Autograd kernel.
 struct AttentionBackward : torch::autograd::Node {
-  torch::autograd::SavedVariable q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_rng;
+  torch::autograd::SavedVariable q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_rng, stats;
   SymInt max_seqlen_q, max_seqlen_k, window_left, window_right;
   std::optional<double> softmax_scale;
   double softcap = 0.0, dropout_p = 0.0;
@@ -339,12 +381,13 @@ struct AttentionBackward : torch::autograd::Node {
     auto [dq, dk, dv] = backward_op().call(dout, q.unpack(), k.unpack(), v.unpack(), saved_out, lse.unpack(),
                                            optional(cu_seqlens_q), optional(cu_seqlens_k), max_seqlen_q,
                                            max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-                                           deterministic, optional(alibi_slopes), dropout_p, optional(dropout_rng));
+                                           deterministic, optional(alibi_slopes), dropout_p, optional(dropout_rng),
+                                           optional(stats));
     return {dq, dk, dv};
   }
 
   void release_variables() override {
-    for (auto* s : {&q, &k, &v, &out, &lse, &cu_seqlens_q, &cu_seqlens_k, &alibi_slopes, &dropout_rng})
+    for (auto* s : {&q, &k, &v, &out, &lse, &cu_seqlens_q, &cu_seqlens_k, &alibi_slopes, &dropout_rng, &stats})
       s->reset_data();
   }
 };
@@ -382,14 +425,15 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward_autograd(
     const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
     const OptTensor& cu_seqlens_q, const OptTensor& cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k,
     std::optional<double> softmax_scale, bool causal, SymInt window_left, SymInt window_right, double softcap,
-    bool deterministic, const OptTensor& alibi_slopes, double dropout_p, const OptTensor& dropout_rng) {
+    bool deterministic, const OptTensor& alibi_slopes, double dropout_p, const OptTensor& dropout_rng,
+    const OptTensor& softmax_stats) {
   refuse_forward_ad(q, k, v, dout);
   Tensor dq, dk, dv;
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     std::tie(dq, dk, dv) = backward_op().call(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                               max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-                                              deterministic, alibi_slopes, dropout_p, dropout_rng);
+                                              deterministic, alibi_slopes, dropout_p, dropout_rng, softmax_stats);
   }
   if (at::GradMode::is_enabled() &&
       (dout.requires_grad() || q.requires_grad() || k.requires_grad() || v.requires_grad() || out.requires_grad())) {
@@ -406,16 +450,23 @@ std::tuple<Tensor, Tensor> attention_forward_autograd(
     SymInt window_right, double softcap, bool deterministic, const OptTensor& alibi_slopes, double dropout_p,
     const OptTensor& dropout_rng) {
   refuse_forward_ad(q, k, v);
-  Tensor out, lse;
+  // Nothing to differentiate (inference, or no input that requires grad): no graph node to build.
+  const bool grad = at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
+  Tensor out, lse, stats;
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    std::tie(out, lse) =
-        forward_op().call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                          window_left, window_right, softcap, deterministic, alibi_slopes, dropout_p, dropout_rng);
+    // A graph's fp32 CUDA forward keeps its row statistics for the backward.
+    if (grad && hands_stats(q))
+      std::tie(out, lse, stats) = forward_stats_op().call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                          max_seqlen_k, softmax_scale, causal, window_left,
+                                                          window_right, softcap, deterministic, alibi_slopes,
+                                                          dropout_p, dropout_rng);
+    else
+      std::tie(out, lse) =
+          forward_op().call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                            window_left, window_right, softcap, deterministic, alibi_slopes, dropout_p, dropout_rng);
   }
-  // Nothing to differentiate (inference, or no input that requires grad): no graph node to build.
-  if (!at::GradMode::is_enabled() || !(q.requires_grad() || k.requires_grad() || v.requires_grad()))
-    return std::make_tuple(out, lse);
+  if (!grad) return std::make_tuple(out, lse);
   using torch::autograd::SavedVariable;
   auto node = make_node<AttentionBackward>();
   node->set_next_edges(torch::autograd::collect_next_edges(q, k, v));
@@ -424,6 +475,7 @@ std::tuple<Tensor, Tensor> attention_forward_autograd(
   node->k = SavedVariable(k, false);
   node->v = SavedVariable(v, false);
   node->lse = SavedVariable(lse, false);  // not differentiable: never attached to the node
+  if (stats.defined()) node->stats = SavedVariable(stats, false);
   node->cu_seqlens_q = saved(cu_seqlens_q);
   node->cu_seqlens_k = saved(cu_seqlens_k);
   node->alibi_slopes = saved(alibi_slopes);
@@ -450,11 +502,18 @@ TORCH_LIBRARY_FRAGMENT(tileattn, m) {
         "SymInt max_seqlen_q, SymInt max_seqlen_k, float? softmax_scale, bool causal, SymInt window_left, "
         "SymInt window_right, float softcap, bool deterministic, Tensor? alibi_slopes=None, float dropout_p=0.0, "
         "Tensor? dropout_rng=None) -> (Tensor, Tensor)");
+  // attention_forward with the row statistics it hands to attention_backward (problem.hpp's
+  // softmax_stats; empty where it hands none over). No gradient of its own: attention_forward's
+  // autograd and tileattn.FlashAttentionFunction call it.
+  m.def("attention_forward_stats(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
+        "SymInt max_seqlen_q, SymInt max_seqlen_k, float? softmax_scale, bool causal, SymInt window_left, "
+        "SymInt window_right, float softcap, bool deterministic, Tensor? alibi_slopes=None, float dropout_p=0.0, "
+        "Tensor? dropout_rng=None) -> (Tensor, Tensor, Tensor)");
   m.def("attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
         "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, "
         "float? softmax_scale, bool causal, SymInt window_left, SymInt window_right, float softcap, "
-        "bool deterministic, Tensor? alibi_slopes=None, float dropout_p=0.0, Tensor? dropout_rng=None) "
-        "-> (Tensor, Tensor, Tensor)");
+        "bool deterministic, Tensor? alibi_slopes=None, float dropout_p=0.0, Tensor? dropout_rng=None, "
+        "Tensor? softmax_stats=None) -> (Tensor, Tensor, Tensor)");
   // k and v are the caches, written in place where k_new and v_new are appended.
   m.def("cache_forward(Tensor q, Tensor(a!) k, Tensor(b!) v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
         "SymInt max_seqlen_q, SymInt max_seqlen_k, float? softmax_scale, bool causal, SymInt window_left, "
@@ -465,12 +524,14 @@ TORCH_LIBRARY_FRAGMENT(tileattn, m) {
 
 TORCH_LIBRARY_IMPL(tileattn, CPU, m) {
   m.impl("attention_forward", &attention_forward);
+  m.impl("attention_forward_stats", &attention_forward_stats);
   m.impl("attention_backward", &attention_backward);
   m.impl("cache_forward", &cache_forward);
 }
 
 TORCH_LIBRARY_IMPL(tileattn, CUDA, m) {
   m.impl("attention_forward", &attention_forward);
+  m.impl("attention_forward_stats", &attention_forward_stats);
   m.impl("attention_backward", &attention_backward);
   m.impl("cache_forward", &cache_forward);
 }
@@ -478,6 +539,7 @@ TORCH_LIBRARY_IMPL(tileattn, CUDA, m) {
 TORCH_LIBRARY_IMPL(tileattn, Autograd, m) {
   m.impl("attention_forward", &attention_forward_autograd);
   m.impl("attention_backward", &attention_backward_autograd);
+  m.impl("attention_forward_stats", torch::CppFunction::makeFallthrough());  // called below autograd
   m.impl("cache_forward", torch::CppFunction::makeFallthrough());  // inference only: no gradient
 }
 

@@ -222,7 +222,7 @@ def dropout_seed_offset(rng: Optional[Tensor]) -> tuple[int, int]:
 
 def _attention(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                causal, window_left, window_right, softcap, deterministic, grads=None, alibi_slopes=None,
-               dropout_p=0.0, dropout_rng=None, partial_keys=False):
+               dropout_p=0.0, dropout_rng=None, partial_keys=False, softmax_stats=None):
     for t, name in ((q, "q"), (k, "k"), (v, "v"), (cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k"),
                     (alibi_slopes, "alibi_slopes"), (dropout_rng, "dropout_rng")):
         if t is not None:
@@ -234,13 +234,27 @@ def _attention(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     cu_k = None if cu_seqlens_k is None else _capsule(cu_seqlens_k)
     alibi = None if alibi_slopes is None else _capsule(alibi_slopes)
     rng = None if dropout_rng is None else _capsule(dropout_rng)
+    stats = _stats_capsule(softmax_stats, _capsule)
     if grads is None:
         return _ext.Attention(_capsule(q), _capsule(k), _capsule(v), _capsule(out), _capsule(lse), cu_q, cu_k,
-                              options, alibi_slopes=alibi, dropout_rng=rng)
+                              options, alibi_slopes=alibi, dropout_rng=rng, softmax_stats=stats)
     dout, dq, dk, dv = grads
     return _ext.Attention(_capsule(q), _capsule(k), _capsule(v), _capsule(out), _capsule(lse), cu_q, cu_k, options,
                           _capsule(dout), _capsule(dq), _capsule(dk), _capsule(dv), alibi_slopes=alibi,
-                          dropout_rng=rng)
+                          dropout_rng=rng, softmax_stats=stats)
+
+
+def _stats_capsule(softmax_stats: Optional[Tensor], capsule):
+    """The forward's row statistics for the extension: attention_forward_stats' third output, which
+    is empty where that forward hands none over (torch_ops.cpp's hands_stats: fp32 on CUDA)."""
+    return None if softmax_stats is None or softmax_stats.numel() == 0 else capsule(softmax_stats)
+
+
+def _new_stats(lse: Tensor, q: Tensor) -> Tensor:
+    """Room for the forward's row statistics (problem.hpp's softmax_stats), or an empty tensor."""
+    if q.dtype == torch.float32 and q.is_cuda:
+        return torch.empty(*lse.shape, 2, dtype=torch.float32, device=lse.device)
+    return lse.new_empty(0)
 
 
 # The unchecked calls below (_forward_impl, _backward_impl) are a tiny call's whole host cost, so
@@ -288,6 +302,22 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor
                   dropout_rng: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Forward: returns (out, lse). ``deterministic`` is only carried to the backward. With
     ``dropout_p`` > 0, ``dropout_rng`` (int64 (2,), on q's device) holds the call's seed and offset."""
+    return _forward_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                         window_left, window_right, softcap, deterministic, alibi_slopes, dropout_p, dropout_rng)[:2]
+
+
+def _forward_stats_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                        window_left, window_right, softcap, deterministic, alibi_slopes=None, dropout_p=0.0,
+                        dropout_rng=None) -> tuple[Tensor, Tensor, Tensor]:
+    """Forward: (out, lse, the row statistics it hands to the backward: empty where it hands none)."""
+    return _forward_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                         window_left, window_right, softcap, deterministic, alibi_slopes, dropout_p, dropout_rng,
+                         stats=True)
+
+
+def _forward_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                  window_left, window_right, softcap, deterministic, alibi_slopes, dropout_p, dropout_rng,
+                  stats: bool = False):
     cuda = q.is_cuda
     try:
         dtype, device = q.dtype, q.device
@@ -299,19 +329,22 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor
         else:
             total, heads, _ = q.shape
             lse = torch.empty(heads, total, dtype=torch.float32, device=device)
+        row_stats = _new_stats(lse, q) if stats else None
         options = _call_options(q, cuda, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
                                 window_right, softcap, deterministic, dropout_p)
         call = _ext.Attention(_to_dlpack(q), _to_dlpack(k), _to_dlpack(v), _to_dlpack(out), _to_dlpack(lse),
                               _optional_capsule(cu_seqlens_q), _optional_capsule(cu_seqlens_k), options,
                               alibi_slopes=_optional_capsule(alibi_slopes),
-                              dropout_rng=_optional_capsule(dropout_rng))
+                              dropout_rng=_optional_capsule(dropout_rng),
+                              softmax_stats=_stats_capsule(row_stats, _to_dlpack))
     except Exception:
         pass
     else:
         if _plan_and_run(call, call.plan_forward, cuda, device):
-            return out, lse
+            return out, lse, row_stats
     return _checked_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                            window_left, window_right, softcap, deterministic, alibi_slopes, dropout_p, dropout_rng)
+                            window_left, window_right, softcap, deterministic, alibi_slopes, dropout_p, dropout_rng,
+                            stats)
 
 
 def _rows_contiguous(t: Optional[Tensor]) -> Optional[Tensor]:
@@ -322,19 +355,21 @@ def _rows_contiguous(t: Optional[Tensor]) -> Optional[Tensor]:
 
 
 def _checked_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                     window_left, window_right, softcap, deterministic, alibi_slopes, dropout_p, dropout_rng):
+                     window_left, window_right, softcap, deterministic, alibi_slopes, dropout_p, dropout_rng,
+                     stats=False):
     q, k, v = _rows_contiguous(q), _rows_contiguous(k), _rows_contiguous(v)
     _check_device(q, "q")
     varlen = cu_seqlens_q is not None
     _check_attention_ranks(q, k, v, varlen)
     out = _empty_like(q, v.shape[-1])
     lse = torch.empty(_lse_shape(q, varlen), dtype=torch.float32, device=q.device)
+    row_stats = _new_stats(lse, q) if stats else None
     call = _attention(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                       causal, window_left, window_right, softcap, deterministic, alibi_slopes=alibi_slopes,
-                      dropout_p=dropout_p, dropout_rng=dropout_rng)
+                      dropout_p=dropout_p, dropout_rng=dropout_rng, softmax_stats=row_stats)
     with _device_context(q.device):
         call.run(_workspace(call.plan_forward(_stream(q.device)), q.device))
-    return out, lse
+    return out, lse, row_stats
 
 
 def cache_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
@@ -427,14 +462,31 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_s
     return out, lse
 
 
+# attention_forward with the row statistics it hands to attention_backward (empty where it hands
+# none over); no gradient of its own: the attention's autograd and FlashAttentionFunction call it.
+_define("attention_forward_stats",
+        "(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt max_seqlen_q, "
+        "SymInt max_seqlen_k, float? softmax_scale, bool causal, SymInt window_left, SymInt window_right, "
+        "float softcap, bool deterministic, Tensor? alibi_slopes=None, float dropout_p=0.0, "
+        "Tensor? dropout_rng=None) -> (Tensor, Tensor, Tensor)", _forward_stats_impl)
+
+
+@torch.library.register_fake("tileattn::attention_forward_stats")
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, *options, **kwargs):
+    out, lse = torch.ops.tileattn.attention_forward.default(q, k, v, cu_seqlens_q, cu_seqlens_k, *options, **kwargs)
+    return out, lse, _new_stats(lse, q)
+
+
 def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                    cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int,
                    max_seqlen_k: int, softmax_scale: Optional[float], causal: bool, window_left: int,
                    window_right: int, softcap: float, deterministic: bool,
                    alibi_slopes: Optional[Tensor] = None, dropout_p: float = 0.0,
-                   dropout_rng: Optional[Tensor] = None, partial_keys: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                   dropout_rng: Optional[Tensor] = None, softmax_stats: Optional[Tensor] = None,
+                   partial_keys: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """Backward: returns (dq, dk, dv) from the forward's inputs, its out and lse, and dout. Dropout
     needs the forward's own dropout_p and dropout_rng: the mask is regenerated, never stored.
+    ``softmax_stats``: attention_forward_stats' row statistics, which spare recomputing them.
     ``partial_keys`` (not in the operator's schema; tileattn.distributed passes it): out and lse cover
     more keys than k and v (problem.hpp)."""
     cuda = q.is_cuda
@@ -448,7 +500,8 @@ def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
                               _optional_capsule(cu_seqlens_q), _optional_capsule(cu_seqlens_k), options,
                               _to_dlpack(dout), _to_dlpack(dq), _to_dlpack(dk), _to_dlpack(dv),
                               alibi_slopes=_optional_capsule(alibi_slopes),
-                              dropout_rng=_optional_capsule(dropout_rng))
+                              dropout_rng=_optional_capsule(dropout_rng),
+                              softmax_stats=_stats_capsule(softmax_stats, _to_dlpack))
     except Exception:
         pass
     else:
@@ -456,12 +509,12 @@ def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
             return dq, dk, dv
     return _checked_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                              softmax_scale, causal, window_left, window_right, softcap, deterministic, alibi_slopes,
-                             dropout_p, dropout_rng, partial_keys)
+                             dropout_p, dropout_rng, partial_keys, softmax_stats)
 
 
 def _checked_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                       causal, window_left, window_right, softcap, deterministic, alibi_slopes, dropout_p,
-                      dropout_rng, partial_keys=False):
+                      dropout_rng, partial_keys=False, softmax_stats=None):
     q, k, v = _rows_contiguous(q), _rows_contiguous(k), _rows_contiguous(v)
     _check_device(q, "q")
     _check_device(dout, "dout")
@@ -471,7 +524,7 @@ def _checked_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_s
     call = _attention(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                       causal, window_left, window_right, softcap, deterministic, grads=(dout, dq, dk, dv),
                       alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_rng=dropout_rng,
-                      partial_keys=partial_keys)
+                      partial_keys=partial_keys, softmax_stats=softmax_stats)
     with _device_context(q.device):
         call.run(_workspace(call.plan_backward(_stream(q.device)), q.device))
     return dq, dk, dv
@@ -481,13 +534,15 @@ _define("attention_backward",
         "(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? cu_seqlens_q, "
         "Tensor? cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, float? softmax_scale, bool causal, "
         "SymInt window_left, SymInt window_right, float softcap, bool deterministic, Tensor? alibi_slopes=None, "
-        "float dropout_p=0.0, Tensor? dropout_rng=None) -> (Tensor, Tensor, Tensor)", _backward_impl)
+        "float dropout_p=0.0, Tensor? dropout_rng=None, Tensor? softmax_stats=None) -> (Tensor, Tensor, Tensor)",
+        _backward_impl)
 attention_backward = torch.ops.tileattn.attention_backward
 
 
 @torch.library.register_fake("tileattn::attention_backward")
 def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-      window_left, window_right, softcap, deterministic, alibi_slopes=None, dropout_p=0.0, dropout_rng=None):
+      window_left, window_right, softcap, deterministic, alibi_slopes=None, dropout_p=0.0, dropout_rng=None,
+      softmax_stats=None):
     _check_same_device(dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, alibi_slopes=alibi_slopes,
                             dropout_rng=dropout_rng))
     # The operator's rows_contiguous copy of an operand whose last dimension is strided is contiguous.
@@ -568,9 +623,10 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, options):
-        out, lse = _forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, *options)
-        # As _forward_setup_context: Q, K, V, O and L only; the options hold dropout_rng.
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+        out, lse, stats = _forward_stats_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, *options)
+        # As _forward_setup_context: Q, K, V, O and L (and the row statistics: two floats a row of L);
+        # the options hold dropout_rng.
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, stats if stats.numel() else None)
         ctx.options = options
         ctx.mark_non_differentiable(lse)
         # lse never has a gradient: without this, every backward would allocate zeros for it.
@@ -579,13 +635,15 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, stats = ctx.saved_tensors
         if grad_out is None:
             grad_out = torch.zeros_like(out)
         if torch.is_grad_enabled():  # create_graph=True: the operator marks its gradients as final
-            dq, dk, dv = attention_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.options)
+            dq, dk, dv = attention_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.options,
+                                            softmax_stats=stats)
         else:
-            dq, dk, dv = _backward_impl(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.options)
+            dq, dk, dv = _backward_impl(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.options,
+                                        softmax_stats=stats)
         return dq, dk, dv, None, None, None
 
 

@@ -38,25 +38,27 @@ class FlashAttentionFunction(torch.autograd.Function):
         ctx.is_causal = is_causal
         if Q.shape[0] == 0 or Q.shape[1] == 0 or K.shape[1] == 0:
             # Nothing to attend: zeros (empty without queries), as PyTorch's SDPA, and L = -inf.
-            ctx.save_for_backward(Q, K, V, None, None)
+            ctx.save_for_backward(Q, K, V, None, None, None)
             return Q.new_zeros((*Q.shape[:-1], V.shape[-1]))
         causal, right, keys = _mask(Q, K, is_causal)  # keys past `keys` are seen by no query
-        # One head: (batch, seqlen, 1, headdim) is the same memory.
-        O, L = torch.ops.tileattn.attention_forward(Q.unsqueeze(2), K[:, :keys].unsqueeze(2),
-                                                    V[:, :keys].unsqueeze(2), None, None, 0, 0, None, causal, -1,
-                                                    right, 0.0, False)
+        # One head: (batch, seqlen, 1, headdim) is the same memory. S: the row statistics the forward
+        # hands to the backward (fp32 on CUDA; empty elsewhere).
+        O, L, S = torch.ops.tileattn.attention_forward_stats(Q.unsqueeze(2), K[:, :keys].unsqueeze(2),
+                                                             V[:, :keys].unsqueeze(2), None, None, 0, 0, None, causal,
+                                                             -1, right, 0.0, False)
         O, L = O.squeeze(2), L.squeeze(1)
-        ctx.save_for_backward(Q, K, V, O, L)
+        ctx.save_for_backward(Q, K, V, O, L, S if S.numel() else None)
         return O
 
     @staticmethod
     def backward(ctx, dO: Tensor):
-        Q, K, V, O, L = ctx.saved_tensors
+        Q, K, V, O, L, S = ctx.saved_tensors
         if O is None:  # an empty problem: its output did not depend on the inputs
             return torch.zeros_like(Q), torch.zeros_like(K), torch.zeros_like(V), None
         causal, right, keys = _mask(Q, K, ctx.is_causal)
         dQ, dK, dV = torch.ops.tileattn.attention_backward(dO.unsqueeze(2), Q.unsqueeze(2), K[:, :keys].unsqueeze(2),
                                                            V[:, :keys].unsqueeze(2), O.unsqueeze(2), L.unsqueeze(1),
-                                                           None, None, 0, 0, None, causal, -1, right, 0.0, False)
+                                                           None, None, 0, 0, None, causal, -1, right, 0.0, False,
+                                                           softmax_stats=S)
         unseen = (0, 0, 0, K.shape[1] - keys)  # the keys no query sees: zero gradients
         return dQ.squeeze(2), F.pad(dK.squeeze(2), unseen), F.pad(dV.squeeze(2), unseen), None

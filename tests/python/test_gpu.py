@@ -73,6 +73,24 @@ def test_fp32_backward_on_rows_of_many_keys_cuda(case, cuda):
             naive.assert_2x_rule(a, n, r, FLOOR[torch.float32] * 2, f"draw {draw} {name}")
 
 
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_course_function_fp32_backward_on_rows_of_many_keys_cuda(is_causal, cuda):
+    # FlashAttentionFunction hands the forward's row statistics to the backward (softmax_stats).
+    for draw in range(3):
+        Q, K, V = (torch.randn(2, 700, 64, device=cuda, requires_grad=True) for _ in range(3))
+        O = tileattn.FlashAttentionFunction.apply(Q, K, V, is_causal)
+        dO = torch.randn_like(O)
+        ours = torch.autograd.grad(O, (Q, K, V), dO)
+        ref_inputs = [t.detach().double().requires_grad_() for t in (Q, K, V)]
+        ref = naive.attention(*(t.unsqueeze(2) for t in ref_inputs), causal=is_causal)[0].squeeze(2)
+        naive_out = naive.attention(*(t.unsqueeze(2) for t in (Q, K, V)), causal=is_causal)[0].squeeze(2)
+        naive.assert_2x_rule(O, naive_out, ref, FLOOR[torch.float32], f"draw {draw} O")
+        oracle = torch.autograd.grad(ref, ref_inputs, dO.double())
+        same_precision = torch.autograd.grad(naive_out, (Q, K, V), dO)
+        for name, a, n, r in zip(("dQ", "dK", "dV"), ours, same_precision, oracle):
+            naive.assert_2x_rule(a, n, r, FLOOR[torch.float32] * 2, f"draw {draw} {name}")
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_sdpa_cuda_matches_torch(dtype, cuda):
     q, k, v = _inputs((2, 8, 256, 64), (2, 2, 256, 64), (2, 2, 256, 64), dtype, cuda)
