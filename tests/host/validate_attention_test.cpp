@@ -237,6 +237,17 @@ TEST(ValidateAttention, NullLseIsRejectedInBothPasses) {
   expect_bwd_error(a.p, ErrorKind::invalid_argument, {"lse is null"});
 }
 
+// The forward's row statistics for the backward: only the CUDA fp32 kernels write and read them.
+TEST(ValidateAttention, SoftmaxStatsAreRejectedOffCudaFp32) {
+  ValidAttention a;
+  std::vector<float> stats(2 * a.lse.size());
+  a.p.softmax_stats = stats.data();
+  expect_fwd_error(a.p, ErrorKind::invalid_argument, {"softmax_stats", "fp32 problems on the CUDA backend"});
+  expect_bwd_error(a.p, ErrorKind::invalid_argument, {"softmax_stats", "fp32 problems on the CUDA backend"});
+  a.p.softmax_stats = nullptr;
+  EXPECT_NO_THROW(validate_bwd(a.p));
+}
+
 TEST(ValidateAttention, MisalignedPointersAreRejected) {
   ValidAttention a;
   a.p.v.data = reinterpret_cast<char*>(a.v.data()) + 2;  // fp32 needs 4-byte alignment
