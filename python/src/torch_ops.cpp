@@ -207,11 +207,15 @@ OptTensor rows_contiguous(const OptTensor& t) { return t ? OptTensor(rows_contig
 // on CUDA); elsewhere attention_forward_stats returns an empty tensor for them.
 bool hands_stats(const Tensor& q) { return q.scalar_type() == at::kFloat && q.is_cuda(); }
 
-std::tuple<Tensor, Tensor, Tensor> attention_forward_stats(
-    const Tensor& q_arg, const Tensor& k_arg, const Tensor& v_arg, const OptTensor& cu_seqlens_q,
-    const OptTensor& cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, std::optional<double> softmax_scale,
-    bool causal, SymInt window_left, SymInt window_right, double softcap, bool deterministic,
-    const OptTensor& alibi_slopes, double dropout_p, const OptTensor& dropout_rng) {
+// The forward, and with `with_stats` the row statistics it hands to the backward where it hands any
+// (an empty tensor elsewhere).
+std::tuple<Tensor, Tensor, Tensor> run_forward(const Tensor& q_arg, const Tensor& k_arg, const Tensor& v_arg,
+                                               const OptTensor& cu_seqlens_q, const OptTensor& cu_seqlens_k,
+                                               SymInt max_seqlen_q, SymInt max_seqlen_k,
+                                               std::optional<double> softmax_scale, bool causal, SymInt window_left,
+                                               SymInt window_right, double softcap, bool deterministic,
+                                               const OptTensor& alibi_slopes, double dropout_p,
+                                               const OptTensor& dropout_rng, bool with_stats) {
   return translate_errors([&] {
     const Tensor q = rows_contiguous(q_arg), k = rows_contiguous(k_arg), v = rows_contiguous(v_arg);
     const bool varlen = cu_seqlens_q.has_value();
@@ -221,12 +225,12 @@ std::tuple<Tensor, Tensor, Tensor> attention_forward_stats(
                         : at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
     AttentionTensors t = tensors_of(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_rng);
     Tensor stats;
-    if (hands_stats(q)) {
+    if (with_stats && hands_stats(q)) {
       auto shape = lse.sizes().vec();
       shape.push_back(2);
       stats = at::empty(shape, lse.options());
       t.softmax_stats = tensor_ref(stats);
-    } else {
+    } else if (with_stats) {
       stats = at::empty({0}, lse.options());
     }
     const Options o = options_of(q, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
@@ -236,26 +240,28 @@ std::tuple<Tensor, Tensor, Tensor> attention_forward_stats(
   });
 }
 
-std::tuple<Tensor, Tensor> attention_forward(const Tensor& q_arg, const Tensor& k_arg, const Tensor& v_arg,
+std::tuple<Tensor, Tensor, Tensor> attention_forward_stats(
+    const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& cu_seqlens_q, const OptTensor& cu_seqlens_k,
+    SymInt max_seqlen_q, SymInt max_seqlen_k, std::optional<double> softmax_scale, bool causal, SymInt window_left,
+    SymInt window_right, double softcap, bool deterministic, const OptTensor& alibi_slopes, double dropout_p,
+    const OptTensor& dropout_rng) {
+  return run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, std::move(max_seqlen_q), std::move(max_seqlen_k),
+                     softmax_scale, causal, std::move(window_left), std::move(window_right), softcap, deterministic,
+                     alibi_slopes, dropout_p, dropout_rng, true);
+}
+
+std::tuple<Tensor, Tensor> attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
                                              const OptTensor& cu_seqlens_q, const OptTensor& cu_seqlens_k,
                                              SymInt max_seqlen_q, SymInt max_seqlen_k,
                                              std::optional<double> softmax_scale, bool causal, SymInt window_left,
                                              SymInt window_right, double softcap, bool deterministic,
                                              const OptTensor& alibi_slopes, double dropout_p,
                                              const OptTensor& dropout_rng) {
-  return translate_errors([&] {
-    const Tensor q = rows_contiguous(q_arg), k = rows_contiguous(k_arg), v = rows_contiguous(v_arg);
-    const bool varlen = cu_seqlens_q.has_value();
-    check_inputs(tensor_ref(q), tensor_ref(k), tensor_ref(v), varlen);
-    Tensor out = empty_like_layout(q, v.size(-1));
-    Tensor lse = varlen ? at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat))
-                        : at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
-    const AttentionTensors t = tensors_of(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_rng);
-    const Options o = options_of(q, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
-                                 softcap, deterministic, dropout_p);
-    plan_and_run(attention_problem(t, o), q, false);
-    return std::make_tuple(out, lse);
-  });
+  auto [out, lse, stats] = run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, std::move(max_seqlen_q),
+                                       std::move(max_seqlen_k), softmax_scale, causal, std::move(window_left),
+                                       std::move(window_right), softcap, deterministic, alibi_slopes, dropout_p,
+                                       dropout_rng, false);
+  return std::make_tuple(std::move(out), std::move(lse));
 }
 
 std::tuple<Tensor, Tensor, Tensor> attention_backward(
@@ -496,19 +502,22 @@ std::tuple<Tensor, Tensor> attention_forward_autograd(
 
 }  // namespace
 
-// The schemas are tileattn/_ops.py's fallback registration's, word for word.
+// The schemas are tileattn/_ops.py's fallback registration's, word for word; the arguments of both
+// forward operators:
+constexpr const char* kForwardArgs =
+    "(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt max_seqlen_q, "
+    "SymInt max_seqlen_k, float? softmax_scale, bool causal, SymInt window_left, SymInt window_right, "
+    "float softcap, bool deterministic, Tensor? alibi_slopes=None, float dropout_p=0.0, Tensor? dropout_rng=None)";
+
 TORCH_LIBRARY_FRAGMENT(tileattn, m) {
-  m.def("attention_forward(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
-        "SymInt max_seqlen_q, SymInt max_seqlen_k, float? softmax_scale, bool causal, SymInt window_left, "
-        "SymInt window_right, float softcap, bool deterministic, Tensor? alibi_slopes=None, float dropout_p=0.0, "
-        "Tensor? dropout_rng=None) -> (Tensor, Tensor)");
+  const std::string forward = std::string("attention_forward") + kForwardArgs + " -> (Tensor, Tensor)";
+  m.def(torch::schema(forward.c_str()));
   // attention_forward with the row statistics it hands to attention_backward (problem.hpp's
   // softmax_stats; empty where it hands none over). No gradient of its own: attention_forward's
   // autograd and tileattn.FlashAttentionFunction call it.
-  m.def("attention_forward_stats(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
-        "SymInt max_seqlen_q, SymInt max_seqlen_k, float? softmax_scale, bool causal, SymInt window_left, "
-        "SymInt window_right, float softcap, bool deterministic, Tensor? alibi_slopes=None, float dropout_p=0.0, "
-        "Tensor? dropout_rng=None) -> (Tensor, Tensor, Tensor)");
+  const std::string forward_stats =
+      std::string("attention_forward_stats") + kForwardArgs + " -> (Tensor, Tensor, Tensor)";
+  m.def(torch::schema(forward_stats.c_str()));
   m.def("attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
         "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, "
         "float? softmax_scale, bool causal, SymInt window_left, SymInt window_right, float softcap, "

@@ -442,11 +442,12 @@ def _define(name: str, schema: str, impl) -> None:
         _lib.impl(name, impl, key)
 
 
-_define("attention_forward",
-        "(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt max_seqlen_q, "
-        "SymInt max_seqlen_k, float? softmax_scale, bool causal, SymInt window_left, SymInt window_right, "
-        "float softcap, bool deterministic, Tensor? alibi_slopes=None, float dropout_p=0.0, "
-        "Tensor? dropout_rng=None) -> (Tensor, Tensor)", _forward_impl)
+# The arguments of both forward operators.
+_FORWARD_ARGS = ("(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt max_seqlen_q, "
+                 "SymInt max_seqlen_k, float? softmax_scale, bool causal, SymInt window_left, SymInt window_right, "
+                 "float softcap, bool deterministic, Tensor? alibi_slopes=None, float dropout_p=0.0, "
+                 "Tensor? dropout_rng=None)")
+_define("attention_forward", _FORWARD_ARGS + " -> (Tensor, Tensor)", _forward_impl)
 attention_forward = torch.ops.tileattn.attention_forward
 
 
@@ -464,11 +465,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_s
 
 # attention_forward with the row statistics it hands to attention_backward (empty where it hands
 # none over); no gradient of its own: the attention's autograd and FlashAttentionFunction call it.
-_define("attention_forward_stats",
-        "(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt max_seqlen_q, "
-        "SymInt max_seqlen_k, float? softmax_scale, bool causal, SymInt window_left, SymInt window_right, "
-        "float softcap, bool deterministic, Tensor? alibi_slopes=None, float dropout_p=0.0, "
-        "Tensor? dropout_rng=None) -> (Tensor, Tensor, Tensor)", _forward_stats_impl)
+_define("attention_forward_stats", _FORWARD_ARGS + " -> (Tensor, Tensor, Tensor)", _forward_stats_impl)
 
 
 @torch.library.register_fake("tileattn::attention_forward_stats")

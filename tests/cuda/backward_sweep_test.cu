@@ -677,7 +677,8 @@ TEST_P(Backward, GradientsWithin2xOfNaive) {
   std::vector<Run> runs = {{false, false}, {true, false}};
   if (hp.problem.dtype == DType::f32) runs.push_back({false, true});
   for (const auto [deterministic, hand_stats] : runs) {
-    SCOPED_TRACE(std::string(deterministic ? "deterministic" : "atomic dQ") + (hand_stats ? ", forward's statistics" : ""));
+    SCOPED_TRACE(std::string(deterministic ? "deterministic" : "atomic dQ") +
+                 (hand_stats ? ", forward's statistics" : ""));
     dp.problem.deterministic = deterministic;
     const int bucket = tileattn::cuda::bucket_of(tileattn::cuda::BwdSm80HeadDims{},
                                                  int(std::max(hp.problem.headdim_qk, hp.problem.headdim_v)));
@@ -724,13 +725,8 @@ TEST_P(BackwardFp32Fast, GradientsWithinTf32Bound) {
                                                int(std::max(hp.problem.headdim_qk, hp.problem.headdim_v)));
   const bool tf32_hopper =
       bucket != 0 && tileattn::cuda::bucket_of(tileattn::cuda::BwdTf32Sm90HeadDims{}, bucket) == bucket;
-  struct Run {
-    bool deterministic, hand_stats;
-  };
-  std::vector<Run> runs = {{false, false}, {true, false}};
-  if (hp.problem.dtype == DType::f32) runs.push_back({false, true});
-  for (const auto [deterministic, hand_stats] : runs) {
-    SCOPED_TRACE(std::string(deterministic ? "deterministic" : "atomic dQ") + (hand_stats ? ", forward's statistics" : ""));
+  for (bool deterministic : {false, true}) {
+    SCOPED_TRACE(deterministic ? "deterministic" : "atomic dQ");
     dp.problem.deterministic = deterministic;
     dp.problem.fp32_mode = Fp32Mode::fast;
     try {

@@ -455,7 +455,8 @@ __global__ void __launch_bounds__(BwdExactSm90Traits<kHeadDim, kPass>::kThreads,
         const int map_head = kRowsAreKeys ? hs : h / p.group;
         StepTile::template load<kBwdExactBoxRows>(st + Traits::kX, step_maps[0], full, step_base + c0, map_head, batch);
         if constexpr (Traits::kLoadsY)
-          StepTile::template load<kBwdExactBoxRows>(st + Traits::kY, step_maps[1], full, step_base + c0, map_head, batch);
+          StepTile::template load<kBwdExactBoxRows>(st + Traits::kY, step_maps[1], full, step_base + c0, map_head,
+                                                    batch);
         if constexpr (kRowsAreKeys) {
           const int64_t w = bwd::ws_row(p, b, hs) + c0;
           float* stats = stage_stats(s);
