@@ -2,7 +2,9 @@
 // directly, including the tile ranges the tiled paths rely on to skip and to skip masking.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <random>
+#include <vector>
 
 #include "common/mask.hpp"
 #include "support/host_problem.hpp"
@@ -52,6 +54,28 @@ TEST(Mask, MatchesRuleAndTileRangesAreTight) {
               ASSERT_GE(i, m.tile_begin_query(j0));
               ASSERT_LT(i, m.tile_end_query(j1));
             }
+  }
+}
+
+// visible_keys counts each row's keys by the rule, and fewest_visible_keys of every row range is the
+// least of those counts (the Hopper exact backward picks each tile's statistics by it).
+TEST(Mask, FewestVisibleKeysIsTheLeastOverTheRows) {
+  std::mt19937 rng(test::fresh_seed() & 0xffffffffu);
+  SCOPED_TRACE("seed via TILEATTN_TEST_SEED");
+  for (int trial = 0; trial < 400; ++trial) {
+    const int sq = 1 + int(rng() % 60), sk = 1 + int(rng() % 60);
+    const int left = int(rng() % 70) - 1, right = int(rng() % 70) - 1;
+    const Mask m{sq, sk, left, right};
+    SCOPED_TRACE(testing::Message() << "sq=" << sq << " sk=" << sk << " left=" << left << " right=" << right);
+    std::vector<int> count(size_t(sq), 0);
+    for (int i = 0; i < sq; ++i) {
+      for (int j = 0; j < sk; ++j) count[size_t(i)] += rule(i, j, sq, sk, left, right);
+      ASSERT_EQ(m.visible_keys(i), count[size_t(i)]) << "row " << i;
+    }
+    for (int i0 = 0; i0 < sq; ++i0)
+      for (int i1 = i0 + 1; i1 <= sq; ++i1)
+        ASSERT_EQ(m.fewest_visible_keys(i0, i1), *std::min_element(count.begin() + i0, count.begin() + i1))
+            << "rows [" << i0 << ", " << i1 << ")";
   }
 }
 
