@@ -61,7 +61,7 @@ struct BwdExactSm90Traits {
   static constexpr bool kStatsPass = kPass == ExactPass::stats || kPass == ExactPass::max_sum;
   static constexpr bool kHasDp = kPass != ExactPass::dv && kPass != ExactPass::max_sum;  // dP = dO V^T is formed
   static constexpr bool kLoadsY = kPass != ExactPass::max_sum;  // V or dO each step
-  static constexpr bool kHasGrad = !kStatsPass;                      // a gradient product follows
+  static constexpr bool kHasGrad = !kStatsPass;                 // a gradient product follows
   using Roles = sm90::WarpRoles<2, 56, 224>;
   static constexpr int kConsumers = Roles::kConsumers;
   static constexpr int kThreads = Roles::kThreads;

@@ -40,7 +40,8 @@ __device__ __forceinline__ float forward_lse(const BwdParams& p, const SeqInfo& 
 }
 
 // Row i of (b, h) at workspace row w, whose D is acc and forward L is l (any values where
-// i >= s.sq): its L, D and, for fp32, its row sum. One lane per row.
+// i >= s.sq): its L, D and, for fp32, its row sum (or the forward's max and sum, fwd_stats). One
+// lane per row.
 template <class T>
 __device__ __forceinline__ void store_row_stats(const BwdParams& p, const SeqInfo& s, int b, int h, int i, int64_t w,
                                                 float acc, float l) {
@@ -57,6 +58,13 @@ __device__ __forceinline__ void store_row_stats(const BwdParams& p, const SeqInf
   // row-statistics kernel replaces it by the row max unless given_stats).
   p.lse2[w] = l == -INFINITY ? INFINITY : std::is_same_v<T, float> ? l : l * kLog2e;
   p.dsum[w] = acc;
+  if constexpr (std::is_same_v<T, float>)
+    if (p.fwd_stats != nullptr) {
+      // The forward's max and sum, where it wrote them (NaN otherwise: max_sum forms them).
+      const float* given = p.fwd_stats + 2 * lse_index(p, s, b, h, i);
+      const float m = given[0], sum = given[1];
+      if (!isnan(sum) && m != -INFINITY) p.lse2[w] = m, p.row_sum[w] = sum;  // -inf: no key, as L says
+    }
 }
 
 // Any dtype and layout: one warp per workspace row.
@@ -95,16 +103,7 @@ __global__ void __launch_bounds__(kRowKernelThreads) preprocess_kernel(const Bwd
       acc = float(wide);
     }
   }
-  if (lane == 0) {
-    store_row_stats<T>(p, s, b, h, i, w, acc, forward_lse(p, s, b, h, i));
-    if constexpr (std::is_same_v<T, float>)
-      if (p.fwd_stats != nullptr && i < s.sq) {
-        // The forward's max and sum, where it wrote them (NaN otherwise: max_sum forms them).
-        const float* given = p.fwd_stats + 2 * lse_index(p, s, b, h, i);
-        const float m = given[0], l = given[1];
-        if (!isnan(l) && m != -INFINITY) p.lse2[w] = m, p.row_sum[w] = l;  // -inf: no key, as L says
-      }
-  }
+  if (lane == 0) store_row_stats<T>(p, s, b, h, i, w, acc, forward_lse(p, s, b, h, i));
 }
 
 // 16-bit O and dO with 16-byte rows (vec_io): kRowLanes lanes a row, each with at most one 16-byte
