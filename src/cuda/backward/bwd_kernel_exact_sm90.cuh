@@ -13,7 +13,7 @@
 //          deterministic mode, head dim 32)
 // the portable exact kernels' sequence (bwd_row_stats.cuh says why the statistics are rebuilt and
 // D taken from the passes' own P and dP) with every product on the tensor core. Each pass streams
-// 32 rows of the other side a step:
+// 32 rows of the other side a step (64 where it forms no dP):
 //   producer warp 0     one thread loads the block's rows once and each step's two tiles (and,
 //                       rows being keys, the step's query statistics) with TMA
 //   producer warps 1-3  split each step's tiles in place, x = hi + lo (fp32::split_tf32, both
@@ -25,8 +25,8 @@
 // A split product a b ~ a_lo b_hi + a_hi b_lo + a_hi b_hi, whatever the pass, in one order
 // (q_lo k_hi, q_hi k_lo, then q_hi k_hi, 32 products an accumulator: the tensor core's sums drop
 // bits toward zero, so few hi products meet in one), so that the passes' S and dP are the same
-// sums term for term. A gradient step (32 products a dot) goes into two fresh accumulators of 16
-// hi products, then is added to the gradient in fp32.
+// sums term for term. A gradient step (32 or, dV's, 64 products a dot) goes into two fresh
+// accumulators, half its hi products each, then is added to the gradient in fp32.
 // dV has its own pass so that no consumer holds two gradients and two fresh sums: registers, not
 // products, bound this shape (docs/perf-log.md). dQ's product in the dK pass reads K^T as A
 // fragments loaded each step from the block's K (hi kept beside lo) and dS from a tile each
@@ -69,10 +69,12 @@ struct BwdExactSm90Traits {
   static_assert(kBwdExactBoxRows <= kSplitThreads, "one split thread a row sum");
   static constexpr int kDim = kHeadDim;
   static constexpr int kBlockRows = 64 * kConsumers;
-  // max_sum holds no dP and no gradient: its steps take two boxes of keys, halving the waits,
-  // hand-offs and row-max shuffles a key that bound it.
-  static constexpr int kStep = kPass == ExactPass::max_sum ? 2 * kBwdExactBoxRows : kBwdExactBoxRows;
-  static constexpr int kStages = kSumsDq ? 2 : 3;
+  // Passes that hold no dP (max_sum, dV) take two boxes of the other side a step: their registers
+  // allow it, a step's waits, hand-offs and shuffles are halved, and dV's score product is n64, not
+  // n32 (the tensor core's rate falls with n). dV's stage is then 80 KB: two of them.
+  static constexpr bool kWideStep = !kHasDp;
+  static constexpr int kStep = kWideStep ? 2 * kBwdExactBoxRows : kBwdExactBoxRows;
+  static constexpr int kStages = kSumsDq || (kWideStep && kHasGrad) ? 2 : 3;
   using RowTile = sm90::PanelTile<kBlockRows, kHeadDim, 4>;
   using StepTile = sm90::PanelTile<kStep, kHeadDim, 4>;
   using StepT = sm90::Tf32Transposed<kStep, kHeadDim>;
@@ -98,7 +100,8 @@ struct BwdExactSm90Traits {
   static constexpr int kStatsBytes = kRowsAreKeys ? 3 * kStep * 4 : 0;
   static constexpr int kInvSums = kStatsBytes;
   static constexpr int kStatsStride = kRowsAreKeys ? kStatsBytes + kStep * 4 : 0;
-  static constexpr int kLoadBytes = (kLoadsY ? 2 : 1) * kTile + kStatsBytes;
+  static constexpr bool kLoadsD = kRowsAreKeys && kHasDp;  // the queries' D: dS's, not P's
+  static constexpr int kLoadBytes = (kLoadsY ? 2 : 1) * kTile + (kRowsAreKeys ? (kLoadsD ? 3 : 2) * kStep * 4 : 0);
   using Barriers = BwdBarriers<kStages>;
   using Ready = sm90::StageRing<kStages>;  // a stage's parts are written (its full barriers only)
   enum Region { kRows, kStagesRegion, kDs, kStats, kBarriers };
@@ -462,7 +465,7 @@ __global__ void __launch_bounds__(BwdExactSm90Traits<kHeadDim, kPass>::kThreads,
           float* stats = stage_stats(s);
           sm90::bulk_load(stats, p.lse2 + w, BS * 4, full);
           sm90::bulk_load(stats + BS, p.row_sum + w, BS * 4, full);
-          sm90::bulk_load(stats + 2 * BS, p.dsum + w, BS * 4, full);
+          if constexpr (Traits::kLoadsD) sm90::bulk_load(stats + 2 * BS, p.dsum + w, BS * 4, full);
         }
       }
       return;
