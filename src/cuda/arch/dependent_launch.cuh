@@ -30,14 +30,15 @@ __device__ __forceinline__ void allow_dependent_launch() {
 #endif
 }
 
-// Launches `kernel` on `stream` as a programmatic dependent of the work before it there; `what`
-// names the launch in the error.
+// Launches `kernel` (with `smem_bytes` of dynamic shared memory) on `stream` as a programmatic
+// dependent of the work before it there; `what` names the launch in the error.
 template <class... Params, class... Args>
-void launch_dependent(const char* what, void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream,
-                      Args&&... args) {
+void launch_dependent(const char* what, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes,
+                      cudaStream_t stream, Args&&... args) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
+  config.dynamicSmemBytes = smem_bytes;
   config.stream = stream;
   cudaLaunchAttribute attribute[1];
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;

@@ -38,6 +38,7 @@
 #include "common/mask.hpp"
 #include "common/online_softmax.hpp"
 #include "common/score_mod.hpp"
+#include "cuda/arch/dependent_launch.cuh"
 #include "cuda/arch/mma_fp32.cuh"
 #include "cuda/arch/panel_tile_sm90.cuh"
 #include "cuda/arch/pipeline_sm90.cuh"
@@ -366,13 +367,9 @@ struct DqSum {
   }
 };
 
-}  // namespace exact
-#endif
-
+// One block of pass kPass: its rows' statistics or gradient.
 template <int kHeadDim, ExactPass kPass, bool kAlibi>
-__global__ void __launch_bounds__(BwdExactSm90Traits<kHeadDim, kPass>::kThreads, 1)
-    bwd_exact_kernel_sm90(const __grid_constant__ BwdSm90Params params) {
-#if defined(TILEATTN_SM90_ENABLED)
+__device__ __forceinline__ void pass_block(const BwdSm90Params& params) {
   using Traits = BwdExactSm90Traits<kHeadDim, kPass>;
   using Roles = typename Traits::Roles;
   using RowTile = typename Traits::RowTile;
@@ -653,6 +650,21 @@ __global__ void __launch_bounds__(BwdExactSm90Traits<kHeadDim, kPass>::kThreads,
     bwd::store_grad_frag<float>(false, grad, kDk ? p.scale : 1.0f, g, t.seq, r1 - r0 - row0,
                                 kDk ? p.headdim_qk : p.headdim_v);
   }
+}
+
+}  // namespace exact
+#endif
+
+template <int kHeadDim, ExactPass kPass, bool kAlibi>
+__global__ void __launch_bounds__(BwdExactSm90Traits<kHeadDim, kPass>::kThreads, 1)
+    bwd_exact_kernel_sm90(const __grid_constant__ BwdSm90Params params) {
+#if defined(TILEATTN_SM90_ENABLED)
+  // dV's pass reads neither dK nor dQ, so it is launched as the dK pass's dependent and its blocks
+  // take the SMs that pass's last wave leaves idle. It waits for that grid before it ends, so that
+  // the work after dV sees the dK pass's writes (dQ's sum).
+  if constexpr (kPass == ExactPass::dk || kPass == ExactPass::dkdq) allow_dependent_launch();
+  exact::pass_block<kHeadDim, kPass, kAlibi>(params);
+  if constexpr (kPass == ExactPass::dv) wait_for_primary_grid();
 #endif
 }
 

@@ -36,6 +36,7 @@ void launch_tf32_sm90(const BwdSm90Params& params, cudaStream_t stream) {
 }
 
 // One exact pass: over (query tiles, heads, batch) or, rows being keys, (key tiles, batch, kv heads).
+// dV's is the dK pass's dependent (bwd_exact_kernel_sm90 says why).
 template <int kHeadDim, ExactPass kPass, bool kAlibi>
 void launch_exact_pass_sm90(const BwdSm90Params& params, cudaStream_t stream) {
   using Traits = BwdExactSm90Traits<kHeadDim, kPass>;
@@ -46,7 +47,11 @@ void launch_exact_pass_sm90(const BwdSm90Params& params, cudaStream_t stream) {
   const dim3 grid = Traits::kRowsAreKeys ? dim3((p.seqlen_k + R - 1) / R, p.batch, p.heads_kv)
                                          : dim3((p.seqlen_q + R - 1) / R, p.heads_q, p.batch);
   if (grid.x == 0) return;
-  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
+  if constexpr (kPass == ExactPass::dv)
+    launch_dependent("backward dV (exact, sm90)", kernel, grid, dim3(Traits::kThreads), Traits::kSmemBytes, stream,
+                     params);
+  else
+    kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
 }
 
 // Whether a query tile may take the statistics pass with D (all do unless delta_from_out; with it,

@@ -97,7 +97,7 @@ void launch_fwd_combine(const FwdParams& p, cudaStream_t stream) {
   const int64_t rows = int64_t(p.batch) * p.heads_q * p.seqlen_q;
   const int64_t blocks = (rows + kCombineWarps - 1) / kCombineWarps;
   launch_dependent("launch of fwd_combine_kernel", fwd_combine_kernel<T>, dim3(unsigned(blocks)),
-                   dim3(32 * kCombineWarps), stream, p);
+                   dim3(32 * kCombineWarps), 0, stream, p);
 }
 
 }  // namespace tileattn::cuda
