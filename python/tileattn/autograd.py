@@ -60,5 +60,8 @@ class FlashAttentionFunction(torch.autograd.Function):
                                                            V[:, :keys].unsqueeze(2), O.unsqueeze(2), L.unsqueeze(1),
                                                            None, None, 0, 0, None, causal, -1, right, 0.0, False,
                                                            softmax_stats=S)
-        unseen = (0, 0, 0, K.shape[1] - keys)  # the keys no query sees: zero gradients
-        return dQ.squeeze(2), F.pad(dK.squeeze(2), unseen), F.pad(dV.squeeze(2), unseen), None
+        dQ, dK, dV = dQ.squeeze(2), dK.squeeze(2), dV.squeeze(2)
+        if keys < K.shape[1]:  # the keys no query sees: zero gradients (a pad of none would copy)
+            unseen = (0, 0, 0, K.shape[1] - keys)
+            dK, dV = F.pad(dK, unseen), F.pad(dV, unseen)
+        return dQ, dK, dV, None
