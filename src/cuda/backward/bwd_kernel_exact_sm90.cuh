@@ -25,8 +25,8 @@
 // A split product a b ~ a_lo b_hi + a_hi b_lo + a_hi b_hi, whatever the pass, in one order
 // (q_lo k_hi, q_hi k_lo, then q_hi k_hi, 32 products an accumulator: the tensor core's sums drop
 // bits toward zero, so few hi products meet in one), so that the passes' S and dP are the same
-// sums term for term. A gradient step (32 or, dV's, 64 products a dot) goes into two fresh
-// accumulators, half its hi products each, then is added to the gradient in fp32.
+// sums term for term. A gradient step goes 32 products a dot into two fresh accumulators of 16 hi
+// products, then is added to the gradient in fp32.
 // dV has its own pass so that no consumer holds two gradients and two fresh sums: registers, not
 // products, bound this shape (docs/perf-log.md). dQ's product in the dK pass reads K^T as A
 // fragments loaded each step from the block's K (hi kept beside lo) and dS from a tile each
@@ -607,28 +607,31 @@ __device__ __forceinline__ void pass_block(const BwdSm90Params& params) {
         // dS for dQ's product, before dK's product reads the same registers (a wgmma's A registers
         // may not be read until it completes).
         if constexpr (Traits::kSumsDq) ds_tiles.write(g_hi, g_lo);
-        // This step's gradient terms in two fresh accumulators, half the hi k-steps each (the lo
-        // terms first, in the first), added to the gradient in fp32.
+        // This step's gradient terms, 32 positions at a time, in two fresh accumulators of 16 hi
+        // products each (the lo terms first, in the first), added to the gradient in fp32: more hi
+        // products an accumulator failed the 2x rule on dV (docs/perf-log.md).
         const uint64_t zt_hi = at(Traits::kZT), zt_lo = at(Traits::kZT + StepT::kBytes);
         using Mma = sm90::Wgmma<float, D>;
-        constexpr int kHalf = BS / 16;
         float fresh[2][D / 8][4];
-        sm90::wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < BS / 8; ++kk) Mma::rs(fresh[0], g_lo[kk], StepT::k_step(zt_hi, kk), kk > 0);
+        for (int k0 = 0; k0 < BS / 8; k0 += 4) {
+          sm90::wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < BS / 8; ++kk) Mma::rs(fresh[0], g_hi[kk], StepT::k_step(zt_lo, kk), 1);
+          for (int kk = k0; kk < k0 + 4; ++kk) Mma::rs(fresh[0], g_lo[kk], StepT::k_step(zt_hi, kk), kk > k0);
 #pragma unroll
-        for (int kk = 0; kk < BS / 8; ++kk)
-          Mma::rs(fresh[kk / kHalf], g_hi[kk], StepT::k_step(zt_hi, kk), kk == kHalf ? 0 : 1);
-        sm90::wgmma_commit();
-        sm90::wgmma_wait<0>();
-        sm90::fence_registers(fresh[0]);
-        sm90::fence_registers(fresh[1]);
+          for (int kk = k0; kk < k0 + 4; ++kk) Mma::rs(fresh[0], g_hi[kk], StepT::k_step(zt_lo, kk), 1);
 #pragma unroll
-        for (int j = 0; j < D / 8; ++j)
+          for (int kk = k0; kk < k0 + 4; ++kk)
+            Mma::rs(fresh[(kk - k0) / 2], g_hi[kk], StepT::k_step(zt_hi, kk), kk == k0 + 2 ? 0 : 1);
+          sm90::wgmma_commit();
+          sm90::wgmma_wait<0>();
+          sm90::fence_registers(fresh[0]);
+          sm90::fence_registers(fresh[1]);
 #pragma unroll
-          for (int e = 0; e < 4; ++e) grad[0][j][e] += fresh[0][j][e] + fresh[1][j][e];
+          for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) grad[0][j][e] += fresh[0][j][e] + fresh[1][j][e];
+        }
       }
       ring.release_warp(i, lane);  // the stage is read
       if constexpr (Traits::kSumsDq) ds_tiles.add_dq(p.dq_accum + (bwd::ws_row(p, b, step_head(i)) + c0) * D);
