@@ -101,7 +101,7 @@ struct BwdExactSm90Traits {
   static constexpr int kStatsBytes = kRowsAreKeys ? 3 * kStep * 4 : 0;
   static constexpr int kInvSums = kStatsBytes;
   static constexpr int kStatsStride = kRowsAreKeys ? kStatsBytes + kStep * 4 : 0;
-  static constexpr bool kLoadsD = kRowsAreKeys && kHasDp;  // the queries' D: dS's, not P's
+  static constexpr bool kLoadsD = kRowsAreKeys && kHasDp;  // the queries' D, which dS needs and P does not
   static constexpr int kLoadBytes = (kLoadsY ? 2 : 1) * kTile + (kRowsAreKeys ? (kLoadsD ? 3 : 2) * kStep * 4 : 0);
   using Barriers = BwdBarriers<kStages>;
   using Ready = sm90::StageRing<kStages>;  // a stage's parts are written (its full barriers only)
@@ -662,9 +662,9 @@ template <int kHeadDim, ExactPass kPass, bool kAlibi>
 __global__ void __launch_bounds__(BwdExactSm90Traits<kHeadDim, kPass>::kThreads, 1)
     bwd_exact_kernel_sm90(const __grid_constant__ BwdSm90Params params) {
 #if defined(TILEATTN_SM90_ENABLED)
-  // dV's pass reads neither dK nor dQ, so it is launched as the dK pass's dependent and its blocks
-  // take the SMs that pass's last wave leaves idle. It waits for that grid before it ends, so that
-  // the work after dV sees the dK pass's writes (dQ's sum).
+  // dV's pass reads neither dK nor dQ, so it is launched as the dK pass's dependent, free to start
+  // its blocks on the SMs that pass's last wave leaves idle. It waits for that grid before it ends,
+  // so that the work after dV sees the dK pass's writes (dQ's sum).
   if constexpr (kPass == ExactPass::dk || kPass == ExactPass::dkdq) allow_dependent_launch();
   exact::pass_block<kHeadDim, kPass, kAlibi>(params);
   if constexpr (kPass == ExactPass::dv) wait_for_primary_grid();
