@@ -36,7 +36,6 @@ void forward_fp32(const AttentionProblem& pr) {
   p.v = static_cast<const float*>(pr.v.data);
   p.o = static_cast<float*>(pr.o.data);
   p.lse = pr.lse;
-  p.softmax_stats = pr.softmax_stats;
   p.q_batch_stride = pr.q.batch_stride, p.q_seq_stride = pr.q.seq_stride, p.q_head_stride = pr.q.head_stride;
   p.k_batch_stride = pr.k.batch_stride, p.k_seq_stride = pr.k.seq_stride, p.k_head_stride = pr.k.head_stride;
   p.v_batch_stride = pr.v.batch_stride, p.v_seq_stride = pr.v.seq_stride, p.v_head_stride = pr.v.head_stride;
@@ -58,6 +57,10 @@ void forward_fp32(const AttentionProblem& pr) {
   p.scale = p.mod.scale;
   p.scale_log2 = p.mod.scale_log2;
   p.softcap = p.mod.softcap;
+  // Only the exact Hopper kernel without a cap or bias forms the backward's row statistics: it is
+  // handed the buffer where it does, and writes it where it is handed it.
+  const bool forms_stats = pr.fp32_mode == Fp32Mode::exact && pr.alibi_slopes == nullptr && p.softcap == 0.0f;
+  p.softmax_stats = forms_stats ? pr.softmax_stats : nullptr;
   p.dropout = make_dropout(pr.dropout_p, pr.dropout_seed, pr.dropout_offset, pr.heads_q, pr.dropout_rng_state);
   p.vec16 = pr.headdim_qk % 4 == 0 && pr.headdim_v % 4 == 0 && rows_aligned(pr.q, 4, 16, varlen) &&
             rows_aligned(pr.k, 4, 16, varlen && !pr.is_paged()) &&
@@ -71,10 +74,7 @@ void forward_fp32(const AttentionProblem& pr) {
   if (!pr.has_kv_cache() && sm90::hopper_kernels_enabled())
     with_bucket(FwdFp32Sm90HeadDims{}, d,
                 [&](auto b) { done = fp32::FwdFp32Sm90<decltype(b)::value>::run(pr, p, stream); });
-  // Only the exact Hopper kernel without a cap or bias forms the backward's row statistics.
-  const bool wrote_stats = done && pr.fp32_mode == Fp32Mode::exact && d <= 64 && pr.alibi_slopes == nullptr &&
-                           p.softcap == 0.0f;
-  if (pr.softmax_stats != nullptr && !wrote_stats) {
+  if (pr.softmax_stats != nullptr && !(done && forms_stats)) {
     const int64_t rows = pr.heads_q * (varlen ? pr.total_q : pr.batch * pr.seqlen_q);
     TA_CUDA_CHECK(cudaMemsetAsync(pr.softmax_stats, 0xff, size_t(rows) * 2 * sizeof(float), stream));  // NaN
   }

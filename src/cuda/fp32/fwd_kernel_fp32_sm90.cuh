@@ -433,9 +433,10 @@ __global__ void __launch_bounds__(FwdSm90Tile<kD, kExact>::kThreads, 1)
       if (t == 0) lse[i] = l;
     } else {
       if (t == 0) lse[i] = finish_lse(row_max[hf], sum);
-      // The backward's natural-units max (scaled as bwd::stats_score scales) and this row's sum.
+      // The backward's natural-units max (scaled as bwd::stats_score scales) and this row's sum,
+      // where the host hands the buffer over (no cap, no bias: forward_fp32.cu).
       if constexpr (kExact)
-        if (p.softmax_stats != nullptr && p.softcap == 0.0f && t == 0) {
+        if (p.softmax_stats != nullptr && t == 0) {
           float* stats = p.softmax_stats + 2 * (lse_off + i);
           stats[0] = raw_max[hf] == -INFINITY ? -INFINITY : __fmul_rn(raw_max[hf], p.scale);
           stats[1] = sum;

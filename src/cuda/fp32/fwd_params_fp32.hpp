@@ -16,7 +16,8 @@ struct FwdParams {
   float* o;
   float* lse;
   // Where the exact Hopper kernel hands each row's (max, sum) to the backward (AttentionProblem::
-  // softmax_stats); null, or NaN-filled by the host, where no kernel writes it.
+  // softmax_stats); null where the call's kernel does not form them (the host fills the caller's
+  // buffer with NaN then).
   float* softmax_stats;
   int64_t q_batch_stride, q_seq_stride, q_head_stride;
   int64_t k_batch_stride, k_seq_stride, k_head_stride;
