@@ -66,13 +66,12 @@ std::optional<BwdKernelSm90> pick_backward_sm90(int bucket) {
 }
 
 // fp32 on Hopper, for the TF32 kernels' buckets: TF32 products in fast mode, split TF32 in exact
-// mode. partial_keys stays on the portable kernels in exact mode: its P and D come from the given
-// L and O (bwd_row_stats.cuh), which the split passes do not take.
+// mode (with partial_keys, P from the given L and D from the given O, as the portable kernels:
+// the split passes then run without their statistics passes).
 std::optional<BwdKernelSm90> pick_backward_tf32_sm90(const AttentionProblem& p, int bucket) {
   std::optional<BwdKernelSm90> kernel;
   if (bucket_of(BwdTf32Sm90HeadDims{}, bucket) != bucket) return kernel;
   const bool fast = p.fp32_mode == Fp32Mode::fast;
-  if (!fast && p.partial_keys) return kernel;
   with_bucket(BwdTf32Sm90HeadDims{}, bucket, [&](auto d) {
     using K = BwdTf32Sm90<decltype(d)::value>;
     kernel = fast ? BwdKernelSm90{&K::run, true} : BwdKernelSm90{&K::run_exact, !K::kExactSumsDq, kBwdExactBoxRows};

@@ -54,15 +54,18 @@ void launch_exact_pass_sm90(const BwdSm90Params& params, cudaStream_t stream) {
     kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
 }
 
-// Whether a query tile may take the statistics pass with D (all do unless delta_from_out; with it,
-// those with a row that sees fewer than kDeltaFromOutMinKeys keys, which varlen learns per block).
+// Whether a query tile may take the statistics pass with D (none with given_stats; all unless
+// delta_from_out; with it, those with a row that sees fewer than kDeltaFromOutMinKeys keys, which
+// varlen learns per block).
 inline bool some_rows_take_d_from_p(const bwd::BwdParams& p) {
+  if (p.given_stats) return false;
   if (!p.delta_from_out || p.cu_seqlens_q != nullptr) return true;
   const Mask mask{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
   return mask.fewest_visible_keys(0, p.seqlen_q) < bwd::kDeltaFromOutMinKeys;
 }
 
-// The statistics (each block runs one of the two passes, the other's launch exits at once), then
+// The statistics unless given (partial_keys: the preprocess wrote P's L, a row sum of 1 and the
+// given O's D; each block runs one of the two passes, the other's launch exits at once), then
 // dQ summed in the dK pass where the plan gave the accumulator (the preprocess zeroed it), else in
 // a pass of its own.
 template <int kHeadDim, bool kAlibi>
