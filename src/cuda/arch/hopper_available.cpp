@@ -1,11 +1,8 @@
 #include "cuda/arch/hopper_available.hpp"
 
-#include <cuda_runtime.h>
-
 #include <cstdlib>
 #include <cstring>
 
-#include "cuda/common/check.cuh"
 #include "cuda/common/runtime_cache.hpp"
 
 namespace tileattn::cuda::sm90 {
@@ -17,10 +14,6 @@ bool hopper_kernels_enabled() {
   return d.major == 9 && d.minor == 0;
 }
 
-bool has_sm90a_code(const void* kernel) {
-  cudaFuncAttributes attr{};
-  TA_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
-  return attr.binaryVersion == 90;
-}
+bool has_sm90a_code(const void* kernel) { return kernel_binary_version(kernel) == 90; }
 
 }  // namespace tileattn::cuda::sm90

@@ -35,6 +35,21 @@ const DeviceProps& device_props() {
   return cache.emplace(device, d).first->second;
 }
 
+int kernel_binary_version(const void* kernel) {
+  static std::map<std::pair<const void*, int>, int> versions;  // (kernel, device) -> binaryVersion
+  const int device = current_device();
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = versions.find({kernel, device});
+    if (it != versions.end()) return it->second;
+  }
+  cudaFuncAttributes attr{};
+  TA_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+  std::lock_guard<std::mutex> lock(g_mutex);
+  versions[{kernel, device}] = attr.binaryVersion;
+  return attr.binaryVersion;
+}
+
 void allow_dynamic_smem(const void* kernel, int bytes) {
   static std::map<std::pair<const void*, int>, int> allowed;  // (kernel, device) -> bytes
   const int device = current_device();

@@ -1,7 +1,8 @@
 #pragma once
 // What the CUDA runtime answers that cannot change within a process, asked once: a device's
-// properties, and a kernel's opt-in to more than 48 KiB of dynamic shared memory. Each query costs
-// a microsecond or so of host time, as much as a short call's launch; a call makes several.
+// properties, a kernel's binary version, and its opt-in to more than 48 KiB of dynamic shared
+// memory. Each query costs a microsecond or so of host time, as much as a short call's launch; a
+// call makes several.
 // (A cudaDeviceReset drops the opt-ins; the library does not expect one between calls.)
 namespace tileattn::cuda {
 
@@ -13,6 +14,10 @@ struct DeviceProps {
 
 // The current device's.
 const DeviceProps& device_props();
+
+// cudaFuncAttributes::binaryVersion of `kernel` (a __global__ function's address) on the current
+// device: the architecture of the code it runs there, e.g. 90 for sm_90a.
+int kernel_binary_version(const void* kernel);
 
 // cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) on the current
 // device, unless an earlier call there already allowed at least `bytes`.
