@@ -72,6 +72,7 @@ std::optional<BwdKernelSm90> pick_backward_tf32_sm90(const AttentionProblem& p, 
   std::optional<BwdKernelSm90> kernel;
   if (bucket_of(BwdTf32Sm90HeadDims{}, bucket) != bucket) return kernel;
   const bool fast = p.fp32_mode == Fp32Mode::fast;
+  if (fast && p.dropout_p > 0.0f) return kernel;  // the TF32 kernels draw no dropout mask
   with_bucket(BwdTf32Sm90HeadDims{}, bucket, [&](auto d) {
     using K = BwdTf32Sm90<decltype(d)::value>;
     kernel = fast ? BwdKernelSm90{&K::run, true} : BwdKernelSm90{&K::run_exact, !K::kExactSumsDq, kBwdExactBoxRows};
@@ -82,6 +83,7 @@ std::optional<BwdKernelSm90> pick_backward_tf32_sm90(const AttentionProblem& p, 
 std::optional<BwdKernelSm90> pick_backward_sm90(const AttentionProblem& p, int bucket) {
   if (!sm90::hopper_kernels_enabled()) return std::nullopt;
   if (p.dtype == DType::f32) return pick_backward_tf32_sm90(p, bucket);
+  if (p.dropout_p > 0.0f) return std::nullopt;  // the 16-bit Hopper kernels draw no dropout mask
   return p.dtype == DType::f16 ? pick_backward_sm90<__half>(bucket) : pick_backward_sm90<__nv_bfloat16>(bucket);
 }
 
@@ -93,10 +95,10 @@ struct BwdPlan {
 
 BwdPlan pick_kernels(const AttentionProblem& p) {
   BwdPlan plan;
-  // Dropout runs on the portable kernels only (the Hopper backward has none; ALiBi it has, in
-  // instances of its own).
+  // Dropout runs on the portable kernels, but for fp32's exact Hopper passes (ALiBi and dropout
+  // each have kernel instances of their own there).
   const int bucket = headdim_bucket(p);
-  if (p.dropout_p == 0.0f) plan.sm90 = pick_backward_sm90(p, bucket);
+  plan.sm90 = pick_backward_sm90(p, bucket);
   if (plan.sm90 && !make_bwd_sm90_maps(p, plan.params, plan.sm90->box_rows)) plan.sm90.reset();
   return plan;
 }

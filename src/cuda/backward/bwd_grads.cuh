@@ -19,6 +19,7 @@
 #include "cuda/arch/mma_fp32.cuh"
 #include "cuda/arch/warp_mma_sm80.cuh"
 #include "cuda/common/bwd_params.hpp"
+#include "cuda/common/dropout_weights.cuh"
 
 namespace tileattn::cuda::bwd {
 
@@ -240,6 +241,7 @@ struct Fragment {
   const float* col_sum = nullptr;
   const float* col_inv_sum = nullptr;
   float row_sum[2] = {1.0f, 1.0f}, row_inv_sum[2] = {1.0f, 1.0f};
+  int batch = 0, head = 0;  // the tile's sequence and query head: dropout's stream
 };
 
 // The columns of this thread's rows g and g + 8 (sequence positions row, row + 8) that the mask
@@ -364,14 +366,25 @@ __device__ __forceinline__ void grads_to_fragments(bool masked, const float (&s)
 // exp(0) = 1 exactly and one visible key gives P = 1, dS = 0. The quotient comes from the row's
 // reciprocal (fp32::divide_by), not a divide per element: that is some twenty instructions and a
 // branch to its slow path, which keeps the compiler from interleaving elements (docs/perf-log.md).
-template <bool kRowsAreKeys, bool kWantP, bool kCapped, bool kMasked, bool kAlibi, int NT>
+// kDropout: P z for dV and dS = P (z dP - D), z = keep / (1 - p), as scores_to_grads_tile.
+template <bool kRowsAreKeys, bool kWantP, bool kCapped, bool kMasked, bool kAlibi, bool kDropout, int NT>
 __device__ __forceinline__ void exact_grad_fragments(const float (&s)[NT][4], const float (&dp)[NT][4],
                                                      const Fragment& f, const BwdParams& p, uint32_t (&hi)[NT][4],
                                                      uint32_t (&lo)[NT][4], [[maybe_unused]] float slope) {
   const int t = threadIdx.x % 4;
   [[maybe_unused]] const VisibleSpan<kRowsAreKeys> shown(f.mask, f.row, f.col0);
+  [[maybe_unused]] Dropout dr;
+  if constexpr (kDropout) dr = p.dropout.resolved();
 #pragma unroll
-  for (int j = 0; j < NT; ++j)
+  for (int j = 0; j < NT; ++j) {
+    [[maybe_unused]] float keep[2][2];
+    if constexpr (kDropout && kRowsAreKeys) {
+      dropout_factors_of_key(dr, f.batch, f.head, f.row, f.col0 + j * 8 + 2 * t, keep);
+    } else if constexpr (kDropout) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+        dropout_factors_of_query(dr, f.batch, f.head, f.row + 8 * half, f.col0 + j * 8 + 2 * t, keep[half]);
+    }
 #pragma unroll
     for (int half = 0; half < 2; ++half)
 #pragma unroll
@@ -387,29 +400,36 @@ __device__ __forceinline__ void exact_grad_fragments(const float (&s)[NT][4], co
         float x = fp32::divide_by(exp_of_score<kCapped, kAlibi>(s[j][2 * half + e], m, p, cap, bias), sum, inv_sum);
         if constexpr (kMasked)
           if (!shown(half, j * 8 + e)) x = 0.0f;
-        if constexpr (!kWantP) {
+        if constexpr (kWantP && kDropout) {
+          x *= keep[half][e];
+        } else if constexpr (!kWantP) {
           const float d = kRowsAreKeys ? f.col_dsum[c] : f.row_dsum[half];
-          x = grad_of_prob<kCapped>(x, dp[j][2 * half + e], d, cap, p);
+          const float dpe = kDropout ? dp[j][2 * half + e] * keep[half][e] : dp[j][2 * half + e];
+          x = grad_of_prob<kCapped>(x, dpe, d, cap, p);
         }
         float h, r;
         fp32::split_tf32(x, h, r);
         hi[j][tf32_a_slot(half, e)] = __float_as_uint(h);
         lo[j][tf32_a_slot(half, e)] = fp32::tf32_bits(r);
       }
+  }
 }
 
-// The variant for this tile, as grads_to_fragments picks it.
-template <bool kRowsAreKeys, bool kWantP, bool kAlibi, int NT>
+// The variant for this tile, as grads_to_fragments picks it (ALiBi and dropout: per kernel instance).
+template <bool kRowsAreKeys, bool kWantP, bool kAlibi, bool kDropout, int NT>
 __device__ __forceinline__ void exact_grad_fragments(bool masked, const float (&s)[NT][4], const float (&dp)[NT][4],
                                                      const Fragment& f, const BwdParams& p, uint32_t (&hi)[NT][4],
                                                      uint32_t (&lo)[NT][4], float slope) {
+#define TA_EXACT_GRADS(capped, msk) \
+  exact_grad_fragments<kRowsAreKeys, kWantP, capped, msk, kAlibi, kDropout>(s, dp, f, p, hi, lo, slope)
   if (p.softcap > 0.0f) {
-    if (masked) exact_grad_fragments<kRowsAreKeys, kWantP, true, true, kAlibi>(s, dp, f, p, hi, lo, slope);
-    else exact_grad_fragments<kRowsAreKeys, kWantP, true, false, kAlibi>(s, dp, f, p, hi, lo, slope);
+    if (masked) TA_EXACT_GRADS(true, true);
+    else TA_EXACT_GRADS(true, false);
   } else {
-    if (masked) exact_grad_fragments<kRowsAreKeys, kWantP, false, true, kAlibi>(s, dp, f, p, hi, lo, slope);
-    else exact_grad_fragments<kRowsAreKeys, kWantP, false, false, kAlibi>(s, dp, f, p, hi, lo, slope);
+    if (masked) TA_EXACT_GRADS(false, true);
+    else TA_EXACT_GRADS(false, false);
   }
+#undef TA_EXACT_GRADS
 }
 
 }  // namespace tileattn::cuda::bwd

@@ -50,6 +50,7 @@
 #include "cuda/backward/bwd_stream_sm90.cuh"
 #include "cuda/backward/bwd_tile_io.cuh"
 #include "cuda/common/bwd_params.hpp"
+#include "cuda/common/dropout_weights.cuh"
 
 namespace tileattn::cuda {
 
@@ -191,11 +192,14 @@ struct OnlineRowStats {
   float m[2] = {-INFINITY, -INFINITY};
   double l[2] = {0.0, 0.0}, dn[2] = {0.0, 0.0};
 
-  // One step's scores s (raw q.k) and dP of this thread's fragment, columns from key col0.
-  template <bool kCapped, bool kMasked, bool kAlibi, int NT>
+  // One step's scores s (raw q.k) and dP of this thread's fragment, columns from key col0. With
+  // dropout D sums P z dP (bwd_row_stats.cuh); the max and sum stay undropped.
+  template <bool kCapped, bool kMasked, bool kAlibi, bool kDropout, int NT>
   __device__ __forceinline__ void add(const float (&s)[NT][4], const float (&dp)[NT][4], const bwd::Fragment& f,
                                       const bwd::BwdParams& p, float slope) {
     const int t = threadIdx.x % 4;
+    [[maybe_unused]] Dropout dr;
+    if constexpr (kWithD && kDropout) dr = p.dropout.resolved();
     [[maybe_unused]] const bwd::VisibleSpan<false> shown(f.mask, f.row, f.col0);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -221,30 +225,35 @@ struct OnlineRowStats {
       }
       [[maybe_unused]] float step_sum = 0.0f;
 #pragma unroll
-      for (int j = 0; j < NT; ++j)
+      for (int j = 0; j < NT; ++j) {
+        [[maybe_unused]] float keep[2];
+        if constexpr (kWithD && kDropout)
+          dropout_factors_of_query(dr, f.batch, f.head, f.row + 8 * half, f.col0 + j * 8 + 2 * t, keep);
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const float x = expf(v[j][e] - mn);
           if constexpr (kWithD) {
             l[half] += double(x);
-            dn[half] += double(x) * double(dp[j][2 * half + e]);
+            const float dpe = kDropout ? dp[j][2 * half + e] * keep[e] : dp[j][2 * half + e];
+            dn[half] += double(x) * double(dpe);
           } else {
             step_sum += x;
           }
         }
+      }
       if constexpr (!kWithD) l[half] += double(step_sum);
     }
   }
 
-  template <bool kAlibi, int NT>
+  template <bool kAlibi, bool kDropout, int NT>
   __device__ __forceinline__ void add(bool masked, const float (&s)[NT][4], const float (&dp)[NT][4],
                                       const bwd::Fragment& f, const bwd::BwdParams& p, float slope) {
     if (p.softcap > 0.0f) {
-      if (masked) add<true, true, kAlibi>(s, dp, f, p, slope);
-      else add<true, false, kAlibi>(s, dp, f, p, slope);
+      if (masked) add<true, true, kAlibi, kDropout>(s, dp, f, p, slope);
+      else add<true, false, kAlibi, kDropout>(s, dp, f, p, slope);
     } else {
-      if (masked) add<false, true, kAlibi>(s, dp, f, p, slope);
-      else add<false, false, kAlibi>(s, dp, f, p, slope);
+      if (masked) add<false, true, kAlibi, kDropout>(s, dp, f, p, slope);
+      else add<false, false, kAlibi, kDropout>(s, dp, f, p, slope);
     }
   }
 
@@ -368,7 +377,7 @@ struct DqSum {
 };
 
 // One block of pass kPass: its rows' statistics or gradient.
-template <int kHeadDim, ExactPass kPass, bool kAlibi>
+template <int kHeadDim, ExactPass kPass, bool kAlibi, bool kDropout>
 __device__ __forceinline__ void pass_block(const BwdSm90Params& params) {
   using Traits = BwdExactSm90Traits<kHeadDim, kPass>;
   using Roles = typename Traits::Roles;
@@ -507,6 +516,7 @@ __device__ __forceinline__ void pass_block(const BwdSm90Params& params) {
   }
   [[maybe_unused]] exact::OnlineRowStats<kHasDp> stats;
   bwd::Fragment frag{nullptr, nullptr, {0.0f, 0.0f}, {0.0f, 0.0f}, 0, r0 + row0 + lane / 4, mask};
+  frag.batch = b, frag.head = h;
   const int64_t w_rows = kRowsAreKeys ? 0 : bwd::ws_row(p, b, h) + r0 + row0 + lane / 4;  // past the end: padding
 
   if (n_steps > 0) {
@@ -583,6 +593,7 @@ __device__ __forceinline__ void pass_block(const BwdSm90Params& params) {
       }
 
       frag.col0 = c0;
+      if constexpr (kRowsAreKeys) frag.head = step_head(i);
       bool masked;
       if constexpr (kRowsAreKeys) {
         const float* col_stats = stage_stats(s);
@@ -596,13 +607,13 @@ __device__ __forceinline__ void pass_block(const BwdSm90Params& params) {
       }
 
       if constexpr (Traits::kStatsPass) {
-        stats.template add<kAlibi>(masked, sc, dp, frag, p, slope);  // dp unread without D
+        stats.template add<kAlibi, kDropout>(masked, sc, dp, frag, p, slope);  // dp unread without D
       } else {
         uint32_t g_hi[BS / 8][4], g_lo[BS / 8][4];
         if constexpr (kPass == ExactPass::dv)
-          bwd::exact_grad_fragments<true, true, kAlibi>(masked, sc, sc, frag, p, g_hi, g_lo, slope);
+          bwd::exact_grad_fragments<true, true, kAlibi, kDropout>(masked, sc, sc, frag, p, g_hi, g_lo, slope);
         else
-          bwd::exact_grad_fragments<kRowsAreKeys, false, kAlibi>(masked, sc, dp, frag, p, g_hi, g_lo, slope);
+          bwd::exact_grad_fragments<kRowsAreKeys, false, kAlibi, kDropout>(masked, sc, dp, frag, p, g_hi, g_lo, slope);
 
         // dS for dQ's product, before dK's product reads the same registers (a wgmma's A registers
         // may not be read until it completes).
@@ -658,7 +669,7 @@ __device__ __forceinline__ void pass_block(const BwdSm90Params& params) {
 }  // namespace exact
 #endif
 
-template <int kHeadDim, ExactPass kPass, bool kAlibi>
+template <int kHeadDim, ExactPass kPass, bool kAlibi, bool kDropout>
 __global__ void __launch_bounds__(BwdExactSm90Traits<kHeadDim, kPass>::kThreads, 1)
     bwd_exact_kernel_sm90(const __grid_constant__ BwdSm90Params params) {
 #if defined(TILEATTN_SM90_ENABLED)
@@ -666,7 +677,7 @@ __global__ void __launch_bounds__(BwdExactSm90Traits<kHeadDim, kPass>::kThreads,
   // its blocks on the SMs that pass's last wave leaves idle. It waits for that grid before it ends,
   // so that the work after dV sees the dK pass's writes (dQ's sum).
   if constexpr (kPass == ExactPass::dk || kPass == ExactPass::dkdq) allow_dependent_launch();
-  exact::pass_block<kHeadDim, kPass, kAlibi>(params);
+  exact::pass_block<kHeadDim, kPass, kAlibi, kDropout>(params);
   if constexpr (kPass == ExactPass::dv) wait_for_primary_grid();
 #endif
 }

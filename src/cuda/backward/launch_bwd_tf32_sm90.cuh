@@ -37,11 +37,11 @@ void launch_tf32_sm90(const BwdSm90Params& params, cudaStream_t stream) {
 
 // One exact pass: over (query tiles, heads, batch) or, rows being keys, (key tiles, batch, kv heads).
 // dV's is the dK pass's dependent (bwd_exact_kernel_sm90 says why).
-template <int kHeadDim, ExactPass kPass, bool kAlibi>
+template <int kHeadDim, ExactPass kPass, bool kAlibi, bool kDropout>
 void launch_exact_pass_sm90(const BwdSm90Params& params, cudaStream_t stream) {
   using Traits = BwdExactSm90Traits<kHeadDim, kPass>;
   const bwd::BwdParams& p = params.bwd;
-  const auto kernel = bwd_exact_kernel_sm90<kHeadDim, kPass, kAlibi>;
+  const auto kernel = bwd_exact_kernel_sm90<kHeadDim, kPass, kAlibi, kDropout>;
   allow_dynamic_smem(kernel, Traits::kSmemBytes);
   constexpr int R = Traits::kBlockRows;
   const dim3 grid = Traits::kRowsAreKeys ? dim3((p.seqlen_k + R - 1) / R, p.batch, p.heads_kv)
@@ -68,34 +68,34 @@ inline bool some_rows_take_d_from_p(const bwd::BwdParams& p) {
 // given O's D; each block runs one of the two passes, the other's launch exits at once), then
 // dQ summed in the dK pass where the plan gave the accumulator (the preprocess zeroed it), else in
 // a pass of its own.
-template <int kHeadDim, bool kAlibi>
+template <int kHeadDim, bool kAlibi, bool kDropout>
 void launch_exact_sm90(const BwdSm90Params& params, cudaStream_t stream) {
   const bool sums_dq = BwdTf32Sm90<kHeadDim>::kExactSumsDq && params.bwd.dq_accum != nullptr;
   if (some_rows_take_d_from_p(params.bwd)) {
-    launch_exact_pass_sm90<kHeadDim, ExactPass::stats, kAlibi>(params, stream);
+    launch_exact_pass_sm90<kHeadDim, ExactPass::stats, kAlibi, kDropout>(params, stream);
     TA_CUDA_CHECK_LAUNCH("backward row statistics (exact, sm90)");
   }
   if (params.bwd.delta_from_out) {
-    launch_exact_pass_sm90<kHeadDim, ExactPass::max_sum, kAlibi>(params, stream);
+    launch_exact_pass_sm90<kHeadDim, ExactPass::max_sum, kAlibi, false>(params, stream);  // undropped
     TA_CUDA_CHECK_LAUNCH("backward row max and sum (exact, sm90)");
   }
   if constexpr (BwdTf32Sm90<kHeadDim>::kExactSumsDq) {
     if (sums_dq) {
-      launch_exact_pass_sm90<kHeadDim, ExactPass::dkdq, kAlibi>(params, stream);
+      launch_exact_pass_sm90<kHeadDim, ExactPass::dkdq, kAlibi, kDropout>(params, stream);
       TA_CUDA_CHECK_LAUNCH("backward dK and dQ (exact, sm90)");
     }
   }
   if (!sums_dq) {
-    launch_exact_pass_sm90<kHeadDim, ExactPass::dk, kAlibi>(params, stream);
+    launch_exact_pass_sm90<kHeadDim, ExactPass::dk, kAlibi, kDropout>(params, stream);
     TA_CUDA_CHECK_LAUNCH("backward dK (exact, sm90)");
   }
-  launch_exact_pass_sm90<kHeadDim, ExactPass::dv, kAlibi>(params, stream);
+  launch_exact_pass_sm90<kHeadDim, ExactPass::dv, kAlibi, kDropout>(params, stream);
   TA_CUDA_CHECK_LAUNCH("backward dV (exact, sm90)");
   if (sums_dq) {
     bwd::launch_convert_dq<float>(params.bwd, stream);
     TA_CUDA_CHECK_LAUNCH("backward dQ conversion (exact, sm90)");
   } else {
-    launch_exact_pass_sm90<kHeadDim, ExactPass::dq, kAlibi>(params, stream);
+    launch_exact_pass_sm90<kHeadDim, ExactPass::dq, kAlibi, kDropout>(params, stream);
     TA_CUDA_CHECK_LAUNCH("backward dQ (exact, sm90)");
   }
 }
@@ -117,8 +117,14 @@ void BwdTf32Sm90<kHeadDim>::run_exact(const BwdSm90Params& params, cudaStream_t 
   if (!bwd_sm90_has_work(p)) return;
   bwd::launch_preprocess<float>(p, stream);  // L (or +inf), row sum 1 and D (0 or O's) per row: the statistics' start
   TA_CUDA_CHECK_LAUNCH("backward preprocess");
-  if (p.mod.has_alibi()) detail::launch_exact_sm90<kHeadDim, true>(params, stream);
-  else detail::launch_exact_sm90<kHeadDim, false>(params, stream);
+  // ALiBi and dropout: kernel instances of their own, so that the others keep their registers.
+  if (p.mod.has_alibi()) {
+    if (p.dropout.on) detail::launch_exact_sm90<kHeadDim, true, true>(params, stream);
+    else detail::launch_exact_sm90<kHeadDim, true, false>(params, stream);
+  } else {
+    if (p.dropout.on) detail::launch_exact_sm90<kHeadDim, false, true>(params, stream);
+    else detail::launch_exact_sm90<kHeadDim, false, false>(params, stream);
+  }
 }
 
 }  // namespace tileattn::cuda

@@ -1,7 +1,8 @@
 #pragma once
 // Attention dropout on one warp's tile of weights P in the mma accumulator layout (m16n8: a
 // thread holds, per m-tile, rows g and g+8 and, per 8-key n-tile, keys 2t and 2t+1), which the
-// 16-bit forward kernels and the fp32 forward (TF32 and fp64 products alike) share.
+// 16-bit forward kernels and the fp32 forward (TF32 and fp64 products alike) share; and the keep
+// factors of the exact fp32 backward's fragments, rows being queries or keys.
 #include "common/philox.hpp"
 
 namespace tileattn::cuda {
@@ -33,6 +34,37 @@ __device__ __forceinline__ void dropout_weights(float (&s)[kMTiles][kNTiles][4],
         if ((low ? r.y : r.w) < d.threshold) s[mt][nt][half * 2 + 1] = 0.0f;
       }
     }
+}
+
+// Keep factors (d.scale where kept, 0 where dropped) of one fragment row's two columns 2t, 2t + 1
+// whose rows are queries: row `query`, keys key and key + 1 (key even): one Philox call for both.
+__device__ __forceinline__ void dropout_factors_of_query(const Dropout& d, int batch, int head, int query, int key,
+                                                         float (&keep)[2]) {
+  const Philox4 r = d.draws(batch, head, query, key);
+  const bool low = (key & 2) == 0;
+  keep[0] = (low ? r.x : r.z) >= d.threshold ? d.scale : 0.0f;
+  keep[1] = (low ? r.y : r.w) >= d.threshold ? d.scale : 0.0f;
+}
+
+// The same for a fragment whose rows are keys, keep[half][e]: this thread's rows g and g + 8 are
+// keys `key` and key + 8, its columns 2t + e queries query + e; key - (g % 4) must be a multiple
+// of four (rows start at multiples of 16). A Philox call covers four keys of one query, and the
+// four lanes of equal t whose g share g / 4 hold those keys, one each, for the same four (query,
+// half) pairs: so each lane draws for one pair, and in round k lane r (= g % 4) reads from lane
+// (r + k) % 4 of its four, which sends the word of key r.
+__device__ __forceinline__ void dropout_factors_of_key(const Dropout& d, int batch, int head, int key, int query,
+                                                       float (&keep)[2][2]) {
+  const int lane = int(threadIdx.x) % 32, r = (lane >> 2) & 3;
+  auto word = [](const Philox4& w, int i) { return i == 0 ? w.x : i == 1 ? w.y : i == 2 ? w.z : w.w; };
+  const Philox4 mine = d.draws(batch, head, query + (r & 1), key - r + 8 * (r >> 1));
+  uint32_t got[4];  // round k: pair (r + k) % 4's word of this lane's key
+#pragma unroll
+  for (int k = 0; k < 4; ++k)
+    got[k] = __shfl_sync(0xffffffffu, word(mine, (r - k) & 3), (lane & ~12) | (((r + k) & 3) << 2));
+#pragma unroll
+  for (int half = 0; half < 2; ++half)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) keep[half][e] = word(Philox4{got[0], got[1], got[2], got[3]}, (2 * half + e - r) & 3) >= d.threshold ? d.scale : 0.0f;
 }
 
 }  // namespace tileattn::cuda
