@@ -1,6 +1,7 @@
-// Attention dropout on the CUDA backend (the portable kernels; fp32 in exact and fast mode): the
-// kernels must draw the mask of src/common/philox.hpp bit for bit, whatever their tiling, GQA
-// packing, split-KV or variable lengths.
+// Attention dropout on the CUDA backend (the portable kernels; fp32 in exact and fast mode, the
+// exact backward on Hopper's split-TF32 passes where the build has them): the kernels must draw
+// the mask of src/common/philox.hpp bit for bit, whatever their tiling, GQA packing, split-KV or
+// variable lengths.
 //
 // Exact checks: with Q = 0 every visible weight is 1 / n (n visible keys), and with V one-hot on
 // key % 64, O[i, d] = (kept keys j = d mod 64 of row i) / (n (1 - p)): a small integer count per
@@ -186,7 +187,8 @@ TEST(CudaDropout, ForwardAndDvKeepWhatTheRuleKeepsBf16) {
 }
 
 // fp32: the portable fp32 forward (fp64 products, or TF32 in fast mode: dropout never takes the
-// Hopper fast kernel) and the fp32 backward, whose D pass draws the mask too.
+// Hopper fast kernel) and the fp32 backward, whose D pass draws the mask too (on Hopper, exact
+// mode: the split-TF32 passes, rows being queries or keys).
 TEST(CudaDropout, ForwardAndDvKeepWhatTheRuleKeepsF32Exact) {
   TA_SKIP_WITHOUT_GPU();
   for (const MaskCase& c : mask_cases(DType::f32)) check_exact_masks(c, Fp32Mode::exact);

@@ -12,7 +12,8 @@
 //   dQ     (128 queries a block) S, dP, dS, dQ += dS K, where dQ is not summed (the
 //          deterministic mode, head dim 32)
 // the portable exact kernels' sequence (bwd_row_stats.cuh says why the statistics are rebuilt and
-// D taken from the passes' own P and dP) with every product on the tensor core. Each pass streams
+// D taken from the passes' own P and dP, and how dropout enters them) with every product on the
+// tensor core; dropout's instances draw the mask per fragment (dropout_weights.cuh). Each pass streams
 // 32 rows of the other side a step (64 where it forms no dP):
 //   producer warp 0     one thread loads the block's rows once and each step's two tiles (and,
 //                       rows being keys, the step's query statistics) with TMA

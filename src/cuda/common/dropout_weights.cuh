@@ -55,16 +55,15 @@ __device__ __forceinline__ void dropout_factors_of_query(const Dropout& d, int b
 __device__ __forceinline__ void dropout_factors_of_key(const Dropout& d, int batch, int head, int key, int query,
                                                        float (&keep)[2][2]) {
   const int lane = int(threadIdx.x) % 32, r = (lane >> 2) & 3;
-  auto word = [](const Philox4& w, int i) { return i == 0 ? w.x : i == 1 ? w.y : i == 2 ? w.z : w.w; };
   const Philox4 mine = d.draws(batch, head, query + (r & 1), key - r + 8 * (r >> 1));
-  uint32_t got[4];  // round k: pair (r + k) % 4's word of this lane's key
-#pragma unroll
-  for (int k = 0; k < 4; ++k)
-    got[k] = __shfl_sync(0xffffffffu, word(mine, (r - k) & 3), (lane & ~12) | (((r + k) & 3) << 2));
+  auto from = [&](int k) {  // pair (r + k) % 4's word of this lane's key
+    return __shfl_sync(0xffffffffu, dropout_word(mine, (r - k) & 3), (lane & ~12) | (((r + k) & 3) << 2));
+  };
+  const Philox4 got{dropout_word(mine, r), from(1), from(2), from(3)};
 #pragma unroll
   for (int half = 0; half < 2; ++half)
 #pragma unroll
-    for (int e = 0; e < 2; ++e) keep[half][e] = word(Philox4{got[0], got[1], got[2], got[3]}, (2 * half + e - r) & 3) >= d.threshold ? d.scale : 0.0f;
+    for (int e = 0; e < 2; ++e) keep[half][e] = dropout_word(got, (2 * half + e - r) & 3) >= d.threshold ? d.scale : 0.0f;
 }
 
 }  // namespace tileattn::cuda
