@@ -63,7 +63,8 @@ __device__ __forceinline__ void dropout_factors_of_key(const Dropout& d, int bat
 #pragma unroll
   for (int half = 0; half < 2; ++half)
 #pragma unroll
-    for (int e = 0; e < 2; ++e) keep[half][e] = dropout_word(got, (2 * half + e - r) & 3) >= d.threshold ? d.scale : 0.0f;
+    for (int e = 0; e < 2; ++e)
+      keep[half][e] = dropout_word(got, (2 * half + e - r) & 3) >= d.threshold ? d.scale : 0.0f;
 }
 
 }  // namespace tileattn::cuda
