@@ -41,9 +41,8 @@ __device__ __forceinline__ void dropout_weights(float (&s)[kMTiles][kNTiles][4],
 __device__ __forceinline__ void dropout_factors_of_query(const Dropout& d, int batch, int head, int query, int key,
                                                          float (&keep)[2]) {
   const Philox4 r = d.draws(batch, head, query, key);
-  const bool low = (key & 2) == 0;
-  keep[0] = (low ? r.x : r.z) >= d.threshold ? d.scale : 0.0f;
-  keep[1] = (low ? r.y : r.w) >= d.threshold ? d.scale : 0.0f;
+#pragma unroll
+  for (int e = 0; e < 2; ++e) keep[e] = dropout_word(r, key + e) >= d.threshold ? d.scale : 0.0f;
 }
 
 // The same for a fragment whose rows are keys, keep[half][e]: this thread's rows g and g + 8 are

@@ -38,16 +38,12 @@ const DeviceProps& device_props() {
 int kernel_binary_version(const void* kernel) {
   static std::map<std::pair<const void*, int>, int> versions;  // (kernel, device) -> binaryVersion
   const int device = current_device();
-  {
-    std::lock_guard<std::mutex> lock(g_mutex);
-    auto it = versions.find({kernel, device});
-    if (it != versions.end()) return it->second;
-  }
+  std::lock_guard<std::mutex> lock(g_mutex);
+  auto it = versions.find({kernel, device});
+  if (it != versions.end()) return it->second;
   cudaFuncAttributes attr{};
   TA_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
-  std::lock_guard<std::mutex> lock(g_mutex);
-  versions[{kernel, device}] = attr.binaryVersion;
-  return attr.binaryVersion;
+  return versions.emplace(std::make_pair(kernel, device), attr.binaryVersion).first->second;
 }
 
 void allow_dynamic_smem(const void* kernel, int bytes) {
