@@ -54,9 +54,9 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     ``cache_seqlens`` (int, or int32 (batch,)) are the cached lengths. New ``k``/``v``
     (batch, seqlen_new, heads_kv, headdim), when given, are written into the caches in place at
     rows [cache_seqlens[b], cache_seqlens[b] + seqlen_new) of cache row ``cache_batch_idx[b]`` (or
-    b; through the page table when paged) before attending; ``cache_seqlens`` itself is not
-    changed. Sequence b then attends to cache rows [cache_leftpad[b], cache_seqlens[b] +
-    seqlen_new). With ``rotary_cos``/``rotary_sin`` (seqlen_ro, rotary_dim / 2) the new keys and q
+    b, so a cache with more rows than the batch uses its first ones; through the page table when
+    paged) before attending; ``cache_seqlens`` itself is not changed. Sequence b then attends to
+    cache rows [cache_leftpad[b], cache_seqlens[b] + seqlen_new). With ``rotary_cos``/``rotary_sin`` (seqlen_ro, rotary_dim / 2) the new keys and q
     are rotated first, at absolute cache positions: new key i at cache_seqlens[b] + i, query i at
     cache_seqlens[b] + i when causal or local (a window side shorter than the cache), else every
     query at cache_seqlens[b];
@@ -119,8 +119,12 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     else:
         capacity = k_cache.shape[1]
         if cache_batch_idx is None and k_cache.shape[0] != batch:
-            raise InvalidArgumentError(f"k_cache.shape[0]={k_cache.shape[0]} must equal q.shape[0]={batch} (batch), or "
-                                       "cache_batch_idx must say which cache row each sequence uses")
+            if k_cache.shape[0] < batch:
+                raise InvalidArgumentError(
+                    f"k_cache.shape[0]={k_cache.shape[0]} must be at least q.shape[0]={batch} (batch), or "
+                    "cache_batch_idx must say which cache row each sequence uses")
+            # As flash-attn: sequence b uses cache row b. Views, so appends land in the given cache.
+            k_cache, v_cache = k_cache[:batch], v_cache[:batch]
     left, right = _flash_window(window_size, causal, capacity)
     cache_batch_idx = _int32_table(cache_batch_idx, "cache_batch_idx", (batch,), device)
     cache_leftpad = _int32_table(cache_leftpad, "cache_leftpad", (batch,), device)

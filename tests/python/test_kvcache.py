@@ -430,6 +430,27 @@ def test_int_cache_seqlens_equals_the_same_tensor():
     assert torch.equal(caches[0][0][:, 17:20], k)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_cache_with_more_rows_than_the_batch_uses_its_first_rows(device):
+    # As flash-attn: without cache_batch_idx sequence b uses cache row b of a cache preallocated for
+    # a larger batch; the rows past the batch are neither read nor written.
+    q, k_cache, v_cache, _ = _decode_inputs(torch.float32, batch=5, capacity=30, seqlen_q=2)
+    q, k_cache, v_cache = q[:3].to(device), k_cache.to(device), v_cache.to(device)
+    k, v = torch.randn(3, 2, 2, 64, device=device), torch.randn(3, 2, 2, 64, device=device)
+    lens = torch.tensor([4, 0, 17], dtype=torch.int32, device=device)
+    caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
+    out = tileattn.flash_attn_with_kvcache(q, *caches[0], k, v, cache_seqlens=lens, causal=True)
+    rows = torch.arange(3, dtype=torch.int32, device=device)
+    ref = tileattn.flash_attn_with_kvcache(q, *caches[1], k, v, cache_seqlens=lens, cache_batch_idx=rows, causal=True)
+    assert torch.equal(out, ref)
+    for a, b in zip(caches[0], caches[1]):
+        assert torch.equal(a, b)
+    assert torch.equal(caches[0][0][2, 17:19], k[2]) and torch.equal(caches[0][1][0, 4:6], v[0])
+    assert torch.equal(caches[0][0][3:], k_cache[3:]) and torch.equal(caches[0][1][3:], v_cache[3:])
+    ref_out, _ = naive.attention(q[1:2].double(), k[1:2].double(), v[1:2].double(), causal=True)
+    assert naive.max_error(out[1:2], ref_out) < 1e-5
+
+
 def test_no_cache_seqlens_means_the_whole_cache():
     # flash-attn's default: without cache_seqlens every sequence is its whole cache row.
     q, k_cache, v_cache, _ = _decode_inputs(torch.float32, batch=2, capacity=25, seqlen_q=4)
@@ -643,6 +664,8 @@ BAD_KVCACHE = {
     "k_dtype": (False, lambda c: dict(k=c["k"].double()), TypeError, r"\bk\b"),
     "k_cache_dtype": (False, lambda c: dict(k_cache=c["k_cache"].half()), TypeError, r"k_cache"),
     "k_cache_rank": (False, lambda c: dict(k_cache=c["k_cache"][0]), ValueError, r"k_cache"),
+    "cache_smaller_than_the_batch": (False, lambda c: dict(k_cache=c["k_cache"][:1], v_cache=c["v_cache"][:1]),
+                                     ValueError, r"^k_cache\.shape\[0\]=1 must be at least q\.shape\[0\]=2"),
     "v_cache_shape": (False, lambda c: dict(v_cache=torch.randn(2, 11, 2, 16)), ValueError, r"v_cache"),
     "q_headdim": (False, lambda c: dict(q=torch.randn(2, 1, 4, 8)), ValueError,
                   r"^k_cache\.shape=\(2, 12, 2, 16\) must be \(2, 12, 2, 8\)"),
