@@ -7,6 +7,7 @@
 // comparison here can fail.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <string>
 #include <vector>
@@ -81,6 +82,15 @@ SplitGrads split_backward(HostProblem& hp, const Case& c, bool partial_keys) {
   return g;
 }
 
+// The gradients' floor in units of the tensor's largest element (at least 1), as in
+// dropout_test.cpp. P from the given L and D from the given O carry the forward's rounding, which
+// the naive shares but its own errors may cancel; at headdim_qk 4, headdim_v 64 dQ and dK reach
+// ~10, where an absolute 2e-6 is one or two fp32 ulps, and even the exact float64 backward of the
+// given O and L broke the rule with it as often as this one (docs/accuracy.md).
+double gradient_floor(const std::vector<double>& oracle, DType dtype) {
+  return 2 * two_x_floor(dtype) * std::max(1.0, compare(oracle, oracle).max_ref);
+}
+
 ProblemShape shape_of(const Case& c, DType dtype) {
   ProblemShape shape;
   shape.batch = c.batch;
@@ -114,18 +124,18 @@ void check_case(const Case& c, DType dtype) {
     NaiveOptions partial;
     partial.probs_from_lse = true;
     const NaiveResult naive = naive_attention(p, partial);
-    const double floor = 2 * two_x_floor(dtype);
+    const auto floor = [&](const std::vector<double>& ref) { return gradient_floor(ref, dtype); };
     SCOPED_TRACE(std::string(dtype_name(dtype)) + " trial " + std::to_string(trial));
-    EXPECT_TRUE(two_x_rule(split.dq, naive.dq, oracle.dq, floor)) << "dQ summed over the parts";
-    EXPECT_TRUE(two_x_rule(split.dk, naive.dk, oracle.dk, floor)) << "dK of the parts";
-    EXPECT_TRUE(two_x_rule(split.dv, naive.dv, oracle.dv, floor)) << "dV of the parts";
+    EXPECT_TRUE(two_x_rule(split.dq, naive.dq, oracle.dq, floor(oracle.dq))) << "dQ summed over the parts";
+    EXPECT_TRUE(two_x_rule(split.dk, naive.dk, oracle.dk, floor(oracle.dk))) << "dK of the parts";
+    EXPECT_TRUE(two_x_rule(split.dv, naive.dv, oracle.dv, floor(oracle.dv))) << "dV of the parts";
     // The whole backward meets the same rule, so the two agree within twice its allowance.
     const std::pair<std::vector<double>, const std::vector<double>*> pairs[] = {
         {hp.dq.gather(), &split.dq}, {hp.dk.gather(), &split.dk}, {hp.dv.gather(), &split.dv}};
     const std::vector<double>* naives[] = {&naive.dq, &naive.dk, &naive.dv};
     const std::vector<double>* oracles[] = {&oracle.dq, &oracle.dk, &oracle.dv};
     for (int t = 0; t < 3; ++t) {
-      const double allowed = 2 * (2 * compare(*naives[t], *oracles[t]).max_abs + floor);
+      const double allowed = 2 * (2 * compare(*naives[t], *oracles[t]).max_abs + floor(*oracles[t]));
       EXPECT_LE(compare(*pairs[t].second, pairs[t].first).max_abs, allowed) << "against the whole backward, " << t;
     }
     if (::testing::Test::HasFailure()) return;
@@ -165,7 +175,7 @@ TEST(PartialKeys, WithoutTheOptionThePartsDoNotAddUp) {
   const SplitGrads split = split_backward(hp, c, false);
   const auto oracle = cpu::reference_backward(hp.problem);
   const NaiveResult naive = naive_attention(hp.problem);
-  EXPECT_FALSE(two_x_rule(split.dq, naive.dq, oracle.dq, 2 * two_x_floor(DType::f16)));
+  EXPECT_FALSE(two_x_rule(split.dq, naive.dq, oracle.dq, gradient_floor(oracle.dq, DType::f16)));
 }
 
 }  // namespace
