@@ -56,10 +56,10 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     rows [cache_seqlens[b], cache_seqlens[b] + seqlen_new) of cache row ``cache_batch_idx[b]`` (or
     b, so a cache with more rows than the batch uses its first ones; through the page table when
     paged) before attending; ``cache_seqlens`` itself is not changed. Sequence b then attends to
-    cache rows [cache_leftpad[b], cache_seqlens[b] + seqlen_new). With ``rotary_cos``/``rotary_sin`` (seqlen_ro, rotary_dim / 2) the new keys and q
-    are rotated first, at absolute cache positions: new key i at cache_seqlens[b] + i, query i at
-    cache_seqlens[b] + i when causal or local (a window side shorter than the cache), else every
-    query at cache_seqlens[b];
+    cache rows [cache_leftpad[b], cache_seqlens[b] + seqlen_new). With ``rotary_cos``/``rotary_sin``
+    (seqlen_ro, rotary_dim / 2) the new keys and q are rotated first, at absolute cache positions:
+    new key i at cache_seqlens[b] + i, query i at cache_seqlens[b] + i when causal or local (a
+    window side shorter than the cache), else every query at cache_seqlens[b];
     ``rotary_interleaved`` picks pairs (2i, 2i + 1) (GPT-J) or (i, i + rotary_dim / 2) (GPT-NeoX).
 
     ``causal`` and ``window_size`` are aligned to each sequence's own key count (bottom-right),

@@ -433,7 +433,7 @@ def test_int_cache_seqlens_equals_the_same_tensor():
 @pytest.mark.parametrize("device", DEVICES)
 def test_cache_with_more_rows_than_the_batch_uses_its_first_rows(device):
     # As flash-attn: without cache_batch_idx sequence b uses cache row b of a cache preallocated for
-    # a larger batch; the rows past the batch are neither read nor written.
+    # a larger batch; the rows past the batch are left as they were.
     q, k_cache, v_cache, _ = _decode_inputs(torch.float32, batch=5, capacity=30, seqlen_q=2)
     q, k_cache, v_cache = q[:3].to(device), k_cache.to(device), v_cache.to(device)
     k, v = torch.randn(3, 2, 2, 64, device=device), torch.randn(3, 2, 2, 64, device=device)
