@@ -7,7 +7,6 @@
 // comparison here can fail.
 #include <gtest/gtest.h>
 
-#include <algorithm>
 #include <cstddef>
 #include <string>
 #include <vector>
@@ -82,14 +81,12 @@ SplitGrads split_backward(HostProblem& hp, const Case& c, bool partial_keys) {
   return g;
 }
 
-// The gradients' floor in units of the tensor's largest element (at least 1), as in
-// dropout_test.cpp. P from the given L and D from the given O carry the forward's rounding, which
-// the naive shares but its own errors may cancel; at headdim_qk 4, headdim_v 64 dQ and dK reach
-// ~10, where an absolute 2e-6 is one or two fp32 ulps, and even the exact float64 backward of the
-// given O and L broke the rule with it as often as this one (docs/accuracy.md).
-double gradient_floor(const std::vector<double>& oracle, DType dtype) {
-  return 2 * two_x_floor(dtype) * std::max(1.0, compare(oracle, oracle).max_ref);
-}
+// The gradients' floor in units of the tensor's largest element (two_x_floor's scaled form, as
+// dropout_test.cpp takes it). P from the given L and D from the given O carry the forward's
+// rounding, which the naive shares but its own errors may cancel; at headdim_qk 4, headdim_v 64 dQ
+// and dK reach ~10, where an absolute 2e-6 is one or two fp32 ulps, and even the exact float64
+// backward of the given O and L broke the rule with it as often as this one (docs/accuracy.md).
+double gradient_floor(const std::vector<double>& oracle, DType dtype) { return 2 * two_x_floor(dtype, oracle); }
 
 ProblemShape shape_of(const Case& c, DType dtype) {
   ProblemShape shape;

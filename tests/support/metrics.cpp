@@ -1,5 +1,6 @@
 #include "support/metrics.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <sstream>
@@ -75,6 +76,10 @@ testing::AssertionResult two_x_rule(const std::vector<double>& got, const std::v
 }
 
 double two_x_floor(DType dtype) { return dtype == DType::f32 ? 1e-6 : dtype == DType::f16 ? 2e-4 : 2e-3; }
+
+double two_x_floor(DType dtype, const std::vector<double>& oracle) {
+  return two_x_floor(dtype) * std::max(1.0, compare(oracle, oracle).max_ref);
+}
 
 double unit_roundoff(DType dtype) {
   switch (dtype) {

@@ -45,6 +45,10 @@ testing::AssertionResult two_x_rule(const std::vector<double>& got, const std::v
 // tests/python/test_attention.py: 1e-6 (f32), 2e-4 (f16), 2e-3 (bf16); gradients take twice it.
 double two_x_floor(DType dtype);
 
+// The same floor in units of the oracle's largest element (at least 1), for outputs that reach
+// well past 1, where an absolute floor is a couple of ulps.
+double two_x_floor(DType dtype, const std::vector<double>& oracle);
+
 // Unit roundoff of a dtype: 2^-24 (f32), 2^-11 (f16), 2^-8 (bf16).
 double unit_roundoff(DType dtype);
 
