@@ -8,7 +8,7 @@
 //   dK     (128 keys a block)    S^T, dP^T, dS^T, dK += dS^T Q; and, where dQ is summed
 //          (ExactPass::dkdq, head dim 64), dQ^T += K^T dS^T, each consumer's part of a step added
 //          into the workspace's fp32 dQ by one bulk reduction
-//   dV     (128 keys a block)    S^T, P^T, dV += P^T dO
+//   dV     (128 keys a block)    S^T, P^T, dV += P^T dO, in the dK pass's grid
 //   dQ     (128 queries a block) S, dP, dS, dQ += dS K, where dQ is not summed (the
 //          deterministic mode, head dim 32)
 // the portable exact kernels' sequence (bwd_row_stats.cuh says why the statistics are rebuilt and
@@ -39,7 +39,6 @@
 #include "common/mask.hpp"
 #include "common/online_softmax.hpp"
 #include "common/score_mod.hpp"
-#include "cuda/arch/dependent_launch.cuh"
 #include "cuda/arch/mma_fp32.cuh"
 #include "cuda/arch/panel_tile_sm90.cuh"
 #include "cuda/arch/pipeline_sm90.cuh"
@@ -377,9 +376,10 @@ struct DqSum {
   }
 };
 
-// One block of pass kPass: its rows' statistics or gradient.
+// One block of pass kPass: its rows' statistics or gradient; rows being keys, those of kv head
+// `kv_head` (the grid's z picks the pass too: bwd_exact_keys_kernel_sm90).
 template <int kHeadDim, ExactPass kPass, bool kAlibi, bool kDropout>
-__device__ __forceinline__ void pass_block(const BwdSm90Params& params) {
+__device__ __forceinline__ void pass_block(const BwdSm90Params& params, [[maybe_unused]] int kv_head = 0) {
   using Traits = BwdExactSm90Traits<kHeadDim, kPass>;
   using Roles = typename Traits::Roles;
   using RowTile = typename Traits::RowTile;
@@ -408,7 +408,7 @@ __device__ __forceinline__ void pass_block(const BwdSm90Params& params) {
   Mask mask;
   bwd::TileSpan keys{0, 0};
   if constexpr (kRowsAreKeys) {
-    const BwdKeyBlock<BR, BS> kb(p);
+    const BwdKeyBlock<BR, BS> kb(p, kv_head);
     b = kb.b, h = kb.hk, r0 = kb.k0, r1 = kb.k1, seq = kb.seq, mask = kb.mask, n_steps = kb.n_iter;
     keys = kb.queries;  // query tiles, for the head walk below
   } else {
@@ -670,16 +670,33 @@ __device__ __forceinline__ void pass_block(const BwdSm90Params& params) {
 }  // namespace exact
 #endif
 
+// The passes whose rows are queries (statistics, dQ): grid (query tiles, heads, batch).
 template <int kHeadDim, ExactPass kPass, bool kAlibi, bool kDropout>
 __global__ void __launch_bounds__(BwdExactSm90Traits<kHeadDim, kPass>::kThreads, 1)
     bwd_exact_kernel_sm90(const __grid_constant__ BwdSm90Params params) {
+  static_assert(!BwdExactSm90Traits<kHeadDim, kPass>::kRowsAreKeys, "keys' passes: bwd_exact_keys_kernel_sm90");
 #if defined(TILEATTN_SM90_ENABLED)
-  // dV's pass reads neither dK nor dQ, so it is launched as the dK pass's dependent, free to start
-  // its blocks on the SMs that pass's last wave leaves idle. It waits for that grid before it ends,
-  // so that the work after dV sees the dK pass's writes (dQ's sum).
-  if constexpr (kPass == ExactPass::dk || kPass == ExactPass::dkdq) allow_dependent_launch();
   exact::pass_block<kHeadDim, kPass, kAlibi, kDropout>(params);
-  if constexpr (kPass == ExactPass::dv) wait_for_primary_grid();
+#endif
+}
+
+// The dK pass (kDk: dk, or dkdq summing dQ) and dV's, which reads none of its output, as one grid
+// of (key blocks, batch, 2 x kv heads): z below the kv heads takes the dK pass, the rest dV's, so
+// that every dK block, the longer, is handed out before any dV block, which fill the last wave.
+// At 1024 keys the two fill the card's two halves at once; dV launched as the dK pass's
+// programmatic dependent also ran beside it, but 3.3x slower than alone (docs/perf-log.md).
+template <int kHeadDim, ExactPass kDk, bool kAlibi, bool kDropout>
+__global__ void __launch_bounds__(BwdExactSm90Traits<kHeadDim, kDk>::kThreads, 1)
+    bwd_exact_keys_kernel_sm90(const __grid_constant__ BwdSm90Params params) {
+  static_assert(kDk == ExactPass::dk || kDk == ExactPass::dkdq, "the dK pass");
+  static_assert(BwdExactSm90Traits<kHeadDim, kDk>::kThreads == BwdExactSm90Traits<kHeadDim, ExactPass::dv>::kThreads &&
+                    BwdExactSm90Traits<kHeadDim, kDk>::kBlockRows ==
+                        BwdExactSm90Traits<kHeadDim, ExactPass::dv>::kBlockRows,
+                "one block shape for both passes");
+#if defined(TILEATTN_SM90_ENABLED)
+  const int heads = int(gridDim.z) / 2, z = int(blockIdx.z);
+  if (z < heads) exact::pass_block<kHeadDim, kDk, kAlibi, kDropout>(params, z);
+  else exact::pass_block<kHeadDim, ExactPass::dv, kAlibi, kDropout>(params, z - heads);
 #endif
 }
 

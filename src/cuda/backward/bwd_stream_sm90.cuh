@@ -41,9 +41,11 @@ struct BwdKeyBlock {
   int shift;  // the walk's first tile, counted from queries.first
 
   // This CTA's block of the (key blocks, batch, kv heads) grid; k0 >= seq.sk: past the sequence.
-  __device__ __forceinline__ explicit BwdKeyBlock(const bwd::BwdParams& p)
+  __device__ __forceinline__ explicit BwdKeyBlock(const bwd::BwdParams& p) : BwdKeyBlock(p, int(blockIdx.z)) {}
+  // The same with the kv head given (a grid whose z also picks the pass).
+  __device__ __forceinline__ BwdKeyBlock(const bwd::BwdParams& p, int hk_)
       : BwdKeyBlock(p, p.dq_order != nullptr && p.window_right == 0 ? int(gridDim.x - 1 - blockIdx.x) : int(blockIdx.x),
-                    int(blockIdx.y), int(blockIdx.z), p.dq_order != nullptr) {}
+                    int(blockIdx.y), hk_, p.dq_order != nullptr) {}
   // Key block `block` of sequence b_ under kv head hk_; ordered: walked for p.dq_order.
   __device__ __forceinline__ BwdKeyBlock(const bwd::BwdParams& p, int block, int b_, int hk_, bool ordered = false)
       : seq(bwd::seq_info(p, b_)), mask(bwd::seq_mask(p, seq)), b(b_), hk(hk_), group(p.group), k0(block * kBlockN) {

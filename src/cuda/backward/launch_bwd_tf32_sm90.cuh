@@ -35,8 +35,7 @@ void launch_tf32_sm90(const BwdSm90Params& params, cudaStream_t stream) {
   TA_CUDA_CHECK_LAUNCH("backward dQ (TF32, sm90)");
 }
 
-// One exact pass: over (query tiles, heads, batch) or, rows being keys, (key tiles, batch, kv heads).
-// dV's is the dK pass's dependent (bwd_exact_kernel_sm90 says why).
+// One exact pass whose rows are queries, over (query tiles, heads, batch).
 template <int kHeadDim, ExactPass kPass, bool kAlibi, bool kDropout>
 void launch_exact_pass_sm90(const BwdSm90Params& params, cudaStream_t stream) {
   using Traits = BwdExactSm90Traits<kHeadDim, kPass>;
@@ -44,14 +43,22 @@ void launch_exact_pass_sm90(const BwdSm90Params& params, cudaStream_t stream) {
   const auto kernel = bwd_exact_kernel_sm90<kHeadDim, kPass, kAlibi, kDropout>;
   allow_dynamic_smem(kernel, Traits::kSmemBytes);
   constexpr int R = Traits::kBlockRows;
-  const dim3 grid = Traits::kRowsAreKeys ? dim3((p.seqlen_k + R - 1) / R, p.batch, p.heads_kv)
-                                         : dim3((p.seqlen_q + R - 1) / R, p.heads_q, p.batch);
-  if (grid.x == 0) return;
-  if constexpr (kPass == ExactPass::dv)
-    launch_dependent("backward dV (exact, sm90)", kernel, grid, dim3(Traits::kThreads), Traits::kSmemBytes, stream,
-                     params);
-  else
-    kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
+  const dim3 grid((p.seqlen_q + R - 1) / R, p.heads_q, p.batch);
+  if (grid.x > 0) kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
+}
+
+// The dK pass (kDk) and dV's in one grid (bwd_exact_keys_kernel_sm90), over (key blocks, batch,
+// 2 x kv heads); shared memory for the larger of the two.
+template <int kHeadDim, ExactPass kDk, bool kAlibi, bool kDropout>
+void launch_exact_keys_sm90(const BwdSm90Params& params, cudaStream_t stream) {
+  using Dk = BwdExactSm90Traits<kHeadDim, kDk>;
+  using Dv = BwdExactSm90Traits<kHeadDim, ExactPass::dv>;
+  constexpr int kSmem = Dk::kSmemBytes > Dv::kSmemBytes ? Dk::kSmemBytes : Dv::kSmemBytes;
+  const bwd::BwdParams& p = params.bwd;
+  const auto kernel = bwd_exact_keys_kernel_sm90<kHeadDim, kDk, kAlibi, kDropout>;
+  allow_dynamic_smem(kernel, kSmem);
+  const dim3 grid((p.seqlen_k + Dk::kBlockRows - 1) / Dk::kBlockRows, p.batch, 2 * p.heads_kv);
+  if (grid.x > 0) kernel<<<grid, Dk::kThreads, kSmem, stream>>>(params);
 }
 
 // Whether a query tile may take the statistics pass with D (none with given_stats; all unless
@@ -65,9 +72,9 @@ inline bool some_rows_take_d_from_p(const bwd::BwdParams& p) {
 }
 
 // The statistics unless given (partial_keys: the preprocess wrote P's L, a row sum of 1 and the
-// given O's D; each block runs one of the two passes, the other's launch exits at once), then
-// dQ summed in the dK pass where the plan gave the accumulator (the preprocess zeroed it), else in
-// a pass of its own.
+// given O's D; each block runs one of the two passes, the other's launch exits at once), then the
+// dK and dV passes in one grid, dQ summed in the dK pass where the plan gave the accumulator (the
+// preprocess zeroed it), else in a pass of its own after them.
 template <int kHeadDim, bool kAlibi, bool kDropout>
 void launch_exact_sm90(const BwdSm90Params& params, cudaStream_t stream) {
   const bool sums_dq = BwdTf32Sm90<kHeadDim>::kExactSumsDq && params.bwd.dq_accum != nullptr;
@@ -81,16 +88,14 @@ void launch_exact_sm90(const BwdSm90Params& params, cudaStream_t stream) {
   }
   if constexpr (BwdTf32Sm90<kHeadDim>::kExactSumsDq) {
     if (sums_dq) {
-      launch_exact_pass_sm90<kHeadDim, ExactPass::dkdq, kAlibi, kDropout>(params, stream);
-      TA_CUDA_CHECK_LAUNCH("backward dK and dQ (exact, sm90)");
+      launch_exact_keys_sm90<kHeadDim, ExactPass::dkdq, kAlibi, kDropout>(params, stream);
+      TA_CUDA_CHECK_LAUNCH("backward dK, dQ and dV (exact, sm90)");
     }
   }
   if (!sums_dq) {
-    launch_exact_pass_sm90<kHeadDim, ExactPass::dk, kAlibi, kDropout>(params, stream);
-    TA_CUDA_CHECK_LAUNCH("backward dK (exact, sm90)");
+    launch_exact_keys_sm90<kHeadDim, ExactPass::dk, kAlibi, kDropout>(params, stream);
+    TA_CUDA_CHECK_LAUNCH("backward dK and dV (exact, sm90)");
   }
-  launch_exact_pass_sm90<kHeadDim, ExactPass::dv, kAlibi, kDropout>(params, stream);
-  TA_CUDA_CHECK_LAUNCH("backward dV (exact, sm90)");
   if (sums_dq) {
     bwd::launch_convert_dq<float>(params.bwd, stream);
     TA_CUDA_CHECK_LAUNCH("backward dQ conversion (exact, sm90)");
