@@ -81,10 +81,10 @@ std::vector<double> gather_k(const AttentionProblem& p, const TensorView& t, con
 // One pass over every (sequence, kv head); the query heads of a GQA group are handled by the
 // same task, so each task owns its rows of every output and dK/dV sum without races.
 // `given_o` (dense like dout), when set, supplies O for D = rowsum(dO * O) in place of the oracle's
-// own P and dP.
+// own P and dP; `given_lse` (L's layout) the L that P = exp(S - L) is taken from, unnormalised.
 void run_oracle(const AttentionProblem& p, const std::vector<double>& q, const std::vector<double>& k,
                 const std::vector<double>& v, const std::vector<double>* dout, ReferenceForward* fwd,
-                ReferenceBackward* bwd, const std::vector<double>* given_o) {
+                ReferenceBackward* bwd, const std::vector<double>* given_o, const std::vector<double>* given_lse) {
   const Sequences seq = sequences(p);
   const int64_t hq = p.heads_q, hkv = p.heads_kv, group = hq / hkv;
   const int64_t dqk = p.headdim_qk, dv = p.headdim_v;
@@ -150,9 +150,19 @@ void run_oracle(const AttentionProblem& p, const std::vector<double>& q, const s
           sum += prob[ij];
         }
         for (int64_t j = 0; j < sk; ++j) prob[size_t(i * sk + j)] = sum > 0.0 ? prob[size_t(i * sk + j)] / sum : 0.0;
+        const int64_t lse_index = p.is_varlen() ? h * seq.rows_q + q0 + i : (b * hq + h) * p.seqlen_q + i;
+        const double alibi_offset = alibi_causal_form ? slope * double(i + sk - sq) : 0.0;
+        if (given_lse) {
+          // P = exp(S - L) over the visible keys; a row whose L is -inf sees none (P = 0).
+          const double l = (*given_lse)[size_t(lse_index)] - alibi_offset;
+          for (int64_t j = 0; j < sk; ++j) {
+            const size_t ij = size_t(i * sk + j);
+            const double s = (cap > 0.0 ? cap * std::tanh(pre[ij] / cap) : pre[ij]) - slope * std::abs(double(i + sk - sq - j));
+            prob[ij] = seen[ij] && std::isfinite(l) ? std::exp(s - l) : 0.0;
+          }
+        }
         if (fwd) {
-          const int64_t lse_index = p.is_varlen() ? h * seq.rows_q + q0 + i : (b * hq + h) * p.seqlen_q + i;
-          fwd->lse[size_t(lse_index)] = sum > 0.0 ? m + std::log(sum) + (alibi_causal_form ? slope * double(i + sk - sq) : 0.0)
+          fwd->lse[size_t(lse_index)] = sum > 0.0 ? m + std::log(sum) + alibi_offset
                                                   : -std::numeric_limits<double>::infinity();
           double* o = &fwd->o[size_t(((q0 + i) * hq + h) * dv)];
           for (int64_t j = 0; j < sk; ++j) {
@@ -212,15 +222,16 @@ void run_oracle(const AttentionProblem& p, const std::vector<double>& q, const s
 ReferenceForward reference_forward_dense(const AttentionProblem& problem, const std::vector<double>& q,
                                          const std::vector<double>& k, const std::vector<double>& v) {
   ReferenceForward out;
-  run_oracle(problem, q, k, v, nullptr, &out, nullptr, nullptr);
+  run_oracle(problem, q, k, v, nullptr, &out, nullptr, nullptr, nullptr);
   return out;
 }
 
 ReferenceBackward reference_backward_dense(const AttentionProblem& problem, const std::vector<double>& q,
                                            const std::vector<double>& k, const std::vector<double>& v,
-                                           const std::vector<double>& dout, const std::vector<double>* given_o) {
+                                           const std::vector<double>& dout, const std::vector<double>* given_o,
+                                           const std::vector<double>* given_lse) {
   ReferenceBackward out;
-  run_oracle(problem, q, k, v, &dout, nullptr, &out, given_o);
+  run_oracle(problem, q, k, v, &dout, nullptr, &out, given_o, given_lse);
   return out;
 }
 
@@ -232,11 +243,13 @@ ReferenceForward reference_forward(const AttentionProblem& p) {
 
 ReferenceBackward reference_backward(const AttentionProblem& p, OracleDelta delta) {
   const Sequences s = sequences(p);
-  std::vector<double> given_o;
-  if (delta == OracleDelta::given_o) given_o = gather_q(p, p.o, s, p.heads_q, p.headdim_v);
+  std::vector<double> given_o, given_lse;
+  if (delta != OracleDelta::exact) given_o = gather_q(p, p.o, s, p.heads_q, p.headdim_v);
+  if (delta == OracleDelta::given_stats) given_lse.assign(p.lse, p.lse + s.rows_q * p.heads_q);
   return reference_backward_dense(p, gather_q(p, p.q, s, p.heads_q, p.headdim_qk), gather_k(p, p.k, s, p.headdim_qk),
                                   gather_k(p, p.v, s, p.headdim_v), gather_q(p, p.dout, s, p.heads_q, p.headdim_v),
-                                  delta == OracleDelta::given_o ? &given_o : nullptr);
+                                  delta == OracleDelta::exact ? nullptr : &given_o,
+                                  delta == OracleDelta::given_stats ? &given_lse : nullptr);
 }
 
 std::vector<double> reference_softmax_matmul(const SoftmaxMatmulProblem& p) {

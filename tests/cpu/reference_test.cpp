@@ -133,6 +133,49 @@ TEST(ReferenceGradient, GivenOFormsDFromTheProblemsO) {
   EXPECT_GT(std::fabs(shift), 1e-3);
 }
 
+// P from the given L. With O and L the oracle's own forward (rounded to fp32), the gradient is the
+// exact one up to that rounding. With each row's L raised by its own d_r, that row's P is
+// exp(-d_r) times what it was and D (from the given O) is unchanged, so its dQ row scales by exactly
+// exp(-d_r): a row, head or sequence of L read from the wrong place would show. Rows that see no
+// key keep L = -inf and zero gradients.
+TEST(ReferenceGradient, GivenStatsFormsPFromTheProblemsL) {
+  auto s = tiny();
+  s.seqlens_q = {3, 0, 6, 2};
+  s.seqlens_k = {2, 3, 5, 0};
+  s.causal = true;
+  s.softcap = 2.0f;
+  HostProblem hp(s);
+  const auto fwd = cpu::reference_forward(hp.problem);
+  hp.o.scatter(fwd.o);
+  for (size_t r = 0; r < fwd.lse.size(); ++r) hp.lse[r] = float(fwd.lse[r]);
+  const auto exact = cpu::reference_backward(hp.problem);
+  const auto given = cpu::reference_backward(hp.problem, cpu::OracleDelta::given_stats);
+  const char* names[] = {"dQ", "dK", "dV"};
+  const std::vector<double>* exacts[] = {&exact.dq, &exact.dk, &exact.dv};
+  const std::vector<double>* givens[] = {&given.dq, &given.dk, &given.dv};
+  for (int t = 0; t < 3; ++t)
+    EXPECT_TRUE(within(*givens[t], *exacts[t], 0.0, 1e-6 * compare(*exacts[t], *exacts[t]).max_ref)) << names[t];
+
+  const int64_t rows = hp.rows_q(), hq = s.heads_q, d = s.headdim_qk;
+  const std::vector<float> before(hp.lse.begin(), hp.lse.begin() + hp.lse_elements());
+  int64_t empty_rows = 0;
+  for (size_t r = 0; r < before.size(); ++r) {
+    empty_rows += std::isinf(before[r]) ? 1 : 0;
+    hp.lse[r] += 0.125f * float(r % 7 + 1);
+  }
+  const auto moved = cpu::reference_backward(hp.problem, cpu::OracleDelta::given_stats);
+  for (int64_t row = 0; row < rows; ++row)
+    for (int64_t h = 0; h < hq; ++h) {
+      const size_t l = size_t(h * rows + row);  // L's varlen layout: (heads_q, total_q)
+      const double factor = std::isinf(before[l]) ? 0.0 : std::exp(double(before[l]) - double(hp.lse[l]));
+      for (int64_t c = 0; c < d; ++c) {
+        const size_t i = size_t((row * hq + h) * d + c);
+        EXPECT_NEAR(moved.dq[i], factor * given.dq[i], 1e-12 * std::fabs(given.dq[i])) << "dQ row " << row << " head " << h;
+      }
+    }
+  EXPECT_GT(empty_rows, 0);
+}
+
 TEST(ReferenceGradient, MatchesFiniteDifferencesVarlen) {
   auto s = tiny();
   s.seqlens_q = {3, 0, 4, 2};
