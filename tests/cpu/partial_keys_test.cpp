@@ -1,10 +1,10 @@
 // AttentionProblem::partial_keys on the CPU backend: the keys of one problem are split into two or
 // three parts, each part's backward runs with the whole problem's O and L, and dQ summed over the
 // parts, dK and dV put side by side must be the whole problem's gradients (2x rule against the
-// float64 backward of the given O and L, docs/accuracy.md), as tileattn.distributed uses them. Without the option the
-// CPU backward renormalises P over each part's keys where it forms D from P and dP (fp16/bf16,
-// headdim_qk <= 8): the last test shows the split sum is then far outside the rule, so the
-// comparison here can fail.
+// float64 backward of the given O and L, docs/accuracy.md), as tileattn.distributed uses them.
+// Without the option the CPU backward renormalises P over each part's keys where it forms D from P
+// and dP (fp16/bf16, headdim_qk <= 8): the last test shows the split sum is then far outside the
+// rule, so the comparison here can fail.
 #include <gtest/gtest.h>
 
 #include <cstddef>
