@@ -143,24 +143,18 @@ void run_oracle(const AttentionProblem& p, const std::vector<double>& q, const s
           prob[ij] = capped - slope * std::abs(double(i + sk - sq - j));
           if (seen[ij]) m = std::max(m, capped);
         }
+        const int64_t lse_index = p.is_varlen() ? h * seq.rows_q + q0 + i : (b * hq + h) * p.seqlen_q + i;
+        const double alibi_offset = alibi_causal_form ? slope * double(i + sk - sq) : 0.0;
+        // With a given L, P = exp(S - L) unnormalised; a row whose L is -inf sees no key (P = 0).
+        const double shift = given_lse ? (*given_lse)[size_t(lse_index)] - alibi_offset : m;
         double sum = 0.0;
         for (int64_t j = 0; j < sk; ++j) {
           const size_t ij = size_t(i * sk + j);
-          prob[ij] = seen[ij] ? std::exp(prob[ij] - m) : 0.0;
+          prob[ij] = seen[ij] && std::isfinite(shift) ? std::exp(prob[ij] - shift) : 0.0;
           sum += prob[ij];
         }
-        for (int64_t j = 0; j < sk; ++j) prob[size_t(i * sk + j)] = sum > 0.0 ? prob[size_t(i * sk + j)] / sum : 0.0;
-        const int64_t lse_index = p.is_varlen() ? h * seq.rows_q + q0 + i : (b * hq + h) * p.seqlen_q + i;
-        const double alibi_offset = alibi_causal_form ? slope * double(i + sk - sq) : 0.0;
-        if (given_lse) {
-          // P = exp(S - L) over the visible keys; a row whose L is -inf sees none (P = 0).
-          const double l = (*given_lse)[size_t(lse_index)] - alibi_offset;
-          for (int64_t j = 0; j < sk; ++j) {
-            const size_t ij = size_t(i * sk + j);
-            const double s = (cap > 0.0 ? cap * std::tanh(pre[ij] / cap) : pre[ij]) - slope * std::abs(double(i + sk - sq - j));
-            prob[ij] = seen[ij] && std::isfinite(l) ? std::exp(s - l) : 0.0;
-          }
-        }
+        if (!given_lse)
+          for (int64_t j = 0; j < sk; ++j) prob[size_t(i * sk + j)] = sum > 0.0 ? prob[size_t(i * sk + j)] / sum : 0.0;
         if (fwd) {
           fwd->lse[size_t(lse_index)] = sum > 0.0 ? m + std::log(sum) + alibi_offset
                                                   : -std::numeric_limits<double>::infinity();
