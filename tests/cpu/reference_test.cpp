@@ -136,8 +136,8 @@ TEST(ReferenceGradient, GivenOFormsDFromTheProblemsO) {
 // P from the given L. With O and L the oracle's own forward (rounded to fp32), the gradient is the
 // exact one up to that rounding. With each row's L raised by its own d_r, that row's P is
 // exp(-d_r) times what it was and D (from the given O) is unchanged, so its dQ row scales by
-// exp(-d_r), exactly but for double rounding: a row, head or sequence of L read from the wrong place would show. Rows that see no
-// key keep L = -inf and zero gradients.
+// exp(-d_r), exactly but for double rounding: a row, head or sequence of L read from the wrong
+// place would show. Rows that see no key keep L = -inf and zero gradients.
 TEST(ReferenceGradient, GivenStatsFormsPFromTheProblemsL) {
   auto s = tiny();
   s.seqlens_q = {3, 0, 6, 2};
