@@ -364,29 +364,35 @@ if [[ $PROFILE_SMM -eq 1 && -x "$BUILD/bench_fp32" ]]; then
   fi
 fi
 
-# --profile-fwd / --profile-bwd: the same sections for tileattn's main kernel and cuDNN's, the third
+# --profile-fwd / --profile-bwd: Nsight Compute's full set on tileattn's main kernel and cuDNN's, the third
 # launch of each (neither a first call), each alone at the boosted clock: cycles compare,
-# sustained-load clocks do not show. tileattn's kernel is also sampled per SASS instruction (full
-# set; the source page as CSV), to show where its warps stall.
+# sustained-load clocks do not show. Both kernels are also sampled per SASS instruction (full set;
+# the source page as CSV), to show where their warps stall, and every metric is kept (raw page).
 profile_beside() {
   local pass=$1 ours=$2 theirs=$3 shapes=$4 shape tag who
   local NCU
   NCU=$(cuda_tool ncu)
   [[ -n "$NCU" ]] || return 0
-  local SECTIONS=(--section SpeedOfLight --section WarpStateStats --section SchedulerStats
-                  --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section LaunchStats)
   for shape in $shapes; do
     tag=${pass}_${shape//,/_}
     run "$LOG/ncu_${tag}_tileattn.txt" "$NCU" --set full --import-source no --clock-control none -k "regex:$ours" \
       --launch-skip 2 -c 1 -o "$LOG/ncu_${tag}_tileattn" "$BUILD/bench_attention" --pass "$pass" "$shape"
     if [[ $DRY -eq 0 && -f "$LOG/ncu_${tag}_tileattn.ncu-rep" ]]; then
       "$NCU" --import "$LOG/ncu_${tag}_tileattn.ncu-rep" --page details >> "$LOG/ncu_${tag}_tileattn.txt" 2>&1
-      "$NCU" --import "$LOG/ncu_${tag}_tileattn.ncu-rep" --page source --csv --print-source sass \
-        > "$LOG/ncu_${tag}_tileattn_sass.csv" 2>&1
-      rm -f "$LOG/ncu_${tag}_tileattn.ncu-rep"
     fi
-    run "$LOG/ncu_${tag}_cudnn.txt" "$NCU" "${SECTIONS[@]}" --clock-control none -k "regex:$theirs" \
-      --launch-skip 2 -c 1 python3 tools/device/peers.py "$pass" "$shape"
+    run "$LOG/ncu_${tag}_cudnn.txt" "$NCU" --set full --import-source no --clock-control none -k "regex:$theirs" \
+      --launch-skip 2 -c 1 -o "$LOG/ncu_${tag}_cudnn" python3 tools/device/peers.py "$pass" "$shape"
+    if [[ $DRY -eq 0 && -f "$LOG/ncu_${tag}_cudnn.ncu-rep" ]]; then
+      "$NCU" --import "$LOG/ncu_${tag}_cudnn.ncu-rep" --page details >> "$LOG/ncu_${tag}_cudnn.txt" 2>&1
+    fi
+    # Every metric of both (pipe utilisation, instruction mix) and both kernels' SASS samples.
+    for who in tileattn cudnn; do
+      [[ $DRY -eq 0 && -f "$LOG/ncu_${tag}_${who}.ncu-rep" ]] || continue
+      "$NCU" --import "$LOG/ncu_${tag}_${who}.ncu-rep" --page raw --csv > "$LOG/ncu_${tag}_${who}_raw.csv" 2>&1
+      "$NCU" --import "$LOG/ncu_${tag}_${who}.ncu-rep" --page source --csv --print-source sass \
+        > "$LOG/ncu_${tag}_${who}_sass.csv" 2>&1
+      rm -f "$LOG/ncu_${tag}_${who}.ncu-rep"
+    done
     for who in tileattn cudnn; do
       note "profile $pass $who $shape: $(grep -E '^ +(Duration|Elapsed Cycles|Issue Slots Busy) ' \
         "$LOG/ncu_${tag}_${who}.txt" 2>/dev/null | sed -E 's/^ +//; s/ +/ /g' | paste -sd ';')"
