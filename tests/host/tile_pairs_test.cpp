@@ -1,5 +1,6 @@
 // The persistent Hopper kernels' unit arithmetic (cuda/common/tile_pairs.hpp): every tile of a
-// head in exactly one unit, the heavier first, and paired units of equal work.
+// head in exactly one unit, the heavier first, paired units of equal work, and a walk's units
+// stepped as digits landing where dividing their numbers would.
 #include <gtest/gtest.h>
 
 #include <vector>
@@ -9,6 +10,7 @@
 namespace {
 
 using tileattn::cuda::TilePairs;
+using tileattn::cuda::UnitDigits;
 
 TEST(TilePairs, EveryTileInExactlyOneUnitHeavierFirst) {
   for (int tiles = 1; tiles <= 41; ++tiles)
@@ -47,6 +49,31 @@ TEST(TilePairs, PairedUnitsAreEqualWork) {
     }
     EXPECT_EQ(alone, tiles % 2) << "tiles " << tiles;
   }
+}
+
+TEST(UnitDigits, SteppedWalkMatchesDividedUnitNumbers) {
+  // Every block's walk a grid apart, digits carried by adds, against each unit number divided out;
+  // grids below, at and above a head's and a batch entry's units (carries in one or both digits).
+  for (int per_head : {1, 2, 3, 4, 7, 8, 33})
+    for (int heads : {1, 2, 3, 16, 32})
+      for (int grid : {1, 5, 66, 132, 133, 264}) {
+        const int count = per_head * heads * 5;
+        const UnitDigits step = UnitDigits::of(grid, per_head, heads);
+        std::vector<int> seen(size_t(count), 0);
+        for (int block = 0; block < grid && block < count; ++block) {
+          UnitDigits at = UnitDigits::of(block, per_head, heads);
+          for (int unit = block; unit < count; unit += grid) {
+            const UnitDigits want = UnitDigits::of(unit, per_head, heads);
+            ASSERT_EQ(at.i, want.i) << per_head << " " << heads << " grid " << grid << " unit " << unit;
+            ASSERT_EQ(at.head, want.head) << per_head << " " << heads << " grid " << grid << " unit " << unit;
+            ASSERT_EQ(at.batch, want.batch) << per_head << " " << heads << " grid " << grid << " unit " << unit;
+            ASSERT_EQ((at.batch * heads + at.head) * per_head + at.i, unit);
+            ++seen[size_t(unit)];
+            at.add(step, per_head, heads);
+          }
+        }
+        for (int u = 0; u < count; ++u) ASSERT_EQ(seen[size_t(u)], 1) << "unit " << u;
+      }
 }
 
 }  // namespace

@@ -29,29 +29,39 @@ struct BwdUnits {
         count(int64_t(pairs.per_head) * p.heads_kv * p.batch) {}
 };
 
-// Where a block's walk is: unit, and key block within it.
+// Where a block's walk is: unit (also as digits: key block within the head, kv head, batch), and
+// key block within it.
 struct BwdWalk {
   int unit, half;
+  UnitDigits at;
 };
 
 template <bool kPersistent, int kBlockN, int kBlockM>
 struct BwdSm90Schedule {
   BwdUnits units;
+  int heads;
+  UnitDigits step;  // gridDim.x
 
-  __device__ __forceinline__ explicit BwdSm90Schedule(const bwd::BwdParams& p) : units(p, kBlockN) {}
-  __device__ __forceinline__ BwdWalk begin() const { return {kPersistent ? int(blockIdx.x) : 0, 0}; }
+  __device__ __forceinline__ explicit BwdSm90Schedule(const bwd::BwdParams& p)
+      : units(p, kBlockN), heads(p.heads_kv), step{0, 0, 0} {
+    if constexpr (kPersistent) step = UnitDigits::of(int(gridDim.x), units.pairs.per_head, heads);
+  }
+  __device__ __forceinline__ BwdWalk begin() const {
+    if constexpr (!kPersistent) return {0, 0, {0, 0, 0}};
+    return {int(blockIdx.x), 0, UnitDigits::of(int(blockIdx.x), units.pairs.per_head, heads)};
+  }
   __device__ __forceinline__ bool more(const BwdWalk& w) const {
     return w.unit < (kPersistent ? int(units.count) : 1);
   }
   __device__ __forceinline__ void next(BwdWalk& w) const {
-    const int tiles = kPersistent ? units.pairs.count(w.unit % units.pairs.per_head) : 1;
-    if (++w.half == tiles) w.half = 0, w.unit += kPersistent ? int(gridDim.x) : 1;
+    if (++w.half < (kPersistent ? units.pairs.count(w.at.i) : 1)) return;
+    w.half = 0;
+    w.unit += kPersistent ? int(gridDim.x) : 1;
+    if constexpr (kPersistent) w.at.add(step, units.pairs.per_head, heads);
   }
   __device__ __forceinline__ BwdKeyBlock<kBlockN, kBlockM> key_block(const bwd::BwdParams& p, const BwdWalk& w) const {
     if constexpr (kPersistent) {
-      const int per_head = units.pairs.per_head, i = w.unit % per_head;
-      return BwdKeyBlock<kBlockN, kBlockM>(p, units.pairs.rank(i, w.half), w.unit / per_head / p.heads_kv,
-                                           (w.unit / per_head) % p.heads_kv);
+      return BwdKeyBlock<kBlockN, kBlockM>(p, units.pairs.rank(w.at.i, w.half), w.at.batch, w.at.head);
     } else {
       return BwdKeyBlock<kBlockN, kBlockM>(p);
     }

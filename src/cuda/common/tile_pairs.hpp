@@ -22,4 +22,26 @@ struct TilePairs {
   TA_HOST_DEVICE int rank(int i, int half) const { return !paired || half == 0 ? i : tiles - 1 - i; }
 };
 
+// A unit's number as digits (index within its head, head, batch), the units being numbered within
+// a head first, then head, then batch. A walk a grid apart moves every unit by the same count,
+// so adding that count's own digits, with carries, moves the digits without the three integer
+// divisions a number costs (each about 25 dependent instructions, in every warp of a block).
+struct UnitDigits {
+  int i, head, batch;
+
+  TA_HOST_DEVICE static UnitDigits of(int unit, int per_head, int heads) {
+    return {unit % per_head, unit / per_head % heads, unit / per_head / heads};
+  }
+  // this + step, both in digits: each digit below its base, so one carry at most.
+  TA_HOST_DEVICE void add(const UnitDigits& step, int per_head, int heads) {
+    i += step.i;
+    const int carry_i = i >= per_head;
+    i -= carry_i * per_head;
+    head += step.head + carry_i;
+    const int carry_head = head >= heads;
+    head -= carry_head * heads;
+    batch += step.batch + carry_head;
+  }
+};
+
 }  // namespace tileattn::cuda

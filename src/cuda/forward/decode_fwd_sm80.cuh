@@ -84,7 +84,7 @@ __global__ void __launch_bounds__(DecodeTraits<T, kHeadDim>::kThreads)
   const int row0 = lane / 4;  // packed row of (g); the block's rows start at 0
 
   const Mask mask{blk.seqlen_q, blk.seqlen_k, p.window_left, p.window_right};
-  const KeyTiles tiles = key_tiles(p, blk, mask, Tr::kBlockM, kBlockN);
+  const KeyTiles tiles = key_tiles(p, blk, mask, Tr::kBlockM, kBlockN, p.pack);
 
   float acc_o[1][kOTiles][4];
 #pragma unroll

@@ -54,15 +54,16 @@ __device__ __forceinline__ FwdBlock fwd_block_of_this_cta(const FwdParams& p, in
 
 // Key tiles [begin, end) of size block_n that the block visits (its split's share of those the
 // mask leaves), and the key range [full_begin, full_end) every row of the tile sees: a key tile
-// inside it needs no mask arithmetic.
+// inside it needs no mask arithmetic. pack: p.pack, or 1 where the kernel never packs (a
+// constant then spares two integer divisions a tile).
 struct KeyTiles {
   int begin, end;
   int full_begin, full_end;
 };
 __device__ __forceinline__ KeyTiles key_tiles(const FwdParams& p, const FwdBlock& blk, const Mask& mask, int block_m,
-                                              int block_n) {
+                                              int block_n, int pack) {
   // Positions of the tile's first and last rows (packed rows: position = row / pack).
-  const int first = blk.m0 / p.pack, m_end = min((blk.m0 + block_m - 1) / p.pack + 1, blk.seqlen_q);
+  const int first = blk.m0 / pack, m_end = min((blk.m0 + block_m - 1) / pack + 1, blk.seqlen_q);
   const int key_begin = mask.tile_begin_key(first), key_end = mask.tile_end_key(m_end);
   KeyTiles t;
   t.begin = key_begin / block_n;

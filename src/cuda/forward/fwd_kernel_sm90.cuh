@@ -130,14 +130,15 @@ __global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim, kBlockN_, kPersiste
     Roles::enter_producer();
     if (threadIdx.x != 0) return;
     int i = 0;  // K/V items loaded, over all of this block's tiles
+    const int group = p.heads_q / p.heads_kv;
     for (FwdWalk w = schedule.begin(); schedule.more(w); schedule.next(w)) {
       const int u = w.tile;
       const FwdBlock blk = schedule.tile(p, w);
       const Mask mask{blk.seqlen_q, blk.seqlen_k, p.window_left, p.window_right};
-      const KeyTiles tiles = key_tiles(p, blk, mask, kBlockM, kBlockN);
+      const KeyTiles tiles = key_tiles(p, blk, mask, kBlockM, kBlockN, 1);
       if (tiles.begin >= tiles.end) return;  // no key (kPersistent: the launch rule leaves none so)
       const bool varlen = p.cu_seqlens_q != nullptr;
-      const int kv_head = blk.head / (p.heads_q / p.heads_kv);
+      const int kv_head = blk.head / group;
       const int batch = varlen ? 0 : blk.batch;
       uint64_t* q_bar = kPersistent ? q_ring.acquire_bytes(u, kQBytes) : q_full;
       if constexpr (!kPersistent) sm90::barrier_arrive_expect_bytes(q_full, kQBytes);
@@ -166,7 +167,7 @@ __global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim, kBlockN_, kPersiste
     const int u = w.tile;
     const FwdBlock blk = schedule.tile(p, w);
     const Mask mask{blk.seqlen_q, blk.seqlen_k, p.window_left, p.window_right};
-    const KeyTiles tiles = key_tiles(p, blk, mask, kBlockM, kBlockN);
+    const KeyTiles tiles = key_tiles(p, blk, mask, kBlockM, kBlockN, 1);  // rows never packed (backend.cu)
     unsigned char* sQ = sQ0 + q_ring.slot(u) * kQBytes;
     const int row0 = blk.m0 + 64 * consumer + 16 * warp + lane / 4;  // sequence row of (g, e < 2)
 

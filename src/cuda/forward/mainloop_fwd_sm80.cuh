@@ -73,7 +73,7 @@ __global__ void __launch_bounds__(FwdTraits<T, kHeadDim>::kThreads)
   for (int mt = 0; mt < kMTiles; ++mt) mtile_has_rows[mt] = mt == 0 || blk.m0 + warp_row + mt * 16 < rows_q;
 
   const Mask mask{blk.seqlen_q, blk.seqlen_k, p.window_left, p.window_right};
-  const KeyTiles tiles = key_tiles(p, blk, mask, kBlockM, kBlockN);
+  const KeyTiles tiles = key_tiles(p, blk, mask, kBlockM, kBlockN, p.pack);
   const int n_begin = tiles.begin, n_end = tiles.end, full_begin = tiles.full_begin, full_end = tiles.full_end;
 
   float acc_o[kMTiles][kOTiles][4];

@@ -25,39 +25,49 @@ struct FwdUnits {
   __host__ __device__ FwdUnits(const FwdParams& p, int block_m)
       : pairs((p.seqlen_q + block_m - 1) / block_m, p.window_right == 0),
         count(int64_t(pairs.per_head) * p.heads_q * p.batch) {}
-  __device__ __forceinline__ int tiles(int u) const { return pairs.count(u % pairs.per_head); }
-  // Query tile `half` of unit u: the heavy one (the later rows) first.
-  __device__ __forceinline__ FwdBlock tile(const FwdParams& p, int block_m, int u, int half) const {
-    const int i = u % pairs.per_head, head = (u / pairs.per_head) % p.heads_q, batch = u / (pairs.per_head * p.heads_q);
-    const int m_block = pairs.paired ? pairs.tiles - 1 - pairs.rank(i, half) : i;
-    return fwd_block(p, block_m, m_block, 0, head, batch);
-  }
 };
 
-// Where a block's walk is: unit, tile within it, and tiles begun before.
+// Where a block's walk is: unit (also as digits), tile within it, and tiles begun before.
 struct FwdWalk {
   int unit, half, tile;
+  UnitDigits at;
 };
 
 // A block's walk: units first, first + step, ... below end; without kPersistent one unit, its
-// grid tile.
+// grid tile. A tile's start takes no integer division: the unit's digits are stepped.
 template <bool kPersistent>
 struct FwdSm90Schedule {
   FwdUnits units;
-  int block_m;
+  int block_m, heads;
+  UnitDigits step;  // gridDim.x
 
-  __device__ __forceinline__ FwdSm90Schedule(const FwdParams& p, int block_m_) : units(p, block_m_), block_m(block_m_) {}
-  __device__ __forceinline__ FwdWalk begin() const { return {kPersistent ? int(blockIdx.x) : 0, 0, 0}; }
+  __device__ __forceinline__ FwdSm90Schedule(const FwdParams& p, int block_m_)
+      : units(p, block_m_), block_m(block_m_), heads(p.heads_q), step{0, 0, 0} {
+    if constexpr (kPersistent) step = UnitDigits::of(int(gridDim.x), units.pairs.per_head, heads);
+  }
+  __device__ __forceinline__ FwdWalk begin() const {
+    if constexpr (!kPersistent) return {0, 0, 0, {0, 0, 0}};
+    return {int(blockIdx.x), 0, 0, UnitDigits::of(int(blockIdx.x), units.pairs.per_head, heads)};
+  }
   __device__ __forceinline__ bool more(const FwdWalk& w) const {
     return w.unit < (kPersistent ? int(units.count) : 1);
   }
   __device__ __forceinline__ void next(FwdWalk& w) const {
     ++w.tile;
-    if (++w.half == (kPersistent ? units.tiles(w.unit) : 1)) w.half = 0, w.unit += kPersistent ? int(gridDim.x) : 1;
+    if (++w.half < (kPersistent ? units.pairs.count(w.at.i) : 1)) return;
+    w.half = 0;
+    w.unit += kPersistent ? int(gridDim.x) : 1;
+    if constexpr (kPersistent) w.at.add(step, units.pairs.per_head, heads);
   }
+  // Query tile `half` of the unit: the heavy one (the later rows) first.
   __device__ __forceinline__ FwdBlock tile(const FwdParams& p, const FwdWalk& w) const {
-    if constexpr (kPersistent) return units.tile(p, block_m, w.unit, w.half);
-    else return fwd_block_of_this_cta(p, block_m);
+    if constexpr (kPersistent) {
+      const TilePairs& pairs = units.pairs;
+      const int m_block = pairs.paired ? pairs.tiles - 1 - pairs.rank(w.at.i, w.half) : w.at.i;
+      return fwd_block(p, block_m, m_block, 0, w.at.head, w.at.batch);
+    } else {
+      return fwd_block_of_this_cta(p, block_m);
+    }
   }
 };
 
