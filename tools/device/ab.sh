@@ -91,17 +91,18 @@ build "$BASE" base & BASE_PID=$!
 build "$ROOT" new ${TESTS:+tileattn_cuda_tests} || exit 1
 wait $BASE_PID || exit 1
 
-# variant NAME BINARY [ENV=VALUE]: one timed pass of every shape, CSV rows prefixed with the variant and round.
-CSV="$OUT/ab.csv"
-rm -f "$CSV"
+# variant NAME BINARY [ENV=VALUE]: one timed pass of every shape, CSV rows prefixed with the variant and round,
+# a file per pass (the harness's columns differ between passes).
+rm -f "$OUT"/ab_*.csv
 variant() {
-  local name=$1 bin=$2 round=$3 out
+  local name=$1 bin=$2 round=$3 out csv
   shift 3
   local pass
   for pass in ${PASS//,/ }; do
+    csv="$OUT/ab_$pass.csv"
     out=$(env "$@" "$bin" --pass "$pass" --dtype "$DTYPE" "${SHAPES[@]}")
-    [[ -f "$CSV" ]] || echo "variant,round,pass,$(head -1 <<< "$out")" > "$CSV"  # the harness's own columns
-    tail -n +2 <<< "$out" | sed "s/^/$name,$round,$pass,/" >> "$CSV"
+    [[ -f "$csv" ]] || echo "variant,round,pass,$(head -1 <<< "$out")" > "$csv"  # the harness's own columns
+    tail -n +2 <<< "$out" | sed "s/^/$name,$round,$pass,/" >> "$csv"
   done
 }
 for ((r = 1; r <= ROUNDS; ++r)); do
@@ -110,15 +111,15 @@ for ((r = 1; r <= ROUNDS; ++r)); do
   for v in "${ENV_VALUES[@]}"; do variant "new:$ENV_NAME=$v" "$ROOT/build-ab/bench_attention" "$r" "$ENV_NAME=$v"; done
 done
 
-python3 - "$CSV" <<'EOF' | tee "$OUT/summary.txt"
+python3 - "$OUT"/ab_*.csv <<'EOF' | tee "$OUT/summary.txt"
 import csv, statistics, sys
 from collections import defaultdict
-rows = list(csv.DictReader(open(sys.argv[1])))
+rows = [r for path in sys.argv[1:] for r in csv.DictReader(open(path))]
 shape_key = ("batch", "heads", "seqlen_q", "seqlen_k", "headdim", "causal", "heads_kv")
 variants, shapes, tf = [], [], defaultdict(list)
 for r in rows:
     # the pass first; the default and deterministic backward apart
-    s = ({"forward": "fwd", "backward": "bwd"}[r["pass"]],) + tuple(r.get(k) for k in shape_key) + (r["impl"],)
+    s = ({"forward": "fwd", "backward": "bwd"}[r["pass"]],) + tuple(r.get(k) or "-" for k in shape_key) + (r["impl"],)
     if r["variant"] not in variants: variants.append(r["variant"])
     if s not in shapes: shapes.append(s)
     tf[(r["variant"], s)].append(float(r["tflops"]))
