@@ -369,7 +369,7 @@ fi
 # sustained-load clocks do not show. Both kernels are also sampled per SASS instruction (full set;
 # the source page as CSV), to show where their warps stall, and every metric is kept (raw page).
 profile_beside() {
-  local pass=$1 ours=$2 theirs=$3 shapes=$4 shape tag who
+  local pass=$1 ours=$2 theirs=$3 shapes=$4 shape tag who rep
   local NCU
   NCU=$(cuda_tool ncu)
   [[ -n "$NCU" ]] || return 0
@@ -377,23 +377,17 @@ profile_beside() {
     tag=${pass}_${shape//,/_}
     run "$LOG/ncu_${tag}_tileattn.txt" "$NCU" --set full --import-source no --clock-control none -k "regex:$ours" \
       --launch-skip 2 -c 1 -o "$LOG/ncu_${tag}_tileattn" "$BUILD/bench_attention" --pass "$pass" "$shape"
-    if [[ $DRY -eq 0 && -f "$LOG/ncu_${tag}_tileattn.ncu-rep" ]]; then
-      "$NCU" --import "$LOG/ncu_${tag}_tileattn.ncu-rep" --page details >> "$LOG/ncu_${tag}_tileattn.txt" 2>&1
-    fi
     run "$LOG/ncu_${tag}_cudnn.txt" "$NCU" --set full --import-source no --clock-control none -k "regex:$theirs" \
       --launch-skip 2 -c 1 -o "$LOG/ncu_${tag}_cudnn" python3 tools/device/peers.py "$pass" "$shape"
-    if [[ $DRY -eq 0 && -f "$LOG/ncu_${tag}_cudnn.ncu-rep" ]]; then
-      "$NCU" --import "$LOG/ncu_${tag}_cudnn.ncu-rep" --page details >> "$LOG/ncu_${tag}_cudnn.txt" 2>&1
-    fi
-    # Every metric of both (pipe utilisation, instruction mix) and both kernels' SASS samples.
+    # Both kernels' sections, every metric (pipe utilisation, instruction mix) and SASS samples.
     for who in tileattn cudnn; do
-      [[ $DRY -eq 0 && -f "$LOG/ncu_${tag}_${who}.ncu-rep" ]] || continue
-      "$NCU" --import "$LOG/ncu_${tag}_${who}.ncu-rep" --page raw --csv > "$LOG/ncu_${tag}_${who}_raw.csv" 2>&1
-      "$NCU" --import "$LOG/ncu_${tag}_${who}.ncu-rep" --page source --csv --print-source sass \
-        > "$LOG/ncu_${tag}_${who}_sass.csv" 2>&1
-      rm -f "$LOG/ncu_${tag}_${who}.ncu-rep"
-    done
-    for who in tileattn cudnn; do
+      rep="$LOG/ncu_${tag}_${who}.ncu-rep"
+      if [[ $DRY -eq 0 && -f "$rep" ]]; then
+        "$NCU" --import "$rep" --page details >> "$LOG/ncu_${tag}_${who}.txt" 2>&1
+        "$NCU" --import "$rep" --page raw --csv > "$LOG/ncu_${tag}_${who}_raw.csv" 2>&1
+        "$NCU" --import "$rep" --page source --csv --print-source sass > "$LOG/ncu_${tag}_${who}_sass.csv" 2>&1
+        rm -f "$rep"
+      fi
       note "profile $pass $who $shape: $(grep -E '^ +(Duration|Elapsed Cycles|Issue Slots Busy) ' \
         "$LOG/ncu_${tag}_${who}.txt" 2>/dev/null | sed -E 's/^ +//; s/ +/ /g' | paste -sd ';')"
     done
