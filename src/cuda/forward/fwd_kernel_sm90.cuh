@@ -18,6 +18,9 @@
 // Key tiles are visited from the last to the first, as in the sm80 kernel (mask work first).
 // kAlibi: ALiBi's bias joins the scores where the cap and the mask do; an instance of its own, so
 // that the kernel without it keeps its registers (the bias needs the slope and both lengths live).
+// kSoftcap: soft-capping (tanhf on every score, about 1,100 instructions a step) in an instance of
+// its own too, so that the others do not carry that code between a step's hot paths: jumps over
+// it left the step waiting for instructions to be fetched (the ALiBi instance caps at run time).
 // O leaves through the consumers' rows of Q and TMA stores (epilogue_fwd_sm90.cuh).
 // kPersistent: one block per SM walks units of equal work a grid apart (scheduler_fwd_sm90.cuh;
 // one length, no mask but the causal one), with two Q buffers, so that the next tile's Q and
@@ -84,7 +87,7 @@ struct FwdSm90Traits {
   static_assert(kHeadDim % 16 == 0 && kHeadDim <= 256, "sm90 forward: head dims 16..256 in steps of 16");
 };
 
-template <class T, int kHeadDim, int kBlockN_, bool kAlibi, bool kPersistent, int kConsumers>
+template <class T, int kHeadDim, int kBlockN_, bool kAlibi, bool kPersistent, int kConsumers, bool kSoftcap = false>
 __global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim, kBlockN_, kPersistent, kConsumers>::kThreads, 1)
     fwd_kernel_sm90(const __grid_constant__ FwdSm90Params params) {
 #if defined(TILEATTN_SM90_ENABLED)
@@ -212,7 +215,9 @@ __global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim, kBlockN_, kPersiste
       auto score = [&](int i, auto& s, float (&alpha)[1][2]) -> bool {
         sm90::fence_registers(acc_s[0]);
         k_ring.release_warp(i0 + i, lane);
-        if (p.softcap_pre > 0.0f) softcap_scores(s, p.softcap_pre, p.softcap_post);
+        if constexpr (kSoftcap || kAlibi) {
+          if (p.softcap_pre > 0.0f) softcap_scores(s, p.softcap_pre, p.softcap_post);
+        }
         const int key0 = (tiles.end - 1 - i) * kBlockN;
         if constexpr (kAlibi) alibi_scores(s, slope_raw, row0, key0, blk.seqlen_q, blk.seqlen_k);
         if (!(key0 >= tiles.full_begin && key0 + kBlockN <= tiles.full_end)) {
