@@ -212,7 +212,7 @@ std::vector<ForwardCase> base_cases() {
     c.push_back({"split_dv34_gqa", o, true});
   }
   // More equal query tiles than SMs (no mask, one length): on Hopper one block per SM walks the
-  // tiles, two Q buffers deep; blocks of one to four tiles, ragged last query tiles, GQA, softcap,
+  // tiles, two Q buffers deep; blocks of one to four tiles, ragged last query tiles, GQA,
   // seqlen_q != seqlen_k.
   {
     ProblemShape a = shape(600, 600, 64, 32, 8);
@@ -220,8 +220,7 @@ std::vector<ForwardCase> base_cases() {
     c.push_back({"persistent_gqa_d64", a, false, true});
     ProblemShape b = shape(400, 333, 128, 16, 16);
     b.batch = 4;
-    b.softcap = 20.0f;
-    c.push_back({"persistent_softcap_d128", b, false, true});
+    c.push_back({"persistent_d128", b, false, true});
     ProblemShape d = shape(1100, 1000, 96, 12, 4);
     d.batch = 2;
     c.push_back({"persistent_d96", d, false, true});
@@ -241,12 +240,11 @@ std::vector<ForwardCase> base_cases() {
     ProblemShape s = shape(257, 257, 96, 24, 8);
     s.batch = 4;
     s.causal = true;
-    s.softcap = 10.0f;
-    c.push_back({"persistent_causal_softcap_d96", s, false, true});
+    c.push_back({"persistent_causal_d96", s, false, true});
   }
   // Causal walks of 192-row tiles (three consumers, head dims up to 64, from 4096 rows): the
   // heaviest tile ragged (64 rows) and paired with the lightest, GQA 2:1. And a causal walk of
-  // 128-row tiles below that, with more keys than queries and softcap.
+  // 128-row tiles below that, with more keys than queries.
   {
     ProblemShape g = shape(4096, 4096, 32, 14, 7);
     g.causal = true;
@@ -254,8 +252,32 @@ std::vector<ForwardCase> base_cases() {
     ProblemShape k = shape(2048, 2200, 64, 12, 12);
     k.batch = 2;
     k.causal = true;
+    c.push_back({"persistent_causal_sk_gt_sq_d64", k, false, true});
+  }
+  // Soft-capping: on Hopper an instance of its own (two consumers, 128-key steps, a block per
+  // tile) whatever the shape would take without it: the walk's shapes above, a long-key range
+  // (the 192-key instance's) and a long unmasked one (three consumers').
+  {
+    ProblemShape b = shape(400, 333, 128, 16, 16);
+    b.batch = 4;
+    b.softcap = 20.0f;
+    c.push_back({"softcap_walk_shape_d128", b, false, true});
+    ProblemShape s = shape(257, 257, 96, 24, 8);
+    s.batch = 4;
+    s.causal = true;
+    s.softcap = 10.0f;
+    c.push_back({"softcap_causal_d96", s, false, true});
+    ProblemShape k = shape(2048, 2200, 64, 12, 12);
+    k.batch = 2;
+    k.causal = true;
     k.softcap = 4.0f;
-    c.push_back({"persistent_causal_sk_gt_sq_softcap_d64", k, false, true});
+    c.push_back({"softcap_causal_sk_gt_sq_d64", k, false, true});
+    ProblemShape l = shape(64, 9000, 128, 4, 2);
+    l.softcap = 30.0f;
+    c.push_back({"softcap_long_keys_d128", l, false, true});
+    ProblemShape u = shape(1500, 1500, 64, 8, 8);
+    u.softcap = 15.0f;
+    c.push_back({"softcap_unmasked_long_d64", u, false, true});
   }
   // Long unmasked problems up to head dim 64: three consumer warpgroups, 192-row query tiles on
   // Hopper; ragged last tiles, GQA, softcap, headdim_v != headdim_qk, varlen sequences that end

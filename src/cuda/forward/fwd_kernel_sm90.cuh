@@ -15,9 +15,14 @@
 //                    in turn (ping-pong), so that one's softmax runs beside the other's products.
 // Registers move from the producer (which needs few) to the consumers. The two overlaps together
 // gain 13% at D = 128 and 8% at D = 64 (H100, bf16, N = 16k; docs/perf.md).
-// Key tiles are visited from the last to the first, as in the sm80 kernel (mask work first).
+// Key tiles are visited from the first to the last, so that the tile a mask cuts (the causal
+// diagonal, a ragged end) comes last, its softmax beside the P V before it: a tile's first softmax
+// has no product to hide behind.
 // kAlibi: ALiBi's bias joins the scores where the cap and the mask do; an instance of its own, so
 // that the kernel without it keeps its registers (the bias needs the slope and both lengths live).
+// kSoftcap: soft-capping (tanhf on every score, about 1,100 instructions a step) in an instance of
+// its own too, so that the others do not carry that code between a step's hot paths: jumps over
+// it left the step waiting for instructions to be fetched (the ALiBi instance caps at run time).
 // O leaves through the consumers' rows of Q and TMA stores (epilogue_fwd_sm90.cuh).
 // kPersistent: one block per SM walks units of equal work a grid apart (scheduler_fwd_sm90.cuh;
 // one length, no mask but the causal one), with two Q buffers, so that the next tile's Q and
@@ -84,7 +89,7 @@ struct FwdSm90Traits {
   static_assert(kHeadDim % 16 == 0 && kHeadDim <= 256, "sm90 forward: head dims 16..256 in steps of 16");
 };
 
-template <class T, int kHeadDim, int kBlockN_, bool kAlibi, bool kPersistent, int kConsumers>
+template <class T, int kHeadDim, int kBlockN_, bool kAlibi, bool kPersistent, int kConsumers, bool kSoftcap = false>
 __global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim, kBlockN_, kPersistent, kConsumers>::kThreads, 1)
     fwd_kernel_sm90(const __grid_constant__ FwdSm90Params params) {
 #if defined(TILEATTN_SM90_ENABLED)
@@ -144,7 +149,7 @@ __global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim, kBlockN_, kPersiste
       if constexpr (!kPersistent) sm90::barrier_arrive_expect_bytes(q_full, kQBytes);
       QTile::template load<kBlockM>(sQ0 + q_ring.slot(u) * kQBytes, &params.q, q_bar, int(blk.q_row0) + blk.m0,
                                     blk.head, batch);
-      for (int n = tiles.end - 1; n >= tiles.begin; --n, ++i) {
+      for (int n = tiles.begin; n < tiles.end; ++n, ++i) {
         const int row = int(blk.k_row0) + n * kBlockN;
         uint64_t* k_full = k_ring.acquire_bytes(i, kKVBytes);
         KVTile::template load<kBlockN>(sK + k_ring.slot(i) * kKVBytes, &params.k, k_full, row, kv_head, batch);
@@ -189,13 +194,15 @@ __global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim, kBlockN_, kPersiste
       float acc_s[1][kBlockN / 8][4];
       uint32_t pa[kBlockN / 16][4];  // P of the previous tile, rounded to T, in the A-fragment layout
 
-      // Whether no row of this consumer sees the second half of the first tile visited (under a
-      // causal mask, consumer 0 on the diagonal tile; else a ragged last tile): its softmax, P and
-      // P V then take the first half alone, P being 0 past it. Under a causal mask or a window no
-      // later tile can be so (the consumers' rows end 64 keys apart). S stays whole: a narrower S
-      // accumulator in one branch made ptxas serialise every wgmma of the kernel.
+      // Whether no row of this consumer sees the second half of the last tile visited (under a
+      // causal mask, consumer 0 on the diagonal tile; else a ragged last tile): its P V then takes
+      // the first half alone, P being 0 past it (and its softmax too where it is the only tile).
+      // Under a causal mask or a window no earlier tile can be so (the consumers' rows end 64 keys
+      // apart). S stays whole: a narrower S accumulator in one branch made ptxas serialise every
+      // wgmma of the kernel.
       const bool half0 =
           kHalves && (tiles.end - 1) * kBlockN + kBlockN / 2 >= mask.end_key(blk.m0 + 64 * consumer + 63);
+      const int count = tiles.end - tiles.begin;
       // S = Q K^T of the i-th tile visited, issued (not waited for).
       auto issue_s = [&](int i) {
         const uint64_t k_desc = KVTile::k_major(smem_address(sK + k_ring.slot(i0 + i) * kKVBytes), 0);
@@ -212,8 +219,10 @@ __global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim, kBlockN_, kPersiste
       auto score = [&](int i, auto& s, float (&alpha)[1][2]) -> bool {
         sm90::fence_registers(acc_s[0]);
         k_ring.release_warp(i0 + i, lane);
-        if (p.softcap_pre > 0.0f) softcap_scores(s, p.softcap_pre, p.softcap_post);
-        const int key0 = (tiles.end - 1 - i) * kBlockN;
+        if constexpr (kSoftcap || kAlibi) {
+          if (p.softcap_pre > 0.0f) softcap_scores(s, p.softcap_pre, p.softcap_post);
+        }
+        const int key0 = (tiles.begin + i) * kBlockN;
         if constexpr (kAlibi) alibi_scores(s, slope_raw, row0, key0, blk.seqlen_q, blk.seqlen_k);
         if (!(key0 >= tiles.full_begin && key0 + kBlockN <= tiles.full_end)) {
           if (mask.has_left()) mask_scores<true>(s, mask, row0, key0);
@@ -244,7 +253,7 @@ __global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim, kBlockN_, kPersiste
           for (int ks = 0; ks < decltype(keys)::value / 16; ++ks)
             sm90::Wgmma<T, kHeadDim>::template rs<1>(acc_o[0], pa[ks], KVTile::n_step(v_desc, ks), 1);
         };
-        if (i == 0 && half0) products(std::integral_constant<int, kBlockN / 2>{});
+        if (i == count - 1 && half0) products(std::integral_constant<int, kBlockN / 2>{});
         else products(std::integral_constant<int, kBlockN>{});
         sm90::wgmma_commit();
       };
@@ -256,7 +265,6 @@ __global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim, kBlockN_, kPersiste
       // Tile i's S is issued together with tile i - 1's P V, and its softmax runs while that
       // product is still on the tensor cores (FlashAttention-3's intra-warpgroup overlap). O is
       // rescaled for tile i only after tile i - 1's product has landed in it.
-      const int count = tiles.end - tiles.begin;
       float alpha[1][2];
       if constexpr (!kPersistent) turns.start();
       if constexpr (kPersistent) q_ring.wait(u);
@@ -272,10 +280,11 @@ __global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim, kBlockN_, kPersiste
         }
       }
       sm90::wgmma_wait<0>();
-      // O is still zero: nothing to rescale. Where a mask hides the first tile's second half from
-      // this consumer, the softmax and P take the first half alone, in the walk's instance (it
-      // runs the short causal ranges; the other instances' wgmmas were serialised by ptxas with it).
-      if (kPersistent && half0) {
+      // O is still zero: nothing to rescale. Where the first tile is the only one and a mask hides
+      // its second half from this consumer, the softmax and P take the first half alone, in the
+      // walk's instance (it runs the short causal ranges; the other instances' wgmmas were
+      // serialised by ptxas with it).
+      if (kPersistent && half0 && count == 1) {
         auto& first = reinterpret_cast<float(&)[1][kBlockN / 16][4]>(acc_s);
         score(0, first, alpha);
         pack_p(first);

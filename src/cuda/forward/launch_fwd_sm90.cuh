@@ -21,10 +21,11 @@ namespace tileattn::cuda {
 
 namespace fwd_sm90_detail {
 
-template <class T, int kHeadDim, int kBlockN, bool kAlibi, bool kPersistent = false, int kConsumers = 2>
+template <class T, int kHeadDim, int kBlockN, bool kAlibi, bool kPersistent = false, int kConsumers = 2,
+          bool kSoftcap = false>
 void launch(const FwdSm90Params& params, int64_t tiles, cudaStream_t stream) {
   using Traits = FwdSm90Traits<T, kHeadDim, kBlockN, kPersistent, kConsumers>;
-  const auto kernel = fwd_kernel_sm90<T, kHeadDim, kBlockN, kAlibi, kPersistent, kConsumers>;
+  const auto kernel = fwd_kernel_sm90<T, kHeadDim, kBlockN, kAlibi, kPersistent, kConsumers, kSoftcap>;
   allow_dynamic_smem(kernel, Traits::kSmemBytes);
   dim3 grid = fwd_grid(params.fwd, tiles);
   if constexpr (kPersistent)
@@ -45,7 +46,8 @@ inline bool fwd_sm90_persistent(const FwdSm90Params& params, int head_dim) {
   // Causal rows see at least one key each only where the keys are at least as many.
   const bool causal = p.window_right == 0 && p.seqlen_q <= p.seqlen_k;
   const FwdUnits units(p, params.block_m());
-  return head_dim <= 128 && params.o_by_tma && p.num_splits == 1 && !p.mod.has_alibi() && p.window_left < 0 &&
+  return head_dim <= 128 && params.o_by_tma && p.num_splits == 1 && !p.mod.has_alibi() && p.softcap_pre == 0.0f &&
+         p.window_left < 0 &&
          (p.window_right < 0 || causal) && p.cu_seqlens_q == nullptr && p.keys.cu_seqlens == nullptr &&
          !p.keys.paged() && p.keys.seqused == nullptr && p.keys.leftpad == nullptr && p.keys.batch_idx == nullptr &&
          p.seqlen_k > 0 && p.seqlen_k <= (causal ? kFwdSm90PersistentCausalMaxKeys : kFwdSm90PersistentMaxKeys) &&
@@ -68,7 +70,7 @@ inline int fwd_sm90_consumers(const AttentionProblem& pr, int head_dim) {
                            pr.seqlen_k > kFwdSm90PersistentMaxKeys &&
                            (pr.seqlen_q >= kFwdSm90ThreeConsumerCausalMinRows ||
                             pr.seqlen_k > kFwdSm90PersistentCausalMaxKeys);
-  return head_dim <= 64 && pr.alibi_slopes == nullptr &&
+  return head_dim <= 64 && pr.alibi_slopes == nullptr && pr.softcap <= 0.0f &&
                  ((unmasked && pr.seqlen_q >= kFwdSm90ThreeConsumerMinRows) || long_causal)
              ? 3
              : 2;
@@ -81,7 +83,9 @@ bool FwdSm90<T, kHeadDim>::make_maps(const AttentionProblem& pr, FwdSm90Params& 
   using sm90::attention_map_shape;
   // ALiBi has one instance per bucket, the short-key one: a second would cost build time for a
   // few percent at long key ranges (D = 128 only).
-  params.block_n = fwd_sm90_block_n(kHeadDim, pr.seqlen_k >= kFwdSm90LongKeys && pr.alibi_slopes == nullptr);
+  // Soft-capping runs one instance (run()): two consumers, 128-key steps, a block per tile.
+  params.block_n =
+      fwd_sm90_block_n(kHeadDim, pr.seqlen_k >= kFwdSm90LongKeys && pr.alibi_slopes == nullptr && pr.softcap <= 0.0f);
   params.consumers = fwd_sm90_detail::fwd_sm90_consumers(pr, kHeadDim);
   // O in boxes of one consumer's 64 rows; without a map the kernel stores O directly.
   params.o_by_tma = sm90::make_store_map(&params.o, pr.dtype, pr.o.data,
@@ -111,6 +115,7 @@ void FwdSm90<T, kHeadDim>::run(const FwdSm90Params& params, cudaStream_t stream)
   constexpr int kShort = fwd_sm90_block_n(kHeadDim, false), kLong = fwd_sm90_block_n(kHeadDim, true);
   using fwd_sm90_detail::launch;
   if (p.mod.has_alibi()) launch<T, kHeadDim, kShort, true>(params, tiles, stream);
+  else if (p.softcap_pre > 0.0f) launch<T, kHeadDim, kShort, false, false, 2, true>(params, tiles, stream);
   else if (kLong != kShort && params.block_n == kLong) launch<T, kHeadDim, kLong, false>(params, tiles, stream);
   else if (params.consumers == 3 && fwd_sm90_detail::fwd_sm90_persistent(params, kHeadDim))  // (head dims <= 64)
     launch<T, kHeadDim, kShort, false, kHeadDim <= 64, kHeadDim <= 64 ? 3 : 2>(params, tiles, stream);
