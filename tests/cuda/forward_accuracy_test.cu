@@ -256,7 +256,7 @@ std::vector<ForwardCase> base_cases() {
   }
   // Soft-capping: on Hopper an instance of its own (two consumers, 128-key steps, a block per
   // tile) whatever the shape would take without it: the walk's shapes above, a long-key range
-  // (the 192-key instance's) and a long unmasked one (three consumers').
+  // (the 192-key instance's) and the three consumers' shapes below, unmasked and causal.
   {
     ProblemShape b = shape(400, 333, 128, 16, 16);
     b.batch = 4;
@@ -278,16 +278,23 @@ std::vector<ForwardCase> base_cases() {
     ProblemShape u = shape(1500, 1500, 64, 8, 8);
     u.softcap = 15.0f;
     c.push_back({"softcap_unmasked_long_d64", u, false, true});
+    ProblemShape v = shape(2048, 3000, 32, 2, 1);
+    v.softcap = 8.0f;
+    v.headdim_v = 48;
+    c.push_back({"softcap_unmasked_long_d32_dv48", v, false, true});
+    ProblemShape w = shape(4200, 4200, 32, 2, 1);
+    w.causal = true;
+    w.softcap = 6.0f;
+    c.push_back({"softcap_causal_long_d32", w, false, true});
   }
   // Long unmasked problems up to head dim 64: three consumer warpgroups, 192-row query tiles on
-  // Hopper; ragged last tiles, GQA, softcap, headdim_v != headdim_qk, varlen sequences that end
+  // Hopper; ragged last tiles, GQA, headdim_v != headdim_qk, varlen sequences that end
   // inside a tile.
   {
     c.push_back({"three_consumers_gqa", shape(2100, 1500, 64, 4, 2), false, true});
     ProblemShape s = shape(2048, 3000, 32, 2, 1);
-    s.softcap = 8.0f;
     s.headdim_v = 48;
-    c.push_back({"three_consumers_softcap_d32_dv48", s, false, true});
+    c.push_back({"three_consumers_d32_dv48", s, false, true});
     ProblemShape v = shape(0, 0, 64, 2, 2);
     v.seqlens_q = {2500, 100, 0, 2200};
     v.seqlens_k = {2000, 3000, 5, 1100};
@@ -303,15 +310,14 @@ std::vector<ForwardCase> base_cases() {
     c.push_back({"three_consumers_rows_1030_d32_dv64", l, false, true});
   }
   // The same under the causal mask past the persistent walk's key limit: diagonal tiles of 192
-  // rows, more keys than queries (the diagonal shifted), rows that see no key (sq > sk), softcap.
+  // rows, more keys than queries (the diagonal shifted), rows that see no key (sq > sk).
   {
     ProblemShape a = shape(2100, 4500, 64, 4, 2);
     a.causal = true;
     c.push_back({"three_consumers_causal_sk_gt_sq", a, false, true});
     ProblemShape s = shape(4200, 4200, 32, 2, 1);
     s.causal = true;
-    s.softcap = 6.0f;
-    c.push_back({"three_consumers_causal_softcap_d32", s, false, true});
+    c.push_back({"three_consumers_causal_d32", s, false, true});
     ProblemShape v = shape(0, 0, 64, 2, 2);
     v.seqlens_q = {4400, 100, 2500};
     v.seqlens_k = {4200, 5000, 4700};
