@@ -10,8 +10,10 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cstdlib>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -254,39 +256,6 @@ std::vector<ForwardCase> base_cases() {
     k.causal = true;
     c.push_back({"persistent_causal_sk_gt_sq_d64", k, false, true});
   }
-  // Soft-capping: on Hopper an instance of its own (two consumers, 128-key steps, a block per
-  // tile) whatever the shape would take without it: the walk's shapes above, a long-key range
-  // (the 192-key instance's) and the three consumers' shapes below, unmasked and causal.
-  {
-    ProblemShape b = shape(400, 333, 128, 16, 16);
-    b.batch = 4;
-    b.softcap = 20.0f;
-    c.push_back({"softcap_walk_shape_d128", b, false, true});
-    ProblemShape s = shape(257, 257, 96, 24, 8);
-    s.batch = 4;
-    s.causal = true;
-    s.softcap = 10.0f;
-    c.push_back({"softcap_causal_d96", s, false, true});
-    ProblemShape k = shape(2048, 2200, 64, 12, 12);
-    k.batch = 2;
-    k.causal = true;
-    k.softcap = 4.0f;
-    c.push_back({"softcap_causal_sk_gt_sq_d64", k, false, true});
-    ProblemShape l = shape(64, 9000, 128, 4, 2);
-    l.softcap = 30.0f;
-    c.push_back({"softcap_long_keys_d128", l, false, true});
-    ProblemShape u = shape(1500, 1500, 64, 8, 8);
-    u.softcap = 15.0f;
-    c.push_back({"softcap_unmasked_long_d64", u, false, true});
-    ProblemShape v = shape(2048, 3000, 32, 2, 1);
-    v.softcap = 8.0f;
-    v.headdim_v = 48;
-    c.push_back({"softcap_unmasked_long_d32_dv48", v, false, true});
-    ProblemShape w = shape(4200, 4200, 32, 2, 1);
-    w.causal = true;
-    w.softcap = 6.0f;
-    c.push_back({"softcap_causal_long_d32", w, false, true});
-  }
   // Long unmasked problems up to head dim 64: three consumer warpgroups, 192-row query tiles on
   // Hopper; ragged last tiles, GQA, headdim_v != headdim_qk, varlen sequences that end
   // inside a tile.
@@ -323,6 +292,33 @@ std::vector<ForwardCase> base_cases() {
     v.seqlens_k = {4200, 5000, 4700};
     v.causal = true;
     c.push_back({"three_consumers_causal_varlen_rows_without_keys", v, false, true});
+  }
+  // Soft-capping: on Hopper an instance of its own (two consumers, 128-key steps, a block per
+  // tile) whatever the shape would take without it: shapes of the walk and of three consumers
+  // above with a cap, a long-key range (the 192-key instance's) and a long unmasked one.
+  {
+    struct Capped {
+      const char* name;
+      const char* shape_of;
+      float cap;
+    };
+    for (const Capped& k : {Capped{"softcap_walk_shape_d128", "persistent_d128", 20.0f},
+                            Capped{"softcap_causal_d96", "persistent_causal_d96", 10.0f},
+                            Capped{"softcap_causal_sk_gt_sq_d64", "persistent_causal_sk_gt_sq_d64", 4.0f},
+                            Capped{"softcap_unmasked_long_d32_dv48", "three_consumers_d32_dv48", 8.0f},
+                            Capped{"softcap_causal_long_d32", "three_consumers_causal_d32", 6.0f}}) {
+      const auto from = std::find_if(c.begin(), c.end(), [&](const ForwardCase& x) { return x.name == k.shape_of; });
+      if (from == c.end()) throw std::logic_error(std::string("no forward case named ") + k.shape_of);
+      ProblemShape s = from->shape;
+      s.softcap = k.cap;
+      c.push_back({k.name, s, false, true});
+    }
+    ProblemShape l = shape(64, 9000, 128, 4, 2);
+    l.softcap = 30.0f;
+    c.push_back({"softcap_long_keys_d128", l, false, true});
+    ProblemShape u = shape(1500, 1500, 64, 8, 8);
+    u.softcap = 15.0f;
+    c.push_back({"softcap_unmasked_long_d64", u, false, true});
   }
   // GQA packing (decoding, seqlen_q <= 64): the query heads of a group share a tile; positions
   // and heads come from packed rows in the mask, the loads and the stores.
