@@ -219,6 +219,14 @@ void check_append(const AttentionProblem& p) {
   check_aligned(p.rotary_sin, element_bytes(p.dtype), "rotary_sin", dtype_text);
 }
 
+// Whether q's rows are rotated each at its own cache position (flash-attn: where the mask is causal or
+// local, a side reaching past the cache row (>= seqlen_k) not counting) or all at the first new row.
+bool rotary_per_query(const AttentionProblem& p) {
+  if (p.rotary_per_query.has_value()) return *p.rotary_per_query;
+  auto bounds = [&](int64_t side) { return side >= 0 && side < p.seqlen_k; };
+  return p.causal || bounds(p.window_left) || bounds(p.window_right);
+}
+
 // The key/value cache fields (problem.hpp): which combinations exist, their sizes, and (where the
 // tables can be read) their values. Returns the rows K and V have along their batch dimension.
 int64_t check_kv_cache(const AttentionProblem& p, Pass pass, const HostOffsets& t) {
@@ -282,6 +290,19 @@ int64_t check_kv_cache(const AttentionProblem& p, Pass pass, const HostOffsets& 
                 (t.leftpad_k ? "leftpad_k" + at + " + seqlen_new = " + str(begin + p.seqlen_new)
                              : "seqlen_new=" + str(p.seqlen_new)) +
                 " (the appended rows are each sequence's last seqlen_new keys)");
+    }
+    // The new keys sit inside the cache row, so inside the table (rotary_seqlen >= seqlen_k); q's rows
+    // may reach past both: a causal q of more rows than it appends, or an append of none to a full
+    // row. No row of the table is there to rotate them by.
+    if (p.has_rotary() && t.seqused_k) {
+      const int64_t first = begin + std::max<int64_t>(end - begin - p.seqlen_new, 0);
+      const int64_t last = first + (rotary_per_query(p) ? p.seqlen_q - 1 : 0);
+      if (last >= p.rotary_seqlen)
+        invalid("rotary_cos has rotary_seqlen=" + str(p.rotary_seqlen) + " rows, but query row " +
+                str(last - first) + " of sequence " + str(b) + " is rotated at cache position " + str(last) +
+                " (seqused_k" + at + "=" + str(end) + " keys after the append of seqlen_new=" + str(p.seqlen_new) +
+                (rotary_per_query(p) ? ", each query at its own position under a causal or local mask" : "") +
+                "); pass a table of at least " + str(last + 1) + " rows");
     }
     if (t.kv_batch_idx && (t.kv_batch_idx[b] < 0 || t.kv_batch_idx[b] >= p.kv_batch))
       invalid("kv_batch_idx" + at + "=" + str(int64_t(t.kv_batch_idx[b])) + " must be in [0, kv_batch=" +
@@ -448,12 +469,8 @@ AttentionProblem validate_attention(const AttentionProblem& problem, Pass pass, 
   if (p.window_right < -1) invalid("window_right=" + str(p.window_right) + " must be >= -1 (-1 = unbounded)");
   // causal sets the right bound to 0 whatever window_right says, and the left bound stays: the
   // rule of flash-attn, whose callers (Mistral, Gemma) pass causal=true with a full window pair.
-  // flash-attn rotates query i at its own position when the mask is causal or local, where a side
-  // reaching past the cache row (>= seqlen_k) does not count: decided before the clamp below.
-  if (p.has_rotary() && !p.rotary_per_query.has_value()) {
-    auto bounds = [&](int64_t side) { return side >= 0 && side < p.seqlen_k; };
-    n.rotary_per_query = p.causal || bounds(p.window_left) || bounds(p.window_right);
-  }
+  // Decided before the clamp below, which would make a side past the cache row look local.
+  if (p.has_rotary()) n.rotary_per_query = rotary_per_query(p);
   if (p.causal) n.window_right = 0;
   // A side reaching past every key (left >= seqlen_k) or every query (right >= seqlen_q) masks
   // nothing; it is clamped there so the int32 arithmetic of the shared Mask cannot overflow.

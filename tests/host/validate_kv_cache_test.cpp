@@ -228,8 +228,29 @@ TEST(ValidateKvCache, RotaryNeedsSequsedK) {
   expect_fwd_error(c.a.p, ErrorKind::invalid_argument, {"rotary_cos needs seqused_k"});
 }
 
+// Query rows rotated past the table's last row (the new keys never are): under a causal mask
+// sequence 1's 4 queries sit at cache positions 4..7 of a 6-row table; and a full cache row
+// appending nothing puts every query at position 6. flash-attn reads past its table there.
+TEST(ValidateKvCache, RotaryQueriesPastTheTable) {
+  AppendCase c;
+  c.a.p.causal = true;
+  expect_fwd_error(c.a.p, ErrorKind::invalid_argument,
+                   {"rotary_seqlen=6", "query row 3 of sequence 1", "cache position 7", "at least 8 rows"});
+  c.cos.resize(8 * 2), c.sin.resize(8 * 2);
+  c.a.p.rotary_cos = c.cos.data(), c.a.p.rotary_sin = c.sin.data(), c.a.p.rotary_seqlen = 8;
+  EXPECT_NO_THROW(validate_attention(c.a.p, Pass::forward, Backend::cpu));
+
+  AppendCase full;
+  full.a.p.seqlen_new = 0;
+  full.a.p.k_new = full.a.p.v_new = TensorView{};
+  expect_fwd_error(full.a.p, ErrorKind::invalid_argument, {"query row 0 of sequence 1", "cache position 6"});
+  full.seqused[1] = 5;
+  EXPECT_NO_THROW(validate_attention(full.a.p, Pass::forward, Backend::cpu));
+}
+
 // flash-attn's rule for where queries are rotated: per query under a causal or local mask, where a
 // window side of at least the cache row's length (seqlen_k = 6) masks nothing and does not count.
+// (A table of 8 rows: sequence 1's queries reach position 7 where they are rotated per query.)
 TEST(ValidateKvCache, RotaryQueriesFollowTheMaskUnlessSet) {
   struct Case {
     bool causal;
@@ -239,6 +260,8 @@ TEST(ValidateKvCache, RotaryQueriesFollowTheMaskUnlessSet) {
   for (const Case& k : {Case{false, -1, -1, false}, Case{true, -1, -1, true}, Case{false, 2, -1, true},
                         Case{false, -1, 0, true}, Case{false, 6, -1, false}, Case{false, -1, 100, false}}) {
     AppendCase c;
+    c.cos.resize(8 * 2), c.sin.resize(8 * 2);
+    c.a.p.rotary_cos = c.cos.data(), c.a.p.rotary_sin = c.sin.data(), c.a.p.rotary_seqlen = 8;
     c.a.p.causal = k.causal, c.a.p.window_left = k.left, c.a.p.window_right = k.right;
     EXPECT_EQ(validate_attention(c.a.p, Pass::forward, Backend::cpu).rotary_per_query, k.per_query)
         << "causal " << k.causal << ", window (" << k.left << ", " << k.right << ")";
