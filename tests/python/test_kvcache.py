@@ -703,6 +703,12 @@ BAD_KVCACHE = {
                          ValueError, r"rotary_sin|rotary_cos"),
     "rotary_dim_past_headdim": (False, lambda c: dict(**_rotary(half=9)), ValueError, r"rotary_cos"),
     "rotary_too_few_positions": (False, lambda c: dict(**_rotary(rows=2)), ValueError, r"rotary_cos"),
+    # Causal queries sit at their own positions: 3 queries after 11 cached keys reach row 13 of a
+    # 12-row table (flash-attn reads past it).
+    "rotary_queries_past_the_table": (False, lambda c: dict(q=torch.randn(2, 3, 4, 16), causal=True,
+                                                            cache_seqlens=torch.tensor([3, 11], dtype=I32),
+                                                            **_rotary()),
+                                      ValueError, r"rotary_cos.*position 13.*at least 14 rows"),
     "alibi_slopes_shape": (False, lambda c: dict(alibi_slopes=torch.ones(3)), ValueError, r"alibi_slopes"),
     "num_splits_negative": (False, lambda c: dict(num_splits=-1), ValueError, r"num_splits"),
     "num_splits_fractional": (False, lambda c: dict(num_splits=1.5), TypeError, r"^num_splits=1\.5 must be an integer"),
