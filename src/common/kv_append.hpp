@@ -23,10 +23,12 @@ struct AppendSpan {
 
 // Appending is fixed length only, so key_span's row0 is the left pad (0 when paged) and its rows
 // are cache rows [row0, row0 + len), the last seqlen_new of them new.
-TA_HOST_DEVICE AppendSpan append_span(const KeyLayout& l, int b, int seqlen_new) {
-  const KeySpan s = key_span(l, b);
+TA_HOST_DEVICE AppendSpan append_span(const KeySpan& s, int seqlen_new) {
   const int first = s.len > seqlen_new ? s.len - seqlen_new : 0;
   return {s, first, s.len - first, int(s.row0) + first};
+}
+TA_HOST_DEVICE AppendSpan append_span(const KeyLayout& l, int b, int seqlen_new) {
+  return append_span(key_span(l, b), seqlen_new);
 }
 
 // The cache position q's row i is rotated at: flash-attn rotates every query at the first new

@@ -9,6 +9,7 @@
 #include <tuple>
 #include <vector>
 
+#include "common/kv_append.hpp"
 #include "tileattn/error.hpp"
 
 namespace tileattn::host {
@@ -269,6 +270,7 @@ int64_t check_kv_cache(const AttentionProblem& p, Pass pass, const HostOffsets& 
 
   // Values, where readable: each sequence's key range, then the pages it touches.
   const int32_t* cu = varlen ? t.k : nullptr;
+  const bool per_query = p.has_rotary() && rotary_per_query(p);
   if (varlen && cu == nullptr) return kv_rows;
   for (int64_t b = 0; b < p.batch; ++b) {
     const std::string at = std::string("[").append(str(b)).append("]");  // ("[" + str(b): GCC 12's false -Wrestrict)
@@ -295,13 +297,14 @@ int64_t check_kv_cache(const AttentionProblem& p, Pass pass, const HostOffsets& 
     // may reach past both: a causal q of more rows than it appends, or an append of none to a full
     // row. No row of the table is there to rotate them by.
     if (p.has_rotary() && t.seqused_k) {
-      const int64_t first = begin + std::max<int64_t>(end - begin - p.seqlen_new, 0);
-      const int64_t last = first + (rotary_per_query(p) ? p.seqlen_q - 1 : 0);
+      const AppendSpan span = append_span(KeySpan{b, begin, int(end - begin), nullptr}, int(p.seqlen_new));
+      const int64_t row = per_query ? p.seqlen_q - 1 : 0;
+      const int64_t last = query_position(span, int(row), per_query);
       if (last >= p.rotary_seqlen)
-        invalid("rotary_cos has rotary_seqlen=" + str(p.rotary_seqlen) + " rows, but query row " +
-                str(last - first) + " of sequence " + str(b) + " is rotated at cache position " + str(last) +
-                " (seqused_k" + at + "=" + str(end) + " keys after the append of seqlen_new=" + str(p.seqlen_new) +
-                (rotary_per_query(p) ? ", each query at its own position under a causal or local mask" : "") +
+        invalid("rotary_cos has rotary_seqlen=" + str(p.rotary_seqlen) + " rows, but query row " + str(row) +
+                " of sequence " + str(b) + " is rotated at cache position " + str(last) + " (seqused_k" + at + "=" +
+                str(end) + " keys after the append of seqlen_new=" + str(p.seqlen_new) +
+                (per_query ? ", each query at its own position under a causal or local mask" : "") +
                 "); pass a table of at least " + str(last + 1) + " rows");
     }
     if (t.kv_batch_idx && (t.kv_batch_idx[b] < 0 || t.kv_batch_idx[b] >= p.kv_batch))
