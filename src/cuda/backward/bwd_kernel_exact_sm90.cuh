@@ -330,9 +330,12 @@ struct DqSum {
     sync();  // every warp's dS is written
     const uint64_t ds_hi = sm90::k_major_descriptor(smem_address(tiles));
     const uint64_t ds_lo = sm90::descriptor_plus(ds_hi, DsTile::kBytes);
-    // Two accumulators over both halves, 32 hi products each (as the scores'), summed once. Not a
-    // pair of fresh accumulators a half: with the first half's read and the second's restarting
-    // them (scale-d 0), ptxas issued the second half's products alone and doubled them.
+    // An accumulator a half (its 32 keys' lo, then hi, products), the two summed once in fp32. The
+    // tensor core's sums drop bits toward zero each time a product lands on a large accumulator:
+    // with one accumulator taking both halves' lo terms after the first half's hi products, dQ
+    // drifted toward zero past the 2x rule on short sequences. Not a pair of fresh accumulators
+    // a half: with the first half's read and the second's restarting them (scale-d 0), ptxas
+    // issued the second half's products alone and doubled them.
     float acc[2][kStep / 8][4];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -342,13 +345,11 @@ struct DqSum {
       sm90::tf32_a_fragments_of_transpose<32>(kt_lo, k_hi + kLoOffset, kBlockRows, k0, 16 * warp(), lane());
       sm90::wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
-        Mma::rs(acc[0], kt_lo[kk], DsTile::k_step(ds_hi, 4 * half + kk), half > 0 || kk > 0);
+      for (int kk = 0; kk < 4; ++kk) Mma::rs(acc[half], kt_lo[kk], DsTile::k_step(ds_hi, 4 * half + kk), kk > 0);
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) Mma::rs(acc[0], kt_hi[kk], DsTile::k_step(ds_lo, 4 * half + kk), 1);
+      for (int kk = 0; kk < 4; ++kk) Mma::rs(acc[half], kt_hi[kk], DsTile::k_step(ds_lo, 4 * half + kk), 1);
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
-        Mma::rs(acc[kk / 2], kt_hi[kk], DsTile::k_step(ds_hi, 4 * half + kk), half == 0 && kk == 2 ? 0 : 1);
+      for (int kk = 0; kk < 4; ++kk) Mma::rs(acc[half], kt_hi[kk], DsTile::k_step(ds_hi, 4 * half + kk), 1);
     }
     sm90::wgmma_commit();
     float part[kStep / 8][4];
