@@ -57,6 +57,11 @@ struct AttentionProblem {
   // are the same to rounding.
   float* softmax_stats = nullptr;
   TensorView dout;        // backward inputs
+  // Optional backward input: the loss's gradient with respect to L, fp32, in L's layout and memory
+  // space; null where L carries none. L is the log-sum-exp of a row's scores, so its gradient is
+  // the row's softmax: each score gets dL_i * P_ij on top of what dO gives it (rows that see no key
+  // get nothing).
+  const float* dlse = nullptr;
   TensorView dq, dk, dv;  // backward outputs; for GQA dK/dV sum over the query heads of each group
 
   // ---- variable length ------------------------------------------------------------------

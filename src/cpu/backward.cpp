@@ -70,6 +70,7 @@ struct QueryRows {
 struct BackwardScratch {
   AlignedVector<float> q, dout, lse;         // query tile: Q, dO rows where copied, L (less its ALiBi offset)
   AlignedVector<double> delta;               // the tile's rows' D
+  AlignedVector<double> dlse;                // the tile's rows' dL (problem.hpp), 0 without one
   RowsView qv{}, dov{};                      // the tile's Q and dO rows, wherever they are
   float slope = 0.0f;                        // ALiBi slope of the tile's head
   int64_t head = 0;                          // the tile's query head (dropout's stream)
@@ -94,6 +95,7 @@ void size_scratch(BackwardScratch& w, int64_t dqk, int64_t dv) {
   w.dout.resize(size_t(kTileQ * dv));
   w.lse.resize(size_t(kTileQ));
   w.delta.resize(size_t(kTileQ));
+  w.dlse.resize(size_t(kTileQ));
   w.norm.resize(size_t(kTileQ));
   w.kt.resize(size_t(dqk * kTileK));
   w.vt.resize(size_t(dv * kTileK));
@@ -128,6 +130,7 @@ void load_query_tile(const AttentionProblem& p, const ScoreTransform& transform,
     const int64_t li = lse_index(p, s, i0 + i, h);
     w.lse[size_t(i)] = row_lse(p, transform, s, i0 + i, h, w.slope);
     w.delta[size_t(i)] = terms.from_tile ? 0.0 : terms.delta[size_t(li)];
+    w.dlse[size_t(i)] = p.dlse != nullptr ? double(p.dlse[li]) : 0.0;
     w.norm[size_t(i)] = terms.norm.empty() ? 1.0f : terms.norm[size_t(li)];
   }
 }
@@ -205,8 +208,8 @@ void tile_row_terms(int64_t rows, int64_t n, BackwardScratch& w) {
   }
 }
 
-// probabilities_and_dp, then dS = P * (dP - D) (through the cap derivative) into w.ds; in double
-// up to kNarrowHeaddim.
+// probabilities_and_dp, then dS = P * (dP - D + dL) (through the cap derivative) into w.ds; in
+// double up to kNarrowHeaddim. dL (problem.hpp's dlse) joins D here, where D is final.
 void probabilities_and_ds(const AttentionProblem& p, const ScoreTransform& transform, const Sequence& s, int64_t i0,
                           int64_t rows, int64_t j0, int64_t n, BackwardScratch& w) {
   probabilities_and_dp(p, transform, s, i0, rows, j0, n, w);
@@ -215,7 +218,7 @@ void probabilities_and_ds(const AttentionProblem& p, const ScoreTransform& trans
   for (int64_t i = 0; i < rows; ++i) {
     const float* pi = &w.p[size_t(i * kTileK)];
     float* dsi = &w.ds[size_t(i * kTileK)];
-    const double delta = w.delta[size_t(i)];
+    const double delta = w.delta[size_t(i)] - w.dlse[size_t(i)];
     if (narrow) {
       for (int64_t j = 0; j < n; ++j) dsi[j] = float(double(pi[j]) * (double(dsi[j]) - delta));
     } else {

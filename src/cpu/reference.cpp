@@ -124,6 +124,7 @@ void run_oracle(const AttentionProblem& p, const std::vector<double>& q, const s
       auto qrow = [&](int64_t i) { return &q[size_t(((q0 + i) * hq + h) * dqk)]; };
       auto krow = [&](int64_t j) { return &k[size_t(((k0 + j) * hkv + hk) * dqk)]; };
       auto vrow = [&](int64_t j) { return &v[size_t(((k0 + j) * hkv + hk) * dv)]; };
+      auto lse_row = [&](int64_t i) { return p.is_varlen() ? h * seq.rows_q + q0 + i : (b * hq + h) * p.seqlen_q + i; };
       if (dropout)
         for (int64_t i = 0; i < sq; ++i)
           for (int64_t j = 0; j < sk; ++j)
@@ -143,7 +144,7 @@ void run_oracle(const AttentionProblem& p, const std::vector<double>& q, const s
           prob[ij] = capped - slope * std::abs(double(i + sk - sq - j));
           if (seen[ij]) m = std::max(m, capped);
         }
-        const int64_t lse_index = p.is_varlen() ? h * seq.rows_q + q0 + i : (b * hq + h) * p.seqlen_q + i;
+        const int64_t lse_index = lse_row(i);
         const double alibi_offset = alibi_causal_form ? slope * double(i + sk - sq) : 0.0;
         // With a given L, P = exp(S - L) unnormalised; a row whose L is -inf sees no key (P = 0).
         const double shift = given_lse ? (*given_lse)[size_t(lse_index)] - alibi_offset : m;
@@ -168,7 +169,8 @@ void run_oracle(const AttentionProblem& p, const std::vector<double>& q, const s
       }
       if (!bwd) continue;
       // With dropout's factor F = M / (1 - p): dV = (P F)^T dO;  dP = (dO V^T) F;
-      // dS = P * (dP - rowsum(P * dP));  through the cap,
+      // dS = P * (dP - rowsum(P * dP) + dL), dL the loss's gradient with respect to L (dlse);
+      // through the cap,
       // d(capped)/d(pre) = 1 - tanh^2(pre / cap);  dQ = scale dPre K;  dK = scale dPre^T Q.
       for (int64_t i = 0; i < sq; ++i) {
         const double* go = &(*dout)[size_t(((q0 + i) * hq + h) * dv)];
@@ -190,6 +192,7 @@ void run_oracle(const AttentionProblem& p, const std::vector<double>& q, const s
           rowsum = 0.0;
           for (int64_t d = 0; d < dv; ++d) rowsum += go[d] * o[d];
         }
+        if (p.dlse != nullptr) rowsum -= double(p.dlse[lse_row(i)]);
         double* gq = &bwd->dq[size_t(((q0 + i) * hq + h) * dqk)];
         for (int64_t j = 0; j < sk; ++j) {
           const size_t ij = size_t(i * sk + j);

@@ -17,7 +17,8 @@
 // result separates its own arithmetic from that. OracleDelta::given_stats also forms P as
 // exp(S - L) from the problem's L, unnormalised: the exact result of a backward over part of the
 // keys (AttentionProblem::partial_keys), which must take both from the whole problem's forward and
-// so inherits their rounding, which no such backward can remove.
+// so inherits their rounding, which no such backward can remove. The problem's dlse, when set, is
+// read from host memory by both backward forms.
 #include <vector>
 
 #include "tileattn/problem.hpp"

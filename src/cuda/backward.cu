@@ -203,6 +203,7 @@ class BackwardPlan final : public detail::BackendPlan {
     params.dk = strided(p.dk);
     params.dv = strided(p.dv);
     params.lse = p.lse;
+    params.dlse = p.dlse;
     params.cu_seqlens_q = p.cu_seqlens_q;
     params.cu_seqlens_k = p.cu_seqlens_k;
     params.batch = int(p.batch);

@@ -41,6 +41,7 @@ void check_memory(const AttentionProblem& p, host::Pass pass, Backend backend) {
   check_memory_space(p.softmax_stats, "softmax_stats", backend);
   if (pass == host::Pass::backward) {
     check_memory_space(p.dout.data, "dout.data", backend);
+    check_memory_space(p.dlse, "dlse", backend);
     check_memory_space(p.dq.data, "dq.data", backend);
     check_memory_space(p.dk.data, "dk.data", backend);
     check_memory_space(p.dv.data, "dv.data", backend);

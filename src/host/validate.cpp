@@ -401,6 +401,7 @@ AttentionProblem validate_attention(const AttentionProblem& problem, Pass pass, 
     check_aligned(t.view->data, element_bytes(p.dtype), std::string(t.name) + ".data", dtype_text);
   }
   check_aligned(p.lse, sizeof(float), "lse", "an f32 element");
+  check_aligned(p.dlse, sizeof(float), "dlse", "an f32 element");
   if (p.softmax_stats != nullptr) {
     if (p.dtype != DType::f32 || backend != Backend::cuda)
       invalid("softmax_stats is for fp32 problems on the CUDA backend (set it to nullptr here)");

@@ -21,6 +21,7 @@ struct Case {
   DType dtype;
   bool causal;
   bool alibi = false;
+  bool lse_grad = false;
 };
 
 void check_trials(const Case& c) {
@@ -34,6 +35,7 @@ void check_trials(const Case& c) {
     shape.dtype = c.dtype;
     shape.causal = c.causal;
     if (c.alibi) shape.alibi = ProblemShape::Alibi::per_head;
+    shape.lse_grad = c.lse_grad;
     shape.num_threads = 2;
     HostProblem hp(shape);
     AttentionProblem& p = hp.problem;
@@ -66,6 +68,18 @@ TEST(BackwardAccuracy, Fp32DFromO) {
   check_trials({64, 80, 16, 256, DType::f32, false});
   check_trials({50, 50, 64, 64, DType::f32, true});
   check_trials({33, 33, 128, 32, DType::f32, false});
+}
+
+// A gradient for L too (problem.hpp's dlse): D less dL, on every way D is formed (rowsum(O dO),
+// rowsum(P dP) over the row's tiles or from one tile) and through ALiBi's causal-form offset.
+TEST(BackwardAccuracy, LseGradient) {
+  for (DType dt : {DType::f32, DType::f16, DType::bf16}) {
+    SCOPED_TRACE(dt == DType::f32 ? "f32" : dt == DType::f16 ? "f16" : "bf16");
+    check_trials({50, 50, 64, 64, dt, true, false, true});
+    check_trials({33, 100, 16, 256, dt, false, false, true});
+    check_trials({100, 70, 32, 64, dt, true, true, true});
+    check_trials({7, 9, 4, 8, dt, false, false, true});
+  }
 }
 
 // ALiBi: in the causal form the backward reads L less slope * (i + sk - sq), recovered from a

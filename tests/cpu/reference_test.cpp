@@ -23,11 +23,15 @@ struct Dense {
 
 Dense dense_inputs(const HostProblem& hp) { return {hp.q.gather(), hp.k.gather(), hp.v.gather(), hp.dout.gather()}; }
 
-// sum(O * dO): its gradient with respect to Q, K, V is exactly what backward returns for dO.
+// sum(O * dO) + sum(L * dL) over the rows that see a key (dL: the problem's dlse, when set): its
+// gradient with respect to Q, K, V is exactly what backward returns for dO and dL.
 double loss(const AttentionProblem& p, const Dense& x) {
   const auto f = reference_forward_dense(p, x.q, x.k, x.v);
   double l = 0.0;
   for (size_t i = 0; i < f.o.size(); ++i) l += f.o[i] * x.dout[i];
+  if (p.dlse != nullptr)
+    for (size_t i = 0; i < f.lse.size(); ++i)
+      if (std::isfinite(f.lse[i])) l += f.lse[i] * double(p.dlse[i]);
   return l;
 }
 
@@ -184,6 +188,29 @@ TEST(ReferenceGradient, MatchesFiniteDifferencesVarlen) {
   s.seqlens_q = {3, 0, 4, 2};
   s.seqlens_k = {2, 3, 5, 0};
   s.causal = true;
+  expect_gradient_matches_differences(s);
+}
+
+// A loss that reads L too: each row's scores get dL_i P_ij besides dO's part, through the cap and
+// ALiBi's bias alike; rows that see no key (causal sq > sk, an empty varlen sequence) get none.
+TEST(ReferenceGradient, MatchesFiniteDifferencesWithLseGradient) {
+  auto s = tiny();
+  s.lse_grad = true;
+  expect_gradient_matches_differences(s);
+  s.seqlen_q = 6;
+  s.causal = true;
+  s.alibi = ProblemShape::Alibi::per_head;
+  expect_gradient_matches_differences(s);
+  s = tiny();
+  s.lse_grad = true;
+  s.softcap = 1.5f;
+  s.softmax_scale = 0.9f;
+  expect_gradient_matches_differences(s);
+  s = tiny();
+  s.lse_grad = true;
+  s.seqlens_q = {3, 0, 4, 2};
+  s.seqlens_k = {2, 3, 5, 0};
+  s.window_left = 1;
   expect_gradient_matches_differences(s);
 }
 

@@ -21,8 +21,8 @@ namespace {
 
 // ---- the naive same-precision backward --------------------------------------------------------
 // What a framework does without fusion: P from its own fp32 softmax rounded to the dtype, dP =
-// dO.V^T rounded, dS = P * (dP - rowsum(P * dP)) rounded, then the three products in fp32 with
-// rounded results. P and dS are materialised (heads_q, rows_q, seqlen_k).
+// dO.V^T rounded, dS = P * (dP - rowsum(P * dP) + dL) rounded (dL: the problem's dlse, 0 without
+// one), then the three products in fp32 with rounded results. P and dS are materialised (heads_q, rows_q, seqlen_k).
 
 using naive_detail::load;
 using naive_detail::round_to;
@@ -100,6 +100,7 @@ __global__ void __launch_bounds__(kNaiveThreads)
     pdp += pj * dp;
   }
   pdp = naive_detail::block_reduce<false>(pdp, red);
+  if (p.dlse) pdp -= p.dlse[p.cu_seqlens_q ? h * p.total_q + r : (x.b * p.heads_q + h) * p.seqlen_q + x.i];
   for (int64_t j = threadIdx.x; j < x.sk; j += kNaiveThreads)
     dsrow[j] = round_to<T>(prow[j] * (dsrow[j] - pdp) * softcap_grad(srow[j], p.softcap));
   __syncthreads();
@@ -513,8 +514,69 @@ void add_ordered_dq_cases(std::vector<Case>& c) {
   }
 }
 
+// A gradient for L too (problem.hpp's dlse), on each way the kernels form D: the preprocess's
+// rowsum(O dO) (16-bit; fp32 rows of many keys on Hopper), rowsum(P dP) from a pass of its own
+// (16-bit rows of few keys; fp32 elsewhere), the Hopper fp32 statistics pass; the walk, the wide
+// head dims, ALiBi's causal-form offset, rows that see no key and empty sequences.
+void add_lse_grad_cases(std::vector<Case>& c) {
+  auto with_dlse = [](ProblemShape s) {
+    s.lse_grad = true;
+    return s;
+  };
+  {
+    auto s = with_dlse(base(DType::bf16, 300, 300, 64));
+    s.batch = 9;
+    s.heads_q = 16;
+    s.heads_kv = 8;
+    s.causal = true;
+    c.push_back({"dlse_bf16_walk_causal_gqa", s, true});
+  }
+  {
+    auto s = with_dlse(base(DType::bf16, 500, 500, 128));
+    s.batch = 1;
+    s.causal = true;
+    s.alibi = ProblemShape::Alibi::per_head;
+    c.push_back({"dlse_bf16_alibi_causal_d128", s, true});
+  }
+  {
+    auto s = with_dlse(base(DType::f16, 300, 127, 96));  // the first 173 rows see no key
+    s.causal = true;
+    c.push_back({"dlse_f16_sq_gt_sk_causal_d96", s});
+  }
+  {
+    auto s = with_dlse(base(DType::bf16, 200, 200, 64));
+    s.window_left = 3;
+    s.window_right = 0;
+    s.softcap = 2.0f;
+    c.push_back({"dlse_bf16_few_keys_softcap", s});
+  }
+  {
+    auto s = with_dlse(base(DType::bf16, 160, 190, 256));
+    s.causal = true;
+    c.push_back({"dlse_bf16_d256_causal", s});
+  }
+  {
+    auto s = with_dlse(base(DType::f32, 400, 400, 64));  // rows of under 256 keys and of more
+    s.causal = true;
+    c.push_back({"dlse_f32_causal_d64", s});
+  }
+  {
+    auto s = with_dlse(base(DType::f32, 1, 1, 40));
+    s.seqlens_q = {17, 0, 130};
+    s.seqlens_k = {60, 9, 0};
+    c.push_back({"dlse_f32_varlen_with_empty_d40", s});
+  }
+  {
+    auto s = with_dlse(base(DType::f32, 200, 260, 128));
+    s.heads_q = 4;
+    s.heads_kv = 2;
+    c.push_back({"dlse_f32_gqa_d128", s});
+  }
+}
+
 std::vector<Case> cases() {
   std::vector<Case> c;
+  add_lse_grad_cases(c);
   add_ordered_dq_cases(c);
   add_persistent_cases(c, DType::bf16);
   add_half_cases(c, DType::bf16);

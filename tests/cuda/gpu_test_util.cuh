@@ -128,6 +128,10 @@ class DeviceProblem {
       alibi_ = DeviceBuffer(hp.alibi_slopes.data(), hp.alibi_slopes.size() * sizeof(float));
       problem.alibi_slopes = alibi_.get<float>();
     }
+    if (!hp.dlse.empty()) {
+      dlse_ = DeviceBuffer(hp.dlse.data(), hp.dlse.size() * sizeof(float));
+      problem.dlse = dlse_.get<float>();
+    }
     problem.backend = Backend::cuda;
   }
   DeviceProblem(const DeviceProblem&) = delete;
@@ -160,7 +164,7 @@ class DeviceProblem {
   }
 
   HostProblem& hp_;
-  DeviceBuffer q_, k_, v_, o_, dout_, dq_, dk_, dv_, lse_, cu_q_, cu_k_, alibi_;
+  DeviceBuffer q_, k_, v_, o_, dout_, dq_, dk_, dv_, lse_, cu_q_, cu_k_, alibi_, dlse_;
 
  public:
   AttentionProblem problem;

@@ -70,6 +70,7 @@ std::string ProblemShape::describe() const {
   if (softcap > 0) os << " softcap=" << softcap;
   if (alibi != Alibi::none) os << (alibi == Alibi::per_head ? " alibi=(heads)" : " alibi=(batch,heads)");
   if (softmax_scale) os << " scale=" << *softmax_scale;
+  if (lse_grad) os << " dlse";
   return os.str();
 }
 
@@ -242,6 +243,12 @@ HostProblem::HostProblem(const ProblemShape& shape_)
     for (float& x : alibi_slopes) x = slope(rng);
     problem.alibi_slopes = alibi_slopes.data();
     problem.alibi_batch_stride = per_batch ? shape.heads_q : 0;
+  }
+  if (shape.with_backward && shape.lse_grad) {
+    dlse.resize(size_t(lse_elements()));
+    std::normal_distribution<float> normal;
+    for (float& x : dlse) x = normal(rng);
+    problem.dlse = dlse.data();
   }
 }
 

@@ -55,6 +55,7 @@ struct ProblemShape {
   Alibi alibi = Alibi::none;
   std::optional<float> softmax_scale;
   bool with_backward = true;  // allocate dO, dQ, dK, dV
+  bool lse_grad = false;      // with the backward, a gradient for L too (problem.hpp's dlse), N(0, 1)
   int num_threads = 0;
 
   std::string describe() const;
@@ -97,6 +98,7 @@ class HostProblem {
   std::vector<float> lse;                   // L plus a poisoned guard tail
   std::vector<int32_t> cu_seqlens_q, cu_seqlens_k;
   std::vector<float> alibi_slopes;  // empty without ALiBi
+  std::vector<float> dlse;          // empty without shape.lse_grad
   AttentionProblem problem;  // points at the buffers above; options from the shape
 
   int64_t rows_q() const { return q.batch * q.seqlen; }  // batch * seqlen_q, or total_q

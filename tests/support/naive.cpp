@@ -104,7 +104,8 @@ NaiveResult naive_attention(const AttentionProblem& p, const NaiveOptions& optio
         float* dsi = &ds[size_t(i * sk)];
         for (int64_t j = 0; j < sk; ++j) dsi[j] = round_to_dtype(dot(gb + i * gs, 1, vb + j * vs, 1, dv), dt);  // dP
         const float* oi = options.probs_from_lse ? &out[size_t(((b * sq + i) * hq + h) * dv)] : nullptr;
-        const float rowsum = round_to_dtype(oi ? dot(gb + i * gs, 1, oi, 1, dv) : dot(pi, 1, dsi, 1, sk), dt);
+        const float dl = p.dlse != nullptr ? p.dlse[(b * hq + h) * sq + i] : 0.0f;
+        const float rowsum = round_to_dtype((oi ? dot(gb + i * gs, 1, oi, 1, dv) : dot(pi, 1, dsi, 1, sk)) - dl, dt);
         for (int64_t j = 0; j < sk; ++j) dsi[j] = round_to_dtype(pi[j] * round_to_dtype(dsi[j] - rowsum, dt), dt);
       }
       for (int64_t i = 0; i < sq; ++i)

@@ -3,7 +3,8 @@
 // from its definition with the full score matrix, every operation's result rounded to the
 // problem's dtype, the way `softmax(Q K^T * scale) V` and its autograd run in a framework:
 //   S = Q K^T * scale (+ ALiBi's bias; masked -inf), P = softmax(S), O = P V,
-//   dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(P * dP)), dQ = dS K * scale, dK = dS^T Q * scale.
+//   dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(P * dP) + dL), dQ = dS K * scale, dK = dS^T Q * scale
+// (dL: the problem's dlse, 0 without one).
 // Dot products are one fp32 running sum of fused multiply-adds per element, as a BLAS
 // micro-kernel accumulates each output element. Fixed-length problems without soft-capping; the
 // layouts of cpu/reference.hpp.

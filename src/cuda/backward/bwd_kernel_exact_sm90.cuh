@@ -258,8 +258,9 @@ struct OnlineRowStats {
   }
 
   // The quad's sums merged (its lanes share m); lane t = 0 writes rows that saw a key: lse2 := m,
-  // row_sum and, kWithD, D. Others keep the preprocess's (+inf, 1, 0), which make P zero.
-  __device__ __forceinline__ void store(const bwd::BwdParams& p, int64_t w, int row, int sq) {
+  // row_sum and, kWithD, D less dL (dl: the row's dlse, or null). Others keep the preprocess's
+  // (+inf, 1, 0), which make P zero.
+  __device__ __forceinline__ void store(const bwd::BwdParams& p, int64_t w, int row, int sq, const float* dl) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
 #pragma unroll
@@ -270,7 +271,7 @@ struct OnlineRowStats {
       if (threadIdx.x % 4 == 0 && row + 8 * half < sq && l[half] > 0.0) {
         p.lse2[w + 8 * half] = m[half];
         p.row_sum[w + 8 * half] = float(l[half]);
-        if constexpr (kWithD) p.dsum[w + 8 * half] = float(dn[half] / l[half]);
+        if constexpr (kWithD) p.dsum[w + 8 * half] = float(dn[half] / l[half] - (dl ? dl[8 * half] : 0.0f));
       }
     }
   }
@@ -653,7 +654,8 @@ __device__ __forceinline__ void pass_block(const BwdSm90Params& params, [[maybe_
   }
 
   if constexpr (Traits::kStatsPass) {
-    stats.store(p, w_rows, r0 + row0 + lane / 4, seq.sq);
+    const int row = r0 + row0 + lane / 4;
+    stats.store(p, w_rows, row, seq.sq, p.dlse ? p.dlse + bwd::lse_index(p, seq, b, h, row) : nullptr);
   } else if constexpr (kPass == ExactPass::dq) {
     float* g = static_cast<float*>(p.dq.ptr) + bwd::seq_base(p, p.dq, b, true) + int64_t(h) * p.dq.head +
                int64_t(r0 + row0) * p.dq.seq;

@@ -57,7 +57,7 @@ __device__ __forceinline__ void store_row_stats(const BwdParams& p, const SeqInf
   // fp32 forms P = exp(s - lse2) / row_sum in the natural domain: lse2 is L itself there (the
   // row-statistics kernel replaces it by the row max unless given_stats).
   p.lse2[w] = l == -INFINITY ? INFINITY : std::is_same_v<T, float> ? l : l * kLog2e;
-  p.dsum[w] = acc;
+  p.dsum[w] = acc - lse_grad(p, s, b, h, i);
   if constexpr (std::is_same_v<T, float>)
     if (p.fwd_stats != nullptr) {
       // The forward's max and sum, where it wrote them (NaN otherwise: max_sum forms them).

@@ -299,7 +299,7 @@ __global__ void __launch_bounds__(kThreads, 1) row_stats_kernel(const BwdParams 
   for (int r = threadIdx.x; r < q1 - q0; r += kThreads) {
     double num = sPdP[r], den = sP[r];
     for (int w = 1; w < GS.wn; ++w) num += sPdP[w * BM + r], den += sP[w * BM + r];
-    p.dsum[ws_row(p, b, h) + q0 + r] = den > 0.0 ? float(num / den) : 0.0f;
+    p.dsum[ws_row(p, b, h) + q0 + r] = den > 0.0 ? float(num / den - lse_grad(p, s, b, h, q0 + r)) : 0.0f;
   }
 }
 

@@ -19,6 +19,7 @@ struct Strided {
 struct BwdParams {
   Strided q, k, v, o, dout, dq, dk, dv;
   const float* lse;             // the forward's L: (batch, heads_q, seqlen_q) or (heads_q, total_q)
+  const float* dlse;            // the loss's gradient with respect to L, in L's layout, or null
   const int32_t* cu_seqlens_q;  // both null unless varlen
   const int32_t* cu_seqlens_k;
   int batch, seqlen_q, seqlen_k;  // varlen: the max over sequences
@@ -124,6 +125,12 @@ __device__ __forceinline__ SeqInfo seq_info(const BwdParams& p, int b) {
 __device__ __forceinline__ int64_t lse_index(const BwdParams& p, const SeqInfo& s, int b, int h, int i) {
   if (p.cu_seqlens_q != nullptr) return int64_t(h) * p.total_q + s.row_q + i;
   return (int64_t(b) * p.heads_q + h) * p.seqlen_q + i;
+}
+
+// dL of (b, h, row i of the sequence) (problem.hpp's dlse), 0 without one. dS = P (dP - D + dL), so
+// it comes off D where D is written (the preprocess, the row-statistics passes), once a row.
+__device__ __forceinline__ float lse_grad(const BwdParams& p, const SeqInfo& s, int b, int h, int i) {
+  return p.dlse != nullptr ? p.dlse[lse_index(p, s, b, h, i)] : 0.0f;
 }
 
 // First workspace row of (b, h).
