@@ -62,16 +62,18 @@ class Attention {
             const Options& options, OptArray dout, OptArray dq, OptArray dk, OptArray dv, OptArray alibi_slopes,
             OptArray seqused_k, OptArray leftpad_k, OptArray kv_batch_idx, OptArray block_table,
             OptArray dropout_rng, OptArray k_new, OptArray v_new, OptArray rotary_cos, OptArray rotary_sin,
-            OptArray softmax_stats)
+            OptArray softmax_stats, OptArray dlse)
       : q_(q), k_(k), v_(v), out_(out), lse_(lse), dout_(dout), dq_(dq), dk_(dk), dv_(dv),
         cu_q_(cu_seqlens_q), cu_k_(cu_seqlens_k), alibi_(alibi_slopes), rng_(dropout_rng),
         seqused_k_(seqused_k), leftpad_k_(leftpad_k), kv_batch_idx_(kv_batch_idx), block_table_(block_table),
-        k_new_(k_new), v_new_(v_new), rotary_cos_(rotary_cos), rotary_sin_(rotary_sin), stats_(softmax_stats) {
+        k_new_(k_new), v_new_(v_new), rotary_cos_(rotary_cos), rotary_sin_(rotary_sin), stats_(softmax_stats),
+        dlse_(dlse) {
     const auto r = [](const auto& a) { return tensor_ref(a); };
     const AttentionTensors t{r(q_),         r(k_),         r(v_),        r(out_),         r(lse_),      r(cu_q_),
                              r(cu_k_),      r(dout_),      r(dq_),       r(dk_),          r(dv_),       r(alibi_),
                              r(rng_),       r(seqused_k_), r(leftpad_k_), r(kv_batch_idx_), r(block_table_),
-                             r(k_new_),     r(v_new_),     r(rotary_cos_), r(rotary_sin_), r(stats_)};
+                             r(k_new_),     r(v_new_),     r(rotary_cos_), r(rotary_sin_), r(stats_),
+                             r(dlse_)};
     problem_ = attention_problem(t, options);
   }
 
@@ -106,7 +108,7 @@ class Attention {
 
   Array q_, k_, v_, out_, lse_;
   OptArray dout_, dq_, dk_, dv_, cu_q_, cu_k_, alibi_, rng_, seqused_k_, leftpad_k_, kv_batch_idx_, block_table_;
-  OptArray k_new_, v_new_, rotary_cos_, rotary_sin_, stats_;
+  OptArray k_new_, v_new_, rotary_cos_, rotary_sin_, stats_, dlse_;
   tileattn::AttentionProblem problem_;
   std::optional<tileattn::Plan> plan_;
 };
@@ -237,7 +239,7 @@ NB_MODULE(_ext, m) {
   nb::class_<Attention>(m, "Attention")
       .def(nb::init<Array, Array, Array, Array, Array, OptArray, OptArray, const Options&, OptArray, OptArray, OptArray,
                     OptArray, OptArray, OptArray, OptArray, OptArray, OptArray, OptArray, OptArray, OptArray, OptArray,
-                    OptArray, OptArray>(),
+                    OptArray, OptArray, OptArray>(),
            nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("lse"), nb::arg("cu_seqlens_q").none(),
            nb::arg("cu_seqlens_k").none(), nb::arg("options"), nb::arg("dout").none() = nb::none(),
            nb::arg("dq").none() = nb::none(), nb::arg("dk").none() = nb::none(), nb::arg("dv").none() = nb::none(),
@@ -246,7 +248,7 @@ NB_MODULE(_ext, m) {
            nb::arg("block_table").none() = nb::none(), nb::arg("dropout_rng").none() = nb::none(),
            nb::arg("k_new").none() = nb::none(), nb::arg("v_new").none() = nb::none(),
            nb::arg("rotary_cos").none() = nb::none(), nb::arg("rotary_sin").none() = nb::none(),
-           nb::arg("softmax_stats").none() = nb::none())
+           nb::arg("softmax_stats").none() = nb::none(), nb::arg("dlse").none() = nb::none())
       .def("plan_forward", &Attention::plan_forward, nb::arg("stream") = 0)
       .def("plan_backward", &Attention::plan_backward, nb::arg("stream") = 0)
       .def("run", &Attention::run, nb::arg("workspace").none() = nb::none())

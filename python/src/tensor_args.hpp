@@ -222,6 +222,7 @@ struct AttentionTensors {
   OptRef seqused_k, leftpad_k, kv_batch_idx, block_table;
   OptRef k_new, v_new, rotary_cos, rotary_sin;  // appending to the cache (flash-attn's k, v)
   OptRef softmax_stats;  // fp32 on CUDA: the forward's row statistics for the backward (problem.hpp)
+  OptRef dlse;           // backward: the loss's gradient with respect to lse (problem.hpp), or none
 };
 
 // q, k and v alone, before the outputs are shaped from them: the three ranks first (the order the
@@ -434,6 +435,14 @@ inline AttentionProblem attention_problem(const AttentionTensors& t, const Optio
     p.dq = view_of(*t.dq, varlen);
     p.dk = view_of(*t.dk, varlen);
     p.dv = view_of(*t.dv, varlen);
+    if (t.dlse) {
+      if (varlen)
+        check_aux(*t.dlse, "dlse", {p.heads_q, p.total_q}, "(heads, total_q), as lse", kF32, "float32", t.q, "q");
+      else
+        check_aux(*t.dlse, "dlse", {p.batch, p.heads_q, p.seqlen_q}, "(batch, heads, seqlen_q), as lse", kF32,
+                  "float32", t.q, "q");
+      p.dlse = static_cast<const float*>(t.dlse->ptr);
+    }
   }
   if (t.alibi_slopes) detail::set_alibi(p, *t.alibi_slopes, t.q);
   p.softmax_scale = options.softmax_scale;

@@ -269,7 +269,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(
     const Tensor& lse, const OptTensor& cu_seqlens_q, const OptTensor& cu_seqlens_k, SymInt max_seqlen_q,
     SymInt max_seqlen_k, std::optional<double> softmax_scale, bool causal, SymInt window_left, SymInt window_right,
     double softcap, bool deterministic, const OptTensor& alibi_slopes, double dropout_p,
-    const OptTensor& dropout_rng, const OptTensor& softmax_stats) {
+    const OptTensor& dropout_rng, const OptTensor& softmax_stats, const OptTensor& dlse_arg) {
   return translate_errors([&] {
     const Tensor q = rows_contiguous(q_arg), k = rows_contiguous(k_arg), v = rows_contiguous(v_arg);
     check_inputs(tensor_ref(q), tensor_ref(k), tensor_ref(v), cu_seqlens_q.has_value());
@@ -285,6 +285,12 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(
     t.dv = tensor_ref(dv);
     // attention_forward_stats' third output; empty where that forward hands none over.
     if (softmax_stats && softmax_stats->numel() > 0) t.softmax_stats = tensor_ref(*softmax_stats);
+    // lse's gradient, as autograd hands it (the gradient of a sum is an expanded tensor).
+    Tensor dlse;
+    if (dlse_arg && dlse_arg->defined()) {
+      dlse = dlse_arg->contiguous();
+      t.dlse = tensor_ref(dlse);
+    }
     const Options o = options_of(q, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
                                  softcap, deterministic, dropout_p);
     plan_and_run(attention_problem(t, o), q, true);
@@ -384,11 +390,12 @@ struct AttentionBackward : torch::autograd::Node {
       return t.defined() ? OptTensor(std::move(t)) : std::nullopt;
     };
     const Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(saved_out);
-    auto [dq, dk, dv] = backward_op().call(dout, q.unpack(), k.unpack(), v.unpack(), saved_out, lse.unpack(),
+    const OptTensor dlse = grads[1].defined() ? OptTensor(grads[1]) : std::nullopt;
+    auto [dq, dk, dv] = backward_op().call(dout, q.unpack(), k.unpack(), v.unpack(), saved_out, lse.unpack(getptr()),
                                            optional(cu_seqlens_q), optional(cu_seqlens_k), max_seqlen_q,
                                            max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
                                            deterministic, optional(alibi_slopes), dropout_p, optional(dropout_rng),
-                                           optional(stats));
+                                           optional(stats), dlse);
     return {dq, dk, dv};
   }
 
@@ -432,14 +439,15 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward_autograd(
     const OptTensor& cu_seqlens_q, const OptTensor& cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k,
     std::optional<double> softmax_scale, bool causal, SymInt window_left, SymInt window_right, double softcap,
     bool deterministic, const OptTensor& alibi_slopes, double dropout_p, const OptTensor& dropout_rng,
-    const OptTensor& softmax_stats) {
+    const OptTensor& softmax_stats, const OptTensor& dlse) {
   refuse_forward_ad(q, k, v, dout);
   Tensor dq, dk, dv;
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     std::tie(dq, dk, dv) = backward_op().call(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                               max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-                                              deterministic, alibi_slopes, dropout_p, dropout_rng, softmax_stats);
+                                              deterministic, alibi_slopes, dropout_p, dropout_rng, softmax_stats,
+                                              dlse);
   }
   if (at::GradMode::is_enabled() &&
       (dout.requires_grad() || q.requires_grad() || k.requires_grad() || v.requires_grad() || out.requires_grad())) {
@@ -480,7 +488,6 @@ std::tuple<Tensor, Tensor> attention_forward_autograd(
   node->q = SavedVariable(q, false);
   node->k = SavedVariable(k, false);
   node->v = SavedVariable(v, false);
-  node->lse = SavedVariable(lse, false);  // not differentiable: never attached to the node
   if (stats.defined()) node->stats = SavedVariable(stats, false);
   node->cu_seqlens_q = saved(cu_seqlens_q);
   node->cu_seqlens_k = saved(cu_seqlens_k);
@@ -495,8 +502,10 @@ std::tuple<Tensor, Tensor> attention_forward_autograd(
   node->dropout_p = dropout_p;
   node->causal = causal;
   node->deterministic = deterministic;
-  torch::autograd::set_history(out, node);
-  node->out = SavedVariable(out, true);  // after set_history: saved as the node's own output
+  // Both outputs differentiable: L's gradient is each row's softmax (problem.hpp's dlse).
+  torch::autograd::set_history(std::vector<Tensor>{out, lse}, node);
+  node->out = SavedVariable(out, true);  // after set_history: saved as the node's own outputs
+  node->lse = SavedVariable(lse, true);
   return std::make_tuple(out, lse);
 }
 
@@ -522,7 +531,7 @@ TORCH_LIBRARY_FRAGMENT(tileattn, m) {
         "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, "
         "float? softmax_scale, bool causal, SymInt window_left, SymInt window_right, float softcap, "
         "bool deterministic, Tensor? alibi_slopes=None, float dropout_p=0.0, Tensor? dropout_rng=None, "
-        "Tensor? softmax_stats=None) -> (Tensor, Tensor, Tensor)");
+        "Tensor? softmax_stats=None, Tensor? dlse=None) -> (Tensor, Tensor, Tensor)");
   // k and v are the caches, written in place where k_new and v_new are appended.
   m.def("cache_forward(Tensor q, Tensor(a!) k, Tensor(b!) v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
         "SymInt max_seqlen_q, SymInt max_seqlen_k, float? softmax_scale, bool causal, SymInt window_left, "

@@ -222,9 +222,9 @@ def dropout_seed_offset(rng: Optional[Tensor]) -> tuple[int, int]:
 
 def _attention(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                causal, window_left, window_right, softcap, deterministic, grads=None, alibi_slopes=None,
-               dropout_p=0.0, dropout_rng=None, partial_keys=False, softmax_stats=None):
+               dropout_p=0.0, dropout_rng=None, partial_keys=False, softmax_stats=None, dlse=None):
     for t, name in ((q, "q"), (k, "k"), (v, "v"), (cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k"),
-                    (alibi_slopes, "alibi_slopes"), (dropout_rng, "dropout_rng")):
+                    (alibi_slopes, "alibi_slopes"), (dropout_rng, "dropout_rng"), (dlse, "dlse")):
         if t is not None:
             _check_device(t, name)
     options = _options(max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
@@ -241,7 +241,7 @@ def _attention(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     dout, dq, dk, dv = grads
     return _ext.Attention(_capsule(q), _capsule(k), _capsule(v), _capsule(out), _capsule(lse), cu_q, cu_k, options,
                           _capsule(dout), _capsule(dq), _capsule(dk), _capsule(dv), alibi_slopes=alibi,
-                          dropout_rng=rng, softmax_stats=stats)
+                          dropout_rng=rng, softmax_stats=stats, dlse=None if dlse is None else _capsule(dlse))
 
 
 def _stats_capsule(softmax_stats: Optional[Tensor], capsule):
@@ -480,15 +480,17 @@ def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
                    window_right: int, softcap: float, deterministic: bool,
                    alibi_slopes: Optional[Tensor] = None, dropout_p: float = 0.0,
                    dropout_rng: Optional[Tensor] = None, softmax_stats: Optional[Tensor] = None,
-                   partial_keys: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                   dlse: Optional[Tensor] = None, partial_keys: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """Backward: returns (dq, dk, dv) from the forward's inputs, its out and lse, and dout. Dropout
     needs the forward's own dropout_p and dropout_rng: the mask is regenerated, never stored.
     ``softmax_stats``: attention_forward_stats' row statistics, which spare recomputing them.
+    ``dlse``: the loss's gradient with respect to lse (problem.hpp), or None where lse has none.
     ``partial_keys`` (not in the operator's schema; tileattn.distributed passes it): out and lse cover
     more keys than k and v (problem.hpp)."""
     cuda = q.is_cuda
     try:
         dout = _rows_contiguous(dout)  # as the checked path: the gradient of a sum is an expanded tensor
+        dlse = None if dlse is None else dlse.contiguous()
         dtype, device = q.dtype, q.device
         dq, dk, dv = (_empty_like(t, t.shape[-1], dtype) for t in (q, k, v))
         options = _call_options(q, cuda, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
@@ -498,7 +500,8 @@ def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
                               _to_dlpack(dout), _to_dlpack(dq), _to_dlpack(dk), _to_dlpack(dv),
                               alibi_slopes=_optional_capsule(alibi_slopes),
                               dropout_rng=_optional_capsule(dropout_rng),
-                              softmax_stats=_stats_capsule(softmax_stats, _to_dlpack))
+                              softmax_stats=_stats_capsule(softmax_stats, _to_dlpack),
+                              dlse=_optional_capsule(dlse))
     except Exception:
         pass
     else:
@@ -506,22 +509,23 @@ def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
             return dq, dk, dv
     return _checked_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                              softmax_scale, causal, window_left, window_right, softcap, deterministic, alibi_slopes,
-                             dropout_p, dropout_rng, partial_keys, softmax_stats)
+                             dropout_p, dropout_rng, partial_keys, softmax_stats, dlse)
 
 
 def _checked_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                       causal, window_left, window_right, softcap, deterministic, alibi_slopes, dropout_p,
-                      dropout_rng, partial_keys=False, softmax_stats=None):
+                      dropout_rng, partial_keys=False, softmax_stats=None, dlse=None):
     q, k, v = _rows_contiguous(q), _rows_contiguous(k), _rows_contiguous(v)
     _check_device(q, "q")
     _check_device(dout, "dout")
     _check_attention_ranks(q, k, v, cu_seqlens_q is not None)
     dout = _rows_contiguous(dout)  # it comes from whatever follows attention
+    dlse = None if dlse is None else dlse.contiguous()
     dq, dk, dv = (_empty_like(t, t.shape[-1]) for t in (q, k, v))
     call = _attention(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                       causal, window_left, window_right, softcap, deterministic, grads=(dout, dq, dk, dv),
                       alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_rng=dropout_rng,
-                      partial_keys=partial_keys, softmax_stats=softmax_stats)
+                      partial_keys=partial_keys, softmax_stats=softmax_stats, dlse=dlse)
     with _device_context(q.device):
         call.run(_workspace(call.plan_backward(_stream(q.device)), q.device))
     return dq, dk, dv
@@ -531,17 +535,17 @@ _define("attention_backward",
         "(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? cu_seqlens_q, "
         "Tensor? cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, float? softmax_scale, bool causal, "
         "SymInt window_left, SymInt window_right, float softcap, bool deterministic, Tensor? alibi_slopes=None, "
-        "float dropout_p=0.0, Tensor? dropout_rng=None, Tensor? softmax_stats=None) -> (Tensor, Tensor, Tensor)",
-        _backward_impl)
+        "float dropout_p=0.0, Tensor? dropout_rng=None, Tensor? softmax_stats=None, Tensor? dlse=None) "
+        "-> (Tensor, Tensor, Tensor)", _backward_impl)
 attention_backward = torch.ops.tileattn.attention_backward
 
 
 @torch.library.register_fake("tileattn::attention_backward")
 def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
       window_left, window_right, softcap, deterministic, alibi_slopes=None, dropout_p=0.0, dropout_rng=None,
-      softmax_stats=None):
+      softmax_stats=None, dlse=None):
     _check_same_device(dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, alibi_slopes=alibi_slopes,
-                            dropout_rng=dropout_rng))
+                            dropout_rng=dropout_rng, dlse=dlse))
     # The operator's rows_contiguous copy of an operand whose last dimension is strided is contiguous.
     q, k, v = _rows_contiguous(q), _rows_contiguous(k), _rows_contiguous(v)
     return _empty_like(q, q.shape[-1]), _empty_like(k, k.shape[-1]), _empty_like(v, v.shape[-1])
@@ -603,13 +607,12 @@ def _forward_setup_context(ctx, inputs, output):
     # dropout's seed and offset (dropout_rng), from which the backward regenerates the mask.
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
     ctx.options = options
-    ctx.mark_non_differentiable(lse)
 
 
 def _forward_backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
     dq, dk, dv = torch.ops.tileattn.attention_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                                                       *ctx.options)
+                                                       *ctx.options, dlse=grad_lse)
     return (dq, dk, dv) + (None,) * len(_FORWARD_OPTIONS)
 
 
@@ -625,8 +628,7 @@ class _EagerAttention(torch.autograd.Function):
         # the options hold dropout_rng.
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, stats if stats.numel() else None)
         ctx.options = options
-        ctx.mark_non_differentiable(lse)
-        # lse never has a gradient: without this, every backward would allocate zeros for it.
+        # lse's gradient is None where the loss does not read it: not a tensor of zeros to read.
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -637,10 +639,10 @@ class _EagerAttention(torch.autograd.Function):
             grad_out = torch.zeros_like(out)
         if torch.is_grad_enabled():  # create_graph=True: the operator marks its gradients as final
             dq, dk, dv = attention_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.options,
-                                            softmax_stats=stats)
+                                            softmax_stats=stats, dlse=grad_lse)
         else:
             dq, dk, dv = _backward_impl(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.options,
-                                        softmax_stats=stats)
+                                        softmax_stats=stats, dlse=grad_lse)
         return dq, dk, dv, None, None, None
 
 

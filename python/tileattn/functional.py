@@ -259,7 +259,6 @@ class _EmptyAttention(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         q, k, v, _ = inputs
         ctx.shapes = (q.shape, k.shape, v.shape)
-        ctx.mark_non_differentiable(output[1])
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
@@ -343,7 +342,8 @@ def _finish(out: Tensor, lse: Tensor, return_attn_probs: bool, dropout=None, pro
     S_dmask has entries only with dropout, as flash-attn's: each key's weight P (``probs()``) with
     the sign bit set where dropout dropped it, shaped (batch, heads, seqlen_q, seqlen_k) rounded up
     to multiples of 128, in q's dtype; without dropout an empty (0,) tensor in q's dtype, as
-    flash-attn (2.6 on) returns. lse is not differentiable."""
+    flash-attn (2.6 on) returns. softmax_lse is differentiable: its gradient is each row's softmax
+    (flash-attn's own softmax_lse gets none)."""
     if not return_attn_probs:
         return out
     lse = _flash_attn_lse(lse)

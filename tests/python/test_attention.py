@@ -72,7 +72,7 @@ def test_flash_attn_func_matches_float64(case, dtype):
                                                softcap=softcap, return_attn_probs=True)
     assert probs.shape == (0,) and probs.dtype == dtype  # flash-attn's empty S_dmask without dropout
     assert out.shape == (batch, sq, hq, dv) and out.dtype == dtype
-    assert lse.shape == (batch, hq, sq) and lse.dtype == torch.float32 and not lse.requires_grad
+    assert lse.shape == (batch, hq, sq) and lse.dtype == torch.float32 and lse.requires_grad
     ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
     ref_out, ref_lse = naive.attention(*ref_inputs, **options)
     naive_out, naive_lse = naive.attention(q, k, v, **options)
