@@ -261,6 +261,11 @@ TEST(ValidateAttention, MisalignedPointersAreRejected) {
   ValidAttention c;
   c.p.lse = reinterpret_cast<float*>(reinterpret_cast<char*>(c.lse.data()) + 1);
   expect_fwd_error(c.p, ErrorKind::invalid_argument, {"lse is not aligned to 4 bytes"});
+  ValidAttention d;
+  d.p.dlse = reinterpret_cast<const float*>(reinterpret_cast<const char*>(d.lse.data()) + 2);
+  expect_bwd_error(d.p, ErrorKind::invalid_argument, {"dlse is not aligned to 4 bytes"});
+  d.p.dlse = d.lse.data();
+  EXPECT_NO_THROW(validate_bwd(d.p));
 }
 
 TEST(ValidateAttention, LseElementCountMustFitInt64) {
