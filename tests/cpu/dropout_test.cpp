@@ -254,32 +254,37 @@ TEST(DropoutAccuracy, HalfPrecision) {
 }
 
 // Masks, windows and variable-length sequences: the mask uses positions within each sequence, so
-// the oracle (which reads every sequence's rows itself) must agree with the tiles.
+// the oracle (which reads every sequence's rows itself) must agree with the tiles. Also with a
+// gradient for L (dlse): L is the undropped scores' LSE, so its term takes the undropped P.
 TEST(DropoutAccuracy, VarlenAndWindowAgainstOracle) {
-  ProblemShape shape;
-  shape.seqlens_q = {37, 0, 90, 5};
-  shape.seqlens_k = {50, 3, 70, 130};
-  shape.heads_q = 4;
-  shape.heads_kv = 2;
-  shape.headdim_qk = 24;
-  shape.headdim_v = 40;
-  shape.window_left = 20;
-  shape.window_right = 7;
-  shape.num_threads = 3;
-  HostProblem hp(shape);
-  AttentionProblem& p = hp.problem;
-  p.backend = Backend::cpu;
-  set_dropout(p, 0.4f, hp.seed, 99);
-  tileattn::forward(p);
-  tileattn::backward(p);
-  const AttentionProblem n = host::validate_attention(p, host::Pass::backward, Backend::cpu);
-  const auto f = cpu::reference_forward(n);
-  const auto g = cpu::reference_backward(n);
-  EXPECT_TRUE(within(hp.o.gather(), f.o, 1e-5, 1e-6)) << "O";
-  EXPECT_TRUE(within(hp.gather_lse(), f.lse, 1e-5, 1e-5)) << "L";
-  EXPECT_TRUE(within(hp.dq.gather(), g.dq, 1e-4, 1e-5)) << "dQ";
-  EXPECT_TRUE(within(hp.dk.gather(), g.dk, 1e-4, 1e-5)) << "dK";
-  EXPECT_TRUE(within(hp.dv.gather(), g.dv, 1e-4, 1e-5)) << "dV";
+  for (bool lse_grad : {false, true}) {
+    SCOPED_TRACE(lse_grad ? "with dlse" : "without dlse");
+    ProblemShape shape;
+    shape.seqlens_q = {37, 0, 90, 5};
+    shape.seqlens_k = {50, 3, 70, 130};
+    shape.heads_q = 4;
+    shape.heads_kv = 2;
+    shape.headdim_qk = 24;
+    shape.headdim_v = 40;
+    shape.window_left = 20;
+    shape.window_right = 7;
+    shape.num_threads = 3;
+    shape.lse_grad = lse_grad;
+    HostProblem hp(shape);
+    AttentionProblem& p = hp.problem;
+    p.backend = Backend::cpu;
+    set_dropout(p, 0.4f, hp.seed, 99);
+    tileattn::forward(p);
+    tileattn::backward(p);
+    const AttentionProblem n = host::validate_attention(p, host::Pass::backward, Backend::cpu);
+    const auto f = cpu::reference_forward(n);
+    const auto g = cpu::reference_backward(n);
+    EXPECT_TRUE(within(hp.o.gather(), f.o, 1e-5, 1e-6)) << "O";
+    EXPECT_TRUE(within(hp.gather_lse(), f.lse, 1e-5, 1e-5)) << "L";
+    EXPECT_TRUE(within(hp.dq.gather(), g.dq, 1e-4, 1e-5)) << "dQ";
+    EXPECT_TRUE(within(hp.dk.gather(), g.dk, 1e-4, 1e-5)) << "dK";
+    EXPECT_TRUE(within(hp.dv.gather(), g.dv, 1e-4, 1e-5)) << "dV";
+  }
 }
 
 struct Outputs {
