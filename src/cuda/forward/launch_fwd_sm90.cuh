@@ -39,6 +39,7 @@ void launch(const FwdSm90Params& params, int64_t tiles, cudaStream_t stream) {
 // by TMA) and there are more units than SMs; head dims up to 128 (at 192 and 256 a second Q buffer
 // leaves one K/V stage). H100, bf16: non-causal N = 1k 6% faster, 2k and 4k 1-2% slower; causal
 // (half the keys a tile on average) 16-18% faster at 1k, 6-7% at 2k, 0-3% at 4k (docs/perf-log.md).
+// ALiBi and soft-capping never ask: run() gives them their instances first.
 constexpr int kFwdSm90PersistentMaxKeys = 1024;
 constexpr int kFwdSm90PersistentCausalMaxKeys = 4096;
 inline bool fwd_sm90_persistent(const FwdSm90Params& params, int head_dim) {
@@ -46,8 +47,7 @@ inline bool fwd_sm90_persistent(const FwdSm90Params& params, int head_dim) {
   // Causal rows see at least one key each only where the keys are at least as many.
   const bool causal = p.window_right == 0 && p.seqlen_q <= p.seqlen_k;
   const FwdUnits units(p, params.block_m());
-  return head_dim <= 128 && params.o_by_tma && p.num_splits == 1 && !p.mod.has_alibi() && p.softcap_pre == 0.0f &&
-         p.window_left < 0 &&
+  return head_dim <= 128 && params.o_by_tma && p.num_splits == 1 && p.window_left < 0 &&
          (p.window_right < 0 || causal) && p.cu_seqlens_q == nullptr && p.keys.cu_seqlens == nullptr &&
          !p.keys.paged() && p.keys.seqused == nullptr && p.keys.leftpad == nullptr && p.keys.batch_idx == nullptr &&
          p.seqlen_k > 0 && p.seqlen_k <= (causal ? kFwdSm90PersistentCausalMaxKeys : kFwdSm90PersistentMaxKeys) &&
@@ -70,8 +70,7 @@ inline int fwd_sm90_consumers(const AttentionProblem& pr, int head_dim) {
                            pr.seqlen_k > kFwdSm90PersistentMaxKeys &&
                            (pr.seqlen_q >= kFwdSm90ThreeConsumerCausalMinRows ||
                             pr.seqlen_k > kFwdSm90PersistentCausalMaxKeys);
-  return head_dim <= 64 && pr.alibi_slopes == nullptr && pr.softcap <= 0.0f &&
-                 ((unmasked && pr.seqlen_q >= kFwdSm90ThreeConsumerMinRows) || long_causal)
+  return head_dim <= 64 && ((unmasked && pr.seqlen_q >= kFwdSm90ThreeConsumerMinRows) || long_causal)
              ? 3
              : 2;
 }
@@ -81,12 +80,12 @@ inline int fwd_sm90_consumers(const AttentionProblem& pr, int head_dim) {
 template <class T, int kHeadDim>
 bool FwdSm90<T, kHeadDim>::make_maps(const AttentionProblem& pr, FwdSm90Params& params) {
   using sm90::attention_map_shape;
-  // ALiBi has one instance per bucket, the short-key one: a second would cost build time for a
-  // few percent at long key ranges (D = 128 only).
-  // Soft-capping runs one instance (run()): two consumers, 128-key steps, a block per tile.
-  params.block_n =
-      fwd_sm90_block_n(kHeadDim, pr.seqlen_k >= kFwdSm90LongKeys && pr.alibi_slopes == nullptr && pr.softcap <= 0.0f);
-  params.consumers = fwd_sm90_detail::fwd_sm90_consumers(pr, kHeadDim);
+  // ALiBi and soft-capping each run one instance (run(), which picks them first): two consumers,
+  // 128-key steps, a block per tile. A second ALiBi instance would cost build time for a few
+  // percent at long key ranges (D = 128 only).
+  const bool own_instance = pr.alibi_slopes != nullptr || pr.softcap > 0.0f;
+  params.block_n = fwd_sm90_block_n(kHeadDim, pr.seqlen_k >= kFwdSm90LongKeys && !own_instance);
+  params.consumers = own_instance ? 2 : fwd_sm90_detail::fwd_sm90_consumers(pr, kHeadDim);
   // O in boxes of one consumer's 64 rows; without a map the kernel stores O directly.
   params.o_by_tma = sm90::make_store_map(&params.o, pr.dtype, pr.o.data,
                                         attention_map_shape(pr, pr.o, pr.headdim_v, pr.seqlen_q, pr.total_q, pr.heads_q, 64));
