@@ -211,20 +211,15 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
     [[maybe_unused]] float* dq_part = sdq + consumer * Traits::DqOrder::kPartFloats + 4 * (int(threadIdx.x) % 128);
     [[maybe_unused]] float dq[1][kDqCols / 8][4];
     // dQ(t) = dS(t) K (t: the walk's item), issued once both consumers' halves of dS^T(t) are
-    // written; over the first half's keys alone where consumer 1 skipped the step.
+    // written (zeros where consumer 1 skipped the step: a product over the first half alone, in a
+    // branch, made ptxas fence the accumulators at ten more places, and the walk 1-5% slower).
     [[maybe_unused]] auto issue_dq = [&](int t) {
       ds_ring.wait(t);
       const uint64_t ds_desc = DsTile::n_major(smem_address(ds_buffer(t)) + ds_panel * DsTile::kPanelBytes, 0);
       sm90::wgmma_fence();
-      // Over the first `keys` keys (a constant in each branch, so that ptxas sees every group).
-      auto products = [&](auto keys) {
 #pragma unroll
-        for (int ks = 0; ks < decltype(keys)::value / 16; ++ks)
-          sm90::Wgmma<T, kDqCols>::template ss<1, 1>(dq[0], DsTile::n_step(ds_desc, ks), KVTile::n_step(k_dq, ks),
-                                                      ks > 0);
-      };
-      if (kSkipHidden && kb.second_half_hidden(t - g0)) products(std::integral_constant<int, BN / 2>{});
-      else products(std::integral_constant<int, BN>{});
+      for (int ks = 0; ks < BN / 16; ++ks)
+        sm90::Wgmma<T, kDqCols>::template ss<1, 1>(dq[0], DsTile::n_step(ds_desc, ks), KVTile::n_step(k_dq, ks), ks > 0);
       sm90::wgmma_commit();
     };
     // Once dQ(t) has landed: its dS^T buffer is free of this warp, and this consumer's part of the
@@ -239,6 +234,22 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
       sm90::fence_shared_to_async();
       sm90::named_barrier_arrive(sm90::kBwdDqPartFull0 + consumer, Traits::kDqPartBarrierThreads);
     };
+    // This warp's rows of dS^T(g) into its ring buffer in the tile format: A fragment (ks, i) holds
+    // rows g + 8 (i % 2) and columns 16 ks + 8 (i / 2) + 2 t, + 1; `value(ks, i)` gives it.
+    [[maybe_unused]] auto store_ds = [&](int g, auto value) {
+      ds_ring.acquire(g);
+      unsigned char* ds = ds_buffer(g);
+#pragma unroll
+      for (int ks = 0; ks < BM / 16; ++ks)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int r = key_row + 8 * (i % 2), chunk = (2 * ks + i / 2) % 8;
+          *reinterpret_cast<uint32_t*>(ds + (ks / 4) * DsTile::kPanelBytes + r * 128 + ((chunk ^ (r % 8)) * 16) +
+                                       4 * (lane % 4)) = value(ks, i);
+        }
+      sm90::fence_shared_to_async();
+      ds_ring.publish_warp(g, lane);
+    };
     // Step it of the key block (item g of the walk); with_dq: it > 0, and the step issues
     // dQ(g - 1) (constant, so that every step's wgmma groups are known to ptxas: with a run-time
     // test it serialised the products).
@@ -252,11 +263,8 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
       ring.wait_slot(g, s);
       if (kSkipHidden && consumer == 1 && kb.second_half_hidden(it)) {
         // No query of the step sees this consumer's keys: P^T = dS^T = 0 and dK, dV gain nothing.
-        // Its half of dS^T stays unwritten (the dQ products skip it); the hand-shakes go on.
-        if constexpr (kFusedDq) {
-          ds_ring.acquire(g);
-          ds_ring.publish_warp(g, lane);
-        }
+        // Its half of dS^T is written as zeros; the hand-shakes go on.
+        if constexpr (kFusedDq) store_ds(g, [](int, int) { return 0u; });
         if constexpr (kWithDq) {
           issue_dq(g - 1);
           sm90::wgmma_wait<0>();
@@ -285,22 +293,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
         sm90::Wgmma<T, kHeadDim>::template rs<1>(dv[0], pa[ks], QTile::n_step(do_desc, ks), 1);
       sm90::wgmma_commit();
 
-      if constexpr (kFusedDq) {
-        // dS^T into its ring buffer in the tile format: A fragment (ks, i) holds rows g + 8 (i % 2)
-        // and columns 16 ks + 8 (i / 2) + 2 t, + 1.
-        ds_ring.acquire(g);
-        unsigned char* ds = ds_buffer(g);
-#pragma unroll
-        for (int ks = 0; ks < BM / 16; ++ks)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int r = key_row + 8 * (i % 2), chunk = (2 * ks + i / 2) % 8;
-            *reinterpret_cast<uint32_t*>(ds + (ks / 4) * DsTile::kPanelBytes + r * 128 + ((chunk ^ (r % 8)) * 16) +
-                                         4 * (lane % 4)) = da[ks][i];
-          }
-        sm90::fence_shared_to_async();
-        ds_ring.publish_warp(g, lane);
-      }
+      if constexpr (kFusedDq) store_ds(g, [&](int ks, int i) { return da[ks][i]; });
       if constexpr (kWithDq) issue_dq(g - 1);
 #pragma unroll
       for (int ks = 0; ks < BM / 16; ++ks)
