@@ -195,11 +195,10 @@ __global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim, kBlockN_, kPersiste
       uint32_t pa[kBlockN / 16][4];  // P of the previous tile, rounded to T, in the A-fragment layout
 
       // Whether no row of this consumer sees the second half of the last tile visited (under a
-      // causal mask, consumer 0 on the diagonal tile; else a ragged last tile): its P V then takes
-      // the first half alone, P being 0 past it (and its softmax too where it is the only tile).
-      // Under a causal mask or a window no earlier tile can be so (the consumers' rows end 64 keys
-      // apart). S stays whole: a narrower S accumulator in one branch made ptxas serialise every
-      // wgmma of the kernel.
+      // causal mask, consumer 0 on the diagonal tile; else a ragged last tile): where it is the only
+      // tile, its softmax takes the first half alone. S and P V stay whole (P is 0 past the half):
+      // a narrower S accumulator in one branch made ptxas serialise every wgmma of the kernel, and
+      // a P V over the first half in a branch made it fence the accumulators at six more places.
       const bool half0 =
           kHalves && (tiles.end - 1) * kBlockN + kBlockN / 2 >= mask.end_key(blk.m0 + 64 * consumer + 63);
       const int count = tiles.end - tiles.begin;
@@ -247,14 +246,9 @@ __global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim, kBlockN_, kPersiste
         v_ring.wait(i0 + i);
         sm90::fence_registers(acc_o[0]);
         sm90::wgmma_fence();
-        // Over the first `keys` keys (a constant in each branch, so that ptxas sees every group).
-        auto products = [&](auto keys) {
 #pragma unroll
-          for (int ks = 0; ks < decltype(keys)::value / 16; ++ks)
-            sm90::Wgmma<T, kHeadDim>::template rs<1>(acc_o[0], pa[ks], KVTile::n_step(v_desc, ks), 1);
-        };
-        if (i == count - 1 && half0) products(std::integral_constant<int, kBlockN / 2>{});
-        else products(std::integral_constant<int, kBlockN>{});
+        for (int ks = 0; ks < kBlockN / 16; ++ks)
+          sm90::Wgmma<T, kHeadDim>::template rs<1>(acc_o[0], pa[ks], KVTile::n_step(v_desc, ks), 1);
         sm90::wgmma_commit();
       };
       auto release_v = [&](int i) {
@@ -281,13 +275,15 @@ __global__ void __launch_bounds__(FwdSm90Traits<T, kHeadDim, kBlockN_, kPersiste
       }
       sm90::wgmma_wait<0>();
       // O is still zero: nothing to rescale. Where the first tile is the only one and a mask hides
-      // its second half from this consumer, the softmax and P take the first half alone, in the
-      // walk's instance (it runs the short causal ranges; the other instances' wgmmas were
-      // serialised by ptxas with it).
+      // its second half from this consumer, the softmax and P take the first half alone, and P's
+      // second half is 0, in the walk's instance (it runs the short causal ranges; the other
+      // instances' wgmmas were serialised by ptxas with it).
       if (kPersistent && half0 && count == 1) {
         auto& first = reinterpret_cast<float(&)[1][kBlockN / 16][4]>(acc_s);
         score(0, first, alpha);
         pack_p(first);
+#pragma unroll
+        for (int ks = kBlockN / 32; ks < kBlockN / 16; ++ks) pa[ks][0] = pa[ks][1] = pa[ks][2] = pa[ks][3] = 0u;
       } else {
         score(0, acc_s, alpha);
         pack_p(acc_s);
