@@ -7,6 +7,6 @@ cd "$(dirname "$0")/.."
 tools/install_deps.sh --python
 export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
 python3 -m pip install --no-build-isolation --no-deps -q . \
-  -C build-dir=build/pip -C cmake.define.TILEATTN_BUILD_TESTS=ON
+  -C build-dir=build/pip -C cmake.define.TILEATTN_BUILD_TESTS=ON -C cmake.define.TILEATTN_CHECK_PTXAS=ON
 ctest --test-dir build/pip --output-on-failure --no-tests=error -j "$(nproc)"
 python3 -m pytest -q tests/python

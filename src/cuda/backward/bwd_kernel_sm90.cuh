@@ -294,7 +294,10 @@ __global__ void __launch_bounds__(BwdSm90Traits<T, kHeadDim, kFusedDq>::kThreads
       sm90::wgmma_commit();
 
       if constexpr (kFusedDq) store_ds(g, [&](int ks, int i) { return da[ks][i]; });
+      // The dK products read da after the dS^T stores did: without dQ's fence between them (a key
+      // block's first step), ptxas would inject one (C7519) itself.
       if constexpr (kWithDq) issue_dq(g - 1);
+      else if constexpr (kFusedDq) sm90::wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < BM / 16; ++ks)
         sm90::Wgmma<T, kHeadDim>::template rs<1>(dk[0], da[ks], QTile::n_step(q_desc, ks), 1);
