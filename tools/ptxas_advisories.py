@@ -6,7 +6,7 @@
 
 ptxas's C75xx notes mean it changed the wgmma sequence a kernel asked for: it serialised the
 products (C7510, C7511, C7515) or fenced the accumulators itself (C7519, an injected
-warpgroup.arrive). Each cost the kernels 2-7% where it appeared (docs/perf-log.md, 2026-12-07
+warpgroup.arrive). Each cost the kernels 1-7% where it appeared (docs/perf-log.md, 2026-12-07
 seventh and eighth), and nothing else reports them: ptxas prints them only with -v, as notes.
 The first form compiles each source for sm_90a alone (device code, the library's flags) and
 prints every kernel's line; --check exits 1 on any advisory. The second runs a compile command
