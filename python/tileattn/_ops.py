@@ -230,10 +230,8 @@ def _attention(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     options = _options(max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
                        deterministic, _fp32_fast(q), _num_threads(q.device), _checks["cu_seqlens"], 0, dropout_p,
                        partial_keys=partial_keys)
-    cu_q = None if cu_seqlens_q is None else _capsule(cu_seqlens_q)
-    cu_k = None if cu_seqlens_k is None else _capsule(cu_seqlens_k)
-    alibi = None if alibi_slopes is None else _capsule(alibi_slopes)
-    rng = None if dropout_rng is None else _capsule(dropout_rng)
+    cu_q, cu_k = _optional_capsule(cu_seqlens_q), _optional_capsule(cu_seqlens_k)
+    alibi, rng = _optional_capsule(alibi_slopes), _optional_capsule(dropout_rng)
     stats = _stats_capsule(softmax_stats, _capsule)
     if grads is None:
         return _ext.Attention(_capsule(q), _capsule(k), _capsule(v), _capsule(out), _capsule(lse), cu_q, cu_k,
@@ -241,7 +239,7 @@ def _attention(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     dout, dq, dk, dv = grads
     return _ext.Attention(_capsule(q), _capsule(k), _capsule(v), _capsule(out), _capsule(lse), cu_q, cu_k, options,
                           _capsule(dout), _capsule(dq), _capsule(dk), _capsule(dv), alibi_slopes=alibi,
-                          dropout_rng=rng, softmax_stats=stats, dlse=None if dlse is None else _capsule(dlse))
+                          dropout_rng=rng, softmax_stats=stats, dlse=_optional_capsule(dlse))
 
 
 def _stats_capsule(softmax_stats: Optional[Tensor], capsule):
