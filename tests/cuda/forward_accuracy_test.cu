@@ -226,6 +226,10 @@ std::vector<ForwardCase> base_cases() {
     ProblemShape d = shape(1100, 1000, 96, 12, 4);
     d.batch = 2;
     c.push_back({"persistent_d96", d, false, true});
+    // Up to 4096 keys: 17 key tiles a unit, more keys than queries; and on three consumers (192-row
+    // tiles, head dims up to 64), 24 key tiles, the last ragged.
+    c.push_back({"persistent_long_keys_gqa_d128", shape(1100, 2100, 128, 16, 4), false, true});
+    c.push_back({"persistent_three_consumers_long_keys_d64", shape(1100, 3000, 64, 24, 8), false, true});
   }
   // The same under the causal mask: a unit is a head's m-th heaviest query tile with its m-th
   // lightest; an odd tile count leaves the middle one alone; more keys than queries shift the
@@ -268,9 +272,9 @@ std::vector<ForwardCase> base_cases() {
     v.seqlens_q = {2500, 100, 0, 2200};
     v.seqlens_k = {2000, 3000, 5, 1100};
     c.push_back({"three_consumers_varlen", v, false, true});
-    // From 1024 rows: walked where the keys are at most 1024 (GQA 4:1; the last 192-row tile's
-    // second and third consumers hold rows past the sequence only), one block a tile where the
-    // keys are more (the second consumer's rows ragged).
+    // From 1024 rows: walked where the tiles outnumber the SMs (GQA 4:1; the last 192-row tile's
+    // second and third consumers hold rows past the sequence only), one block a tile where they
+    // are fewer (the second consumer's rows ragged).
     ProblemShape w = shape(1024, 1000, 64, 16, 4);
     w.batch = 2;
     c.push_back({"three_consumers_walk_ragged_gqa", w, false, true});

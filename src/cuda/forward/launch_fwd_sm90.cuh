@@ -37,11 +37,11 @@ void launch(const FwdSm90Params& params, int64_t tiles, cudaStream_t stream) {
 // Blocks that walk several query tiles pay off where a tile is short (few keys), every unit of
 // work is the same (one length, no mask but the causal one, which pairs tiles, no split, O stored
 // by TMA) and there are more units than SMs; head dims up to 128 (at 192 and 256 a second Q buffer
-// leaves one K/V stage). H100, bf16: non-causal N = 1k 6% faster, 2k and 4k 1-2% slower; causal
-// (half the keys a tile on average) 16-18% faster at 1k, 6-7% at 2k, 0-3% at 4k (docs/perf-log.md).
-// ALiBi and soft-capping never ask: run() gives them their instances first.
-constexpr int kFwdSm90PersistentMaxKeys = 1024;
-constexpr int kFwdSm90PersistentCausalMaxKeys = 4096;
+// leaves one K/V stage). H100, bf16: non-causal N = 1k 6% faster, 2k 6-8%, 4k 2-6%, 8k and 16k
+// even; causal (half the keys a tile on average) 16-18% faster at 1k, 6-7% at 2k, 0-3% at 4k
+// (docs/perf-log.md). So both walk up to 4096 keys. ALiBi and soft-capping never ask: run() gives
+// them their instances first.
+constexpr int kFwdSm90PersistentMaxKeys = 4096;
 inline bool fwd_sm90_persistent(const FwdSm90Params& params, int head_dim) {
   const FwdParams& p = params.fwd;
   // Causal rows see at least one key each only where the keys are at least as many.
@@ -50,7 +50,7 @@ inline bool fwd_sm90_persistent(const FwdSm90Params& params, int head_dim) {
   return head_dim <= 128 && params.o_by_tma && p.num_splits == 1 && p.window_left < 0 &&
          (p.window_right < 0 || causal) && p.cu_seqlens_q == nullptr && p.keys.cu_seqlens == nullptr &&
          !p.keys.paged() && p.keys.seqused == nullptr && p.keys.leftpad == nullptr && p.keys.batch_idx == nullptr &&
-         p.seqlen_k > 0 && p.seqlen_k <= (causal ? kFwdSm90PersistentCausalMaxKeys : kFwdSm90PersistentMaxKeys) &&
+         p.seqlen_k > 0 && p.seqlen_k <= kFwdSm90PersistentMaxKeys &&
          units.count > device_props().sms && units.count <= INT32_MAX;
 }
 
@@ -63,13 +63,14 @@ inline bool fwd_sm90_persistent(const FwdSm90Params& params, int head_dim) {
 constexpr int kFwdSm90ThreeConsumerMinRows = 1024;
 constexpr int kFwdSm90ThreeConsumerCausalMinRows = 4096;
 constexpr int kFwdSm90ThreeConsumerLongKeysMinRows = 2048;  // causal, past the walk's key limit
+constexpr int kFwdSm90ThreeConsumerCausalMinKeys = 1024;    // causal rows over fewer keys keep two
 inline int fwd_sm90_consumers(const AttentionProblem& pr, int head_dim) {
   const bool unmasked = !pr.causal && pr.window_left < 0 && pr.window_right < 0;
   const bool causal = (pr.causal || pr.window_right == 0) && pr.window_left < 0;
   const bool long_causal = causal && pr.seqlen_q >= kFwdSm90ThreeConsumerLongKeysMinRows &&
-                           pr.seqlen_k > kFwdSm90PersistentMaxKeys &&
+                           pr.seqlen_k > kFwdSm90ThreeConsumerCausalMinKeys &&
                            (pr.seqlen_q >= kFwdSm90ThreeConsumerCausalMinRows ||
-                            pr.seqlen_k > kFwdSm90PersistentCausalMaxKeys);
+                            pr.seqlen_k > kFwdSm90PersistentMaxKeys);
   return head_dim <= 64 && ((unmasked && pr.seqlen_q >= kFwdSm90ThreeConsumerMinRows) || long_causal)
              ? 3
              : 2;
