@@ -37,7 +37,7 @@ void launch(const FwdSm90Params& params, int64_t tiles, cudaStream_t stream) {
 // Blocks that walk several query tiles pay off where a tile is short (few keys), every unit of
 // work is the same (one length, no mask but the causal one, which pairs tiles, no split, O stored
 // by TMA) and there are more units than SMs; head dims up to 128 (at 192 and 256 a second Q buffer
-// leaves one K/V stage). H100, bf16: non-causal N = 1k 6% faster, 2k 6-8%, 4k 2-6%, 8k and 16k
+// leaves one K/V stage). H100, bf16: non-causal N = 1k 6% faster, 2k 5-8%, 4k 2-6%, 8k and 16k
 // even; causal (half the keys a tile on average) 16-18% faster at 1k, 6-7% at 2k, 0-3% at 4k
 // (docs/perf-log.md). So both walk up to 4096 keys. ALiBi and soft-capping never ask: run() gives
 // them their instances first.
