@@ -148,6 +148,39 @@ def test_rotary_embedding_tables_are_the_closed_form_angles(dtype):
     torch.testing.assert_close(module._sin_cached.double(), angle.sin(), rtol=0, atol=tol)
 
 
+def test_rotary_embedding_takes_flash_attns_arguments_in_order():
+    module = RotaryEmbedding(8, 100.0, True, None, False, "cpu")
+    assert (module.base, module.interleaved, module.scale_base, module.pos_idx_in_fp32) == (100.0, True, None, False)
+    assert module.inv_freq.device.type == "cpu" and module.inv_freq.dtype == torch.float32
+    assert RotaryEmbedding(8, pos_idx_in_fp32=True).pos_idx_in_fp32
+
+
+@pytest.mark.parametrize("pos_idx_in_fp32", [True, False])
+def test_rotary_embedding_positions_in_fp32_or_in_the_buffers_dtype(pos_idx_in_fp32):
+    # A module cast to bf16 (its inv_freq buffer with it), as a bf16 model is: with pos_idx_in_fp32
+    # the angles come from exact positions and float32 frequencies, without it from bf16 ones
+    # (positions past 256 rounded to even), as flash-attn's.
+    dim, seqlen = 16, 600
+    module = RotaryEmbedding(dim, pos_idx_in_fp32=pos_idx_in_fp32).to(torch.bfloat16)
+    assert module.inv_freq.dtype == torch.bfloat16
+    module(torch.randn(1, seqlen, 3, 1, dim, dtype=torch.bfloat16))
+    i = torch.arange(dim // 2, dtype=torch.float64)
+    p = torch.arange(seqlen, dtype=torch.float64)[:, None]
+    inv_freq = 10000.0 ** (-2 * i / dim)
+    if not pos_idx_in_fp32:
+        # bf16 positions times bf16 frequencies, each product rounded to bf16.
+        p, inv_freq = p.bfloat16(), inv_freq.float().bfloat16()
+        angle = (p * inv_freq).double()
+    else:
+        angle = p * inv_freq
+    cos = module._cos_cached.double()
+    assert cos.dtype == torch.float64 and module._cos_cached.dtype == torch.bfloat16
+    torch.testing.assert_close(cos, angle.cos().bfloat16().double(), rtol=0, atol=2 ** -8)
+    torch.testing.assert_close(module._sin_cached.double(), angle.sin().bfloat16().double(), rtol=0, atol=2 ** -8)
+    exact = (torch.arange(seqlen, dtype=torch.float64)[:, None] * 10000.0 ** (-2 * i / dim)).cos()
+    assert ((cos - exact).abs().max() > 0.05) == (not pos_idx_in_fp32)
+
+
 @pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "interleaved"])
 def test_rotary_embedding_turns_q_and_k_in_place_and_leaves_v(interleaved):
     module = RotaryEmbedding(8, interleaved=interleaved)

@@ -261,10 +261,15 @@ class RotaryEmbedding(torch.nn.Module):
     ``forward(qkv, kv=None, seqlen_offset=0, max_seqlen=None, num_heads_q=None)`` rotates in place
     and returns qkv (see apply_rotary_emb_qkv_), or with ``kv`` q (batch, seqlen, heads, headdim)
     and kv, returning (q, kv). A tensor ``seqlen_offset`` needs ``max_seqlen`` to cover
-    offset + seqlen (the table is built to max_seqlen)."""
+    offset + seqlen (the table is built to max_seqlen).
+
+    ``pos_idx_in_fp32`` (default True) builds the angles from float32 positions and frequencies
+    (recomputed if the module was cast to half precision); False builds them in the ``inv_freq``
+    buffer's dtype, as flash-attn does for models trained that way (positions past 256 are then
+    rounded in bf16)."""
 
     def __init__(self, dim: int, base: float = 10000.0, interleaved: bool = False, scale_base: Optional[float] = None,
-                 device=None):
+                 pos_idx_in_fp32: bool = True, device=None):
         super().__init__()
         dim = _int(dim, "dim")
         if dim == 0 or dim % 2:
@@ -273,7 +278,8 @@ class RotaryEmbedding(torch.nn.Module):
         self.base = float(base)
         self.interleaved = interleaved
         self.scale_base = scale_base
-        self.register_buffer("inv_freq", self._inv_freq(device, torch.float32), persistent=False)
+        self.pos_idx_in_fp32 = bool(pos_idx_in_fp32)
+        self.register_buffer("inv_freq", self._compute_inv_freq(device), persistent=False)
         scale = None if scale_base is None else self._zeta(device, torch.float32)
         self.register_buffer("scale", scale, persistent=False)
         self._seq_len_cached = 0
@@ -281,6 +287,9 @@ class RotaryEmbedding(torch.nn.Module):
 
     def _inv_freq(self, device, dtype) -> Tensor:
         return 1.0 / self.base ** (torch.arange(0, self.dim, 2, device=device, dtype=dtype) / self.dim)
+
+    def _compute_inv_freq(self, device=None) -> Tensor:
+        return self._inv_freq(device, torch.float32)
 
     def _zeta(self, device, dtype) -> Tensor:
         return (torch.arange(0, self.dim, 2, device=device, dtype=dtype) + 0.4 * self.dim) / (1.4 * self.dim)
@@ -292,11 +301,15 @@ class RotaryEmbedding(torch.nn.Module):
             return
         self._seq_len_cached = seqlen
         # Angles in float32 at least: positions and their products lose too much in half precision,
-        # so a buffer cast down by module.half() is recomputed.
-        compute = torch.promote_types(dtype, torch.float32)
+        # so a buffer cast down by module.half() is recomputed (unless asked for, as flash-attn).
         inv_freq = self.inv_freq
-        if inv_freq.dtype != compute or inv_freq.device != device:
-            inv_freq = self._inv_freq(device, compute)
+        if self.pos_idx_in_fp32:
+            compute = torch.promote_types(dtype, torch.float32)
+            if inv_freq.dtype != compute or inv_freq.device != device:
+                inv_freq = self._inv_freq(device, compute)
+        else:
+            compute = inv_freq.dtype
+            inv_freq = inv_freq.to(device)
         positions = torch.arange(seqlen, device=device, dtype=compute)
         angles = torch.outer(positions, inv_freq)
         cos, sin = angles.cos(), angles.sin()
