@@ -58,15 +58,16 @@ int64_t checked_mul_add(int64_t acc, int64_t a, int64_t b, const std::string& te
   return sum;
 }
 
-// Strides in elements over a contiguous run of `inner` elements. Every stride is >= 0 and, where
-// its dimension has more than one index, > 0; an output must also not overlap itself (two
-// threads would write one element): sorted by stride, each dimension steps past the span of the
-// smaller ones. Returns the span in elements (highest index + 1), for the aliasing check.
+// Strides in elements over a contiguous run of `inner` elements. Every stride is >= 0; an input
+// may be expanded (a zero stride reads one index for all), an output's stride is > 0 where its
+// dimension has more than one index and it must not overlap itself (two threads would write one
+// element): sorted by stride, each dimension steps past the span of the smaller ones. Returns the
+// span in elements (highest index + 1), for the aliasing check.
 int64_t check_strides(const std::string& tensor, int64_t inner, std::vector<Dim> dims, bool is_output) {
   int64_t last = inner - 1;
   for (const Dim& d : dims) {
     if (d.stride < 0) invalid(tensor + "." + d.field + "=" + str(d.stride) + " must not be negative");
-    if (d.stride == 0 && d.extent > 1)
+    if (is_output && d.stride == 0 && d.extent > 1)
       invalid(tensor + "." + d.field + "=0 must be positive (" + d.extent_name + "=" + str(d.extent) + " > 1)");
     last = checked_mul_add(last, d.extent - 1, d.stride, tensor);
   }

@@ -266,8 +266,10 @@ TEST(MergeValidation, EachRuleNamesItsArgument) {
        "out.seq_stride=8 makes output out overlap itself");
   with([](MergeProblem& p) { p.out_b.head_stride = -8; }, K::invalid_argument,
        "out_b.head_stride=-8 must not be negative");
-  with([](MergeProblem& p) { p.out_b.seq_stride = 0; }, K::invalid_argument,
-       "out_b.seq_stride=0 must be positive (seqlen=5 > 1)");
+  with([](MergeProblem& p) { p.out.seq_stride = 0; }, K::invalid_argument,
+       "out.seq_stride=0 must be positive (seqlen=5 > 1)");
+  with([](MergeProblem& p) { p.lse_batch_stride = 0; }, K::invalid_argument,
+       "lse.batch_stride=0 must be positive (batch=2 > 1)");
   with([](MergeProblem& p) { p.lse_head_stride = 3; }, K::invalid_argument,
        "lse.head_stride=3 makes output lse overlap itself");
   with([](MergeProblem& p) { p.lse_b_batch_stride = -1; }, K::invalid_argument,

@@ -117,6 +117,22 @@ def test_merge_varlen_layout():
     assert naive.max_error(lse, want_l[0]) < 1e-6
 
 
+def test_merge_reads_expanded_inputs_as_their_copies():
+    B, N, H, D = 3, 40, 4, 16
+    out, lse = torch.randn(B, N, H, D), torch.randn(B, H, N)
+    out_b = torch.randn(1, N, 1, D).expand(B, N, H, D)  # one row per position, for every batch and head
+    lse_b = torch.randn(1, H, N).expand(B, H, N)
+    want_o, want_l = _merge_reference(out, lse, out_b, lse_b)
+    copy_o, copy_l = out.clone(), lse.clone()
+    tileattn.merge_attention(copy_o, copy_l, out_b.contiguous(), lse_b.contiguous())
+    tileattn.merge_attention(out, lse, out_b, lse_b)
+    assert torch.equal(out, copy_o) and torch.equal(lse, copy_l)
+    assert naive.max_error(out, want_o) < 1e-6 and naive.max_error(lse, want_l) < 1e-6
+    # The written side may not be expanded: two threads would write one element.
+    with pytest.raises(ValueError, match=r"out\.\w+_stride=0 must be positive"):
+        tileattn.merge_attention(out_b, lse.clone(), out.clone(), lse.clone())
+
+
 def test_merge_errors_name_the_argument():
     out, lse = torch.zeros(1, 4, 2, 8), torch.zeros(1, 2, 4)
     with pytest.raises(ValueError, match=r"out_b.shape=\(1, 3, 2, 8\) must be \(1, 4, 2, 8\)"):

@@ -26,7 +26,8 @@ def merge_attention(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> t
     other side as it is, whatever the -inf side's ``out`` holds (so an accumulator may start as
     ``torch.empty`` with lse = -inf); so does +inf, the mark of a row without keys in what the
     ``flash_attn_*`` functions return; empty on both sides gives out = 0 and lse = -inf, never NaN. Any strides
-    with a contiguous last dimension. Not differentiable (it writes its inputs): a tensor that
+    with a contiguous last dimension; ``out_b`` and ``lse_b`` may be expanded (zero strides), ``out`` and
+    ``lse``, written, may not. Not differentiable (it writes its inputs): a tensor that
     requires grad is refused while grad mode is on (use detached tensors, as the context-parallel
     layer does), and autograd sees ``out`` and ``lse`` as modified in place.
     """
