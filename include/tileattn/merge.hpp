@@ -41,7 +41,9 @@ struct MergeProblem {
   int64_t lse_head_stride = 0;
 
   // ---- the other side, read only --------------------------------------------------------
-  TensorView out_b;  // same sizes as out; any dtype (f32 when out is f32, else out's)
+  // Same sizes as out; any dtype (f32 when out is f32, else out's); any strides with a contiguous
+  // headdim, zero ones included (an expanded tensor: one index read for all), lse_b's too.
+  TensorView out_b;
   DType out_b_dtype = DType::f32;
   const float* lse_b = nullptr;
   int64_t lse_b_batch_stride = 0;
