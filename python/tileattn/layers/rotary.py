@@ -288,7 +288,7 @@ class RotaryEmbedding(torch.nn.Module):
     def _inv_freq(self, device, dtype) -> Tensor:
         return 1.0 / self.base ** (torch.arange(0, self.dim, 2, device=device, dtype=dtype) / self.dim)
 
-    def _compute_inv_freq(self, device=None) -> Tensor:
+    def _compute_inv_freq(self, device=None) -> Tensor:  # flash-attn's name: its modules' subclasses call it
         return self._inv_freq(device, torch.float32)
 
     def _zeta(self, device, dtype) -> Tensor:
