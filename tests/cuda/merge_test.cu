@@ -1,6 +1,7 @@
 // merge_attention on CUDA against the CPU path on the same inputs (both use the weights of
 // src/common/merge_weights.hpp; only expf/log1pf may round differently by an ulp), with rows where
-// either side or both saw no key exact, and the memory-space rule.
+// either side or both saw no key exact, an expanded other side (zero batch strides), and the
+// memory-space rule.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -20,28 +21,27 @@ struct DeviceBuffer {
   ~DeviceBuffer() { cudaFree(ptr); }
 };
 
-void run_case(DType out_dtype, DType out_b_dtype) {
+// expanded_b: out_b and lse_b hold one batch's rows, read for every batch (batch strides 0).
+void run_case(DType out_dtype, DType out_b_dtype, bool expanded_b = false) {
   const int64_t B = 2, N = 77, H = 5, D = 96, rows = B * N * H;
   std::mt19937_64 rng{std::random_device{}()};
   std::normal_distribution<float> normal;
   std::uniform_real_distribution<float> lse_dist(-6.0f, 6.0f);
-  const size_t elems = size_t(rows * D);
-  std::vector<unsigned char> oa(elems * cpu::dtype_size(out_dtype)), ob(elems * cpu::dtype_size(out_b_dtype));
-  std::vector<float> la(static_cast<size_t>(rows)), lb(static_cast<size_t>(rows));
-  for (int64_t r = 0; r < rows; ++r) {
-    la[size_t(r)] = r % 5 == 1 || r % 5 == 3 ? -INFINITY : lse_dist(rng);
-    lb[size_t(r)] = r % 5 == 2 || r % 5 == 3 ? -INFINITY : lse_dist(rng);
-  }
+  const int64_t rows_b = expanded_b ? rows / B : rows;
+  const size_t elems = size_t(rows * D), elems_b = size_t(rows_b * D);
+  std::vector<unsigned char> oa(elems * cpu::dtype_size(out_dtype)), ob(elems_b * cpu::dtype_size(out_b_dtype));
+  std::vector<float> la(static_cast<size_t>(rows)), lb(static_cast<size_t>(rows_b));
+  for (int64_t r = 0; r < rows; ++r) la[size_t(r)] = r % 5 == 1 || r % 5 == 3 ? -INFINITY : lse_dist(rng);
+  for (int64_t r = 0; r < rows_b; ++r) lb[size_t(r)] = r % 5 == 2 || r % 5 == 3 ? -INFINITY : lse_dist(rng);
   // O in (batch, seqlen, heads, headdim); L in (batch, heads, seqlen): row r of L is (b, h, i).
-  for (size_t e = 0; e < elems; ++e) {
-    cpu::store_element(oa.data(), int64_t(e), out_dtype, normal(rng));
-    cpu::store_element(ob.data(), int64_t(e), out_b_dtype, normal(rng));
-  }
+  for (size_t e = 0; e < elems; ++e) cpu::store_element(oa.data(), int64_t(e), out_dtype, normal(rng));
+  for (size_t e = 0; e < elems_b; ++e) cpu::store_element(ob.data(), int64_t(e), out_b_dtype, normal(rng));
   MergeProblem p;
   p.batch = B, p.seqlen = N, p.heads = H, p.headdim = D;
   p.out = {oa.data(), N * H * D, H * D, D}, p.out_dtype = out_dtype;
-  p.out_b = {ob.data(), N * H * D, H * D, D}, p.out_b_dtype = out_b_dtype;
-  p.lse_head_stride = N, p.lse_batch_stride = H * N, p.lse_b_head_stride = N, p.lse_b_batch_stride = H * N;
+  p.out_b = {ob.data(), expanded_b ? 0 : N * H * D, H * D, D}, p.out_b_dtype = out_b_dtype;
+  p.lse_head_stride = N, p.lse_batch_stride = H * N, p.lse_b_head_stride = N;
+  p.lse_b_batch_stride = expanded_b ? 0 : H * N;
 
   DeviceBuffer doa(oa.size()), dob(ob.size()), dla(la.size() * 4), dlb(lb.size() * 4);
   check_cuda(cudaMemcpy(doa.ptr, oa.data(), oa.size(), cudaMemcpyHostToDevice), "copy");
@@ -94,6 +94,11 @@ TEST(MergeCuda, MatchesCpuPathBf16) {
 TEST(MergeCuda, MatchesCpuPathF16) {
   TA_SKIP_WITHOUT_GPU();
   run_case(DType::f16, DType::f16);
+}
+
+TEST(MergeCuda, ReadsAnExpandedOtherSide) {
+  TA_SKIP_WITHOUT_GPU();
+  run_case(DType::f32, DType::bf16, true);
 }
 
 TEST(MergeCuda, HostLseWithDeviceOutIsRefused) {
