@@ -164,21 +164,16 @@ def test_rotary_embedding_positions_in_fp32_or_in_the_buffers_dtype(pos_idx_in_f
     module = RotaryEmbedding(dim, pos_idx_in_fp32=pos_idx_in_fp32).to(torch.bfloat16)
     assert module.inv_freq.dtype == torch.bfloat16
     module(torch.randn(1, seqlen, 3, 1, dim, dtype=torch.bfloat16))
-    i = torch.arange(dim // 2, dtype=torch.float64)
     p = torch.arange(seqlen, dtype=torch.float64)[:, None]
-    inv_freq = 10000.0 ** (-2 * i / dim)
-    if not pos_idx_in_fp32:
-        # bf16 positions times bf16 frequencies, each product rounded to bf16.
-        p, inv_freq = p.bfloat16(), inv_freq.float().bfloat16()
-        angle = (p * inv_freq).double()
-    else:
-        angle = p * inv_freq
+    inv_freq = 10000.0 ** (-2 * torch.arange(dim // 2, dtype=torch.float64) / dim)
+    exact = p * inv_freq
+    # Without it: bf16 positions times bf16 frequencies, each product rounded to bf16.
+    angle = exact if pos_idx_in_fp32 else (p.bfloat16() * inv_freq.float().bfloat16()).double()
+    assert module._cos_cached.dtype == torch.bfloat16
     cos = module._cos_cached.double()
-    assert cos.dtype == torch.float64 and module._cos_cached.dtype == torch.bfloat16
     torch.testing.assert_close(cos, angle.cos().bfloat16().double(), rtol=0, atol=2 ** -8)
     torch.testing.assert_close(module._sin_cached.double(), angle.sin().bfloat16().double(), rtol=0, atol=2 ** -8)
-    exact = (torch.arange(seqlen, dtype=torch.float64)[:, None] * 10000.0 ** (-2 * i / dim)).cos()
-    assert ((cos - exact).abs().max() > 0.05) == (not pos_idx_in_fp32)
+    assert ((cos - exact.cos()).abs().max() > 0.05) == (not pos_idx_in_fp32)
 
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "interleaved"])
