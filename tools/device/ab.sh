@@ -18,8 +18,10 @@
 #   --rounds N                alternating rounds (default 3)
 #   --env NAME=V1,V2,...      also time the new build once per value of the environment variable
 #                             NAME (a temporary override the working tree reads), as variants
-#   --jobs N                  build parallelism per build (default: half the cores)
+#   --jobs N                  build parallelism per build (default: half the cores, all under --no-base)
 #   --base-patch FILE         the patch that turns the base into the working tree (default ab_base.diff)
+#   --no-base                 build and time the working tree only, on all the cores; ratios are then
+#                             over its plain run, and the control is one of its --env variants
 #   --tests FILTER            also build the new tree's GPU tests and run those matching the gtest
 #                             filter after the timing (log: tests.log)
 set -uo pipefail
@@ -34,8 +36,9 @@ HEADDIMS="64;128"
 ROUNDS=3
 ENV_NAME=""
 ENV_VALUES=()
-JOBS=$(( $(nproc) / 2 ))
+JOBS=""
 PATCH=ab_base.diff
+NO_BASE=0
 TESTS=""
 SHAPES=()
 while [[ $# -gt 0 ]]; do
@@ -47,13 +50,15 @@ while [[ $# -gt 0 ]]; do
     --env) ENV_NAME="${2%%=*}"; IFS=, read -ra ENV_VALUES <<< "${2#*=}"; shift ;;
     --jobs) JOBS="$2"; shift ;;
     --base-patch) PATCH="$2"; shift ;;
+    --no-base) NO_BASE=1 ;;
     --tests) TESTS="$2"; shift ;;
-    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
     -*) echo "ab.sh: unknown option $1" >&2; exit 2 ;;
     *) SHAPES+=("$1") ;;
   esac
   shift
 done
+JOBS=${JOBS:-$(( $(nproc) / (NO_BASE ? 1 : 2) ))}
 if [[ ${#SHAPES[@]} -eq 0 ]]; then
   for D in 64 128; do
     for N in 1024 4096 16384; do
@@ -64,7 +69,9 @@ fi
 
 # The base tree: a copy without build outputs, the patch reverse-applied (or HEAD exported).
 BASE=$(mktemp -d)
-if [[ -f "$PATCH" ]]; then
+if ((NO_BASE)); then
+  :
+elif [[ -f "$PATCH" ]]; then
   tar --exclude='./build*' --exclude=./outputs -cf - . | tar -xf - -C "$BASE"
   (cd "$BASE" && patch -s -R -p1 < "$ROOT/$PATCH") || { echo "ab.sh: $PATCH does not reverse-apply" >&2; exit 1; }
 elif git rev-parse --git-dir > /dev/null 2>&1; then
@@ -87,9 +94,13 @@ build() {  # SOURCE_DIR NAME [TARGET...]: the library, bench_attention and TARGE
   echo "build $name: rc=$rc (log: build_$name.log)"
   return $rc
 }
-build "$BASE" base & BASE_PID=$!
-build "$ROOT" new ${TESTS:+tileattn_cuda_tests} || exit 1
-wait $BASE_PID || exit 1
+if ((NO_BASE)); then
+  build "$ROOT" new ${TESTS:+tileattn_cuda_tests} || exit 1
+else
+  build "$BASE" base & BASE_PID=$!
+  build "$ROOT" new ${TESTS:+tileattn_cuda_tests} || exit 1
+  wait $BASE_PID || exit 1
+fi
 
 # variant NAME BINARY [ENV=VALUE]: one timed pass of every shape, CSV rows prefixed with the variant and round,
 # a file per pass (the harness's columns differ between passes).
@@ -106,7 +117,7 @@ variant() {
   done
 }
 for ((r = 1; r <= ROUNDS; ++r)); do
-  variant base "$BASE/build-ab/bench_attention" "$r"
+  ((NO_BASE)) || variant base "$BASE/build-ab/bench_attention" "$r"
   variant new "$ROOT/build-ab/bench_attention" "$r"
   for v in "${ENV_VALUES[@]}"; do variant "new:$ENV_NAME=$v" "$ROOT/build-ab/bench_attention" "$r" "$ENV_NAME=$v"; done
 done
@@ -123,14 +134,15 @@ for r in rows:
     if r["variant"] not in variants: variants.append(r["variant"])
     if s not in shapes: shapes.append(s)
     tf[(r["variant"], s)].append(float(r["tflops"]))
-print("TFLOP/s per round; ratio: median over rounds of variant / base")
+ref = variants[0]  # the base, or the working tree itself under --no-base
+print(f"TFLOP/s per round; ratio: median over rounds of variant / {ref}")
 print("pass,shape (B,H,Nq,Nk,D,causal,Hkv,impl)".ljust(44) + "".join(v[:22].rjust(24) for v in variants) +
-      "".join(("/base " + v[:12]).rjust(20) for v in variants[1:]))
+      "".join((f"/{ref[:4]} " + v[:12]).rjust(20) for v in variants[1:]))
 for s in shapes:
     cells = ["/".join(f"{x:.1f}" for x in tf[(v, s)]).rjust(24) for v in variants]
     ratios = []
     for v in variants[1:]:
-        pairs = [a / b for a, b in zip(tf[(v, s)], tf[("base", s)]) if b > 0]
+        pairs = [a / b for a, b in zip(tf[(v, s)], tf[(ref, s)]) if b > 0]
         ratios.append((f"{statistics.median(pairs):.3f}" if pairs else "-").rjust(20))
     print(",".join(s).ljust(44) + "".join(cells) + "".join(ratios))
 EOF
