@@ -45,12 +45,15 @@ void check_trials(const Case& c) {
     const auto oracle_fwd = cpu::reference_forward(p);
     const auto oracle = cpu::reference_backward(p);
     const NaiveResult naive = naive_attention(p);
-    const double floor = two_x_floor(c.dtype);
+    // Gradients reach past 10 here (dK at headdim_v 256), where a fixed floor is about two ulps:
+    // their floor scales with the largest element, as flash-attn's tests take the reference's
+    // own rounding at its magnitude.
+    const auto grad_floor = [&](const std::vector<double>& ref) { return 2 * two_x_floor(c.dtype, ref); };
     SCOPED_TRACE("trial " + std::to_string(trial));
-    EXPECT_TRUE(two_x_rule(hp.o.gather(), naive.o, oracle_fwd.o, floor)) << "O";
-    EXPECT_TRUE(two_x_rule(hp.dq.gather(), naive.dq, oracle.dq, 2 * floor)) << "dQ";
-    EXPECT_TRUE(two_x_rule(hp.dk.gather(), naive.dk, oracle.dk, 2 * floor)) << "dK";
-    EXPECT_TRUE(two_x_rule(hp.dv.gather(), naive.dv, oracle.dv, 2 * floor)) << "dV";
+    EXPECT_TRUE(two_x_rule(hp.o.gather(), naive.o, oracle_fwd.o, two_x_floor(c.dtype))) << "O";
+    EXPECT_TRUE(two_x_rule(hp.dq.gather(), naive.dq, oracle.dq, grad_floor(oracle.dq))) << "dQ";
+    EXPECT_TRUE(two_x_rule(hp.dk.gather(), naive.dk, oracle.dk, grad_floor(oracle.dk))) << "dK";
+    EXPECT_TRUE(two_x_rule(hp.dv.gather(), naive.dv, oracle.dv, grad_floor(oracle.dv))) << "dV";
     if (::testing::Test::HasFailure()) return;
   }
 }
