@@ -1,6 +1,6 @@
 #pragma once
 // The CPU merge of partial attention results (include/tileattn/merge.hpp). Takes a problem
-// validated by src/host/merge.cpp, with every pointer host memory.
+// validated by src/host/validate.cpp, with every pointer host memory.
 #include "tileattn/merge.hpp"
 
 namespace tileattn::cpu {

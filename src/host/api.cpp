@@ -1,7 +1,7 @@
 // Dispatch: resolve the backend, check that the memory each pointer names is the backend's, read
 // the offsets validation needs, validate (src/host/validate.cpp), then hand the normalised
-// problem to the backend's planner. Everything that asks the CUDA runtime happens here, not in
-// validation.
+// problem to the backend's planner (the merge, which has no plan, to the backend's pass).
+// Everything that asks the CUDA runtime happens here, not in validation.
 #include <climits>
 #include <cstdint>
 #include <memory>
@@ -10,12 +10,14 @@
 
 #include "common/backend_plan.hpp"
 #include "cpu/cpu_backend.hpp"
+#include "cpu/merge.hpp"
 #include "host/dispatch.hpp"
 #include "host/validate.hpp"
 #include "tileattn/attention.hpp"
 
 #ifdef TILEATTN_WITH_CUDA
 #include "cuda/cuda_backend.hpp"
+#include "cuda/merge/merge.hpp"
 #endif
 
 #ifndef TILEATTN_VERSION
@@ -60,6 +62,13 @@ void check_memory(const AttentionProblem& p, host::Pass pass, Backend backend) {
   }
   check_memory_space(p.rotary_cos, "rotary_cos", backend);
   check_memory_space(p.rotary_sin, "rotary_sin", backend);
+}
+
+void check_memory(const MergeProblem& p, Backend backend) {
+  check_memory_space(p.out.data, "out.data", backend);
+  check_memory_space(p.out_b.data, "out_b.data", backend);
+  check_memory_space(p.lse, "lse", backend);
+  check_memory_space(p.lse_b, "lse_b", backend);
 }
 
 void check_memory(const SoftmaxMatmulProblem& p, Backend backend) {
@@ -193,6 +202,18 @@ void backward(const AttentionProblem& problem) {
 
 void softmax_matmul(const SoftmaxMatmulProblem& problem) {
   plan_softmax_matmul(problem).run(problem.workspace, problem.workspace_bytes);
+}
+
+void merge_attention(const MergeProblem& problem) {
+  if (host::merge_is_empty(problem)) return;
+  const Backend backend = resolve(problem.backend, problem.out.data);
+  check_backend_present(backend);
+  check_memory(problem, backend);
+  host::validate_merge(problem, backend);
+#ifdef TILEATTN_WITH_CUDA
+  if (backend == Backend::cuda) return cuda::merge_attention(problem);
+#endif
+  cpu::merge_attention(problem);
 }
 
 // Sizes are those of the validated problem's plan; the caller's workspace plays no part in them.

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "common/kv_append.hpp"
@@ -39,9 +40,19 @@ const char* backend_name(Backend b) {
   return "?";
 }
 
-void check_dtype(DType dtype) {
+const char* dtype_name(DType d) {
+  switch (d) {
+    case DType::f32: return "f32";
+    case DType::f16: return "f16";
+    case DType::bf16: return "bf16";
+  }
+  return "?";
+}
+
+void check_dtype(DType dtype, const char* name = "dtype") {
   if (dtype != DType::f32 && dtype != DType::f16 && dtype != DType::bf16) {
-    fail(ErrorKind::invalid_type, "dtype=" + str(int64_t(dtype)) + " is not a supported DType (f32=0, f16=1, bf16=2)");
+    fail(ErrorKind::invalid_type,
+         std::string(name) + "=" + str(int64_t(dtype)) + " is not a supported DType (f32=0, f16=1, bf16=2)");
   }
 }
 
@@ -109,8 +120,10 @@ int64_t checked_mul(int64_t a, int64_t b, const std::string& tensor) {
 // on timing. The test: sorted by stride, each dimension must step past everything the smaller
 // dimensions span. This is sufficient, and for the layouts attention uses (any permutation of
 // (batch, seq, head) over a contiguous headdim) also necessary.
-void check_strides(const std::string& tensor, int64_t inner, std::vector<Dim> dims, bool is_output,
-                   bool may_broadcast = false) {
+//
+// Returns the span in elements (the highest index addressed + 1), for checks of aliasing.
+int64_t check_strides(const std::string& tensor, int64_t inner, std::vector<Dim> dims, bool is_output,
+                      bool may_broadcast = false) {
   for (const Dim& d : dims) {
     if (d.stride < 0) {
       invalid(tensor + "." + d.field + "=" + str(d.stride) + " must not be negative");
@@ -123,7 +136,7 @@ void check_strides(const std::string& tensor, int64_t inner, std::vector<Dim> di
   int64_t last = inner - 1;
   for (const Dim& d : dims) last = checked_add(last, checked_mul(d.extent - 1, d.stride, tensor), tensor);
 
-  if (!is_output) return;
+  if (!is_output) return last + 1;
   std::erase_if(dims, [](const Dim& d) { return d.extent <= 1; });
   std::stable_sort(dims.begin(), dims.end(), [](const Dim& a, const Dim& b) { return a.stride < b.stride; });
   int64_t span = inner;  // elements covered by the dimensions already placed
@@ -135,6 +148,16 @@ void check_strides(const std::string& tensor, int64_t inner, std::vector<Dim> di
     }
     span = checked_add(span, checked_mul(d.extent - 1, d.stride, tensor), tensor);
     spanned += std::string(" x ") + d.extent_name;
+  }
+  return last + 1;
+}
+
+// Two byte ranges that must not share memory: the merge reads `b` while it writes `a` in place.
+void check_disjoint(const void* a, int64_t a_bytes, const void* b, int64_t b_bytes, const char* a_name,
+                    const char* b_name) {
+  const auto a0 = reinterpret_cast<uintptr_t>(a), b0 = reinterpret_cast<uintptr_t>(b);
+  if (a0 < b0 + uintptr_t(b_bytes) && b0 < a0 + uintptr_t(a_bytes)) {
+    invalid(std::string(b_name) + " overlaps " + a_name + " (the merge writes " + a_name + " in place)");
   }
 }
 
@@ -514,6 +537,67 @@ SoftmaxMatmulProblem validate_softmax_matmul(const SoftmaxMatmulProblem& problem
   SoftmaxMatmulProblem n = p;
   n.backend = backend;
   return n;
+}
+
+bool merge_is_empty(const MergeProblem& p) {
+  if (p.backend != Backend::automatic) check_backend(p.backend);
+  const std::pair<const char*, int64_t> sizes[] = {
+      {"batch", p.batch}, {"seqlen", p.seqlen}, {"heads", p.heads}, {"headdim", p.headdim}};
+  for (const auto& [name, v] : sizes) {
+    if (v < 0) invalid(std::string(name) + "=" + str(v) + " must be >= 0");
+  }
+  return p.batch == 0 || p.seqlen == 0 || p.heads == 0 || p.headdim == 0;
+}
+
+void validate_merge(const MergeProblem& p, Backend backend) {
+  check_backend(backend);
+  check_requested_backend(p.backend, backend);
+  check_dtype(p.out_dtype, "out_dtype");
+  check_dtype(p.out_b_dtype, "out_b_dtype");
+  if (p.out_dtype != DType::f32 && p.out_b_dtype != p.out_dtype) {
+    fail(ErrorKind::invalid_type, std::string("out_b_dtype=") + dtype_name(p.out_b_dtype) + " must equal out_dtype=" +
+                                      dtype_name(p.out_dtype) +
+                                      " (a 16-bit accumulator merges its own dtype; use an f32 out to mix)");
+  }
+  check_num_threads(p.num_threads);
+
+  check_not_null(p.out.data, "out.data");
+  check_not_null(p.out_b.data, "out_b.data");
+  check_not_null(p.lse, "lse");
+  check_not_null(p.lse_b, "lse_b");
+  check_aligned(p.out.data, element_bytes(p.out_dtype), "out.data", "its element");
+  check_aligned(p.out_b.data, element_bytes(p.out_b_dtype), "out_b.data", "its element");
+  check_aligned(p.lse, sizeof(float), "lse", "its element");
+  check_aligned(p.lse_b, sizeof(float), "lse_b", "its element");
+
+  // The read side may be expanded (zero strides), as attention's inputs may; out and lse are
+  // written in place and must not overlap themselves.
+  const auto o_dims = [&](const TensorView& t) {
+    return std::vector<Dim>{{"head_stride", t.head_stride, p.heads, "heads"},
+                            {"seq_stride", t.seq_stride, p.seqlen, "seqlen"},
+                            {"batch_stride", t.batch_stride, p.batch, "batch"}};
+  };
+  // L's rows are contiguous: lse_head_stride and lse_batch_stride name the fields.
+  const auto l_dims = [&](int64_t head_stride, int64_t batch_stride) {
+    return std::vector<Dim>{{"head_stride", head_stride, p.heads, "heads"},
+                            {"batch_stride", batch_stride, p.batch, "batch"}};
+  };
+  const int64_t out_bytes =
+      checked_mul(check_strides("out", p.headdim, o_dims(p.out), true), element_bytes(p.out_dtype), "out");
+  const int64_t out_b_bytes = checked_mul(check_strides("out_b", p.headdim, o_dims(p.out_b), false, true),
+                                          element_bytes(p.out_b_dtype), "out_b");
+  const int64_t lse_bytes =
+      checked_mul(check_strides("lse", p.seqlen, l_dims(p.lse_head_stride, p.lse_batch_stride), true), 4, "lse");
+  const int64_t lse_b_bytes = checked_mul(
+      check_strides("lse_b", p.seqlen, l_dims(p.lse_b_head_stride, p.lse_b_batch_stride), false, true), 4, "lse_b");
+
+  // Nothing read may share memory with what is written in place: an element would be read after
+  // another thread overwrote it, and a row's write must not change what a later row reads.
+  check_disjoint(p.out.data, out_bytes, p.out_b.data, out_b_bytes, "out", "out_b");
+  check_disjoint(p.lse, lse_bytes, p.lse_b, lse_b_bytes, "lse", "lse_b");
+  check_disjoint(p.out.data, out_bytes, p.lse, lse_bytes, "out", "lse");
+  check_disjoint(p.out.data, out_bytes, p.lse_b, lse_b_bytes, "out", "lse_b");
+  check_disjoint(p.lse, lse_bytes, p.out_b.data, out_b_bytes, "lse", "out_b");
 }
 
 }  // namespace tileattn::host

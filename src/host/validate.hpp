@@ -8,6 +8,7 @@
 //    is clamped to that length: it masks nothing either way, and Mask's int32 arithmetic stays exact.
 #include <cstdint>
 
+#include "tileattn/merge.hpp"
 #include "tileattn/problem.hpp"
 
 namespace tileattn::host {
@@ -34,5 +35,12 @@ struct HostOffsets {
 AttentionProblem validate_attention(const AttentionProblem& problem, Pass pass, Backend backend,
                                     HostOffsets offsets = {});
 SoftmaxMatmulProblem validate_softmax_matmul(const SoftmaxMatmulProblem& problem, Backend backend);
+
+// merge_attention's sizes, checked first: a negative one throws, and a zero one makes an empty
+// merge, which reads and writes nothing and needs no pointer (true). An invalid backend enum
+// throws here too.
+bool merge_is_empty(const MergeProblem& problem);
+// The rest of the merge's rules, for a problem that is not empty. A merge has no normalised form.
+void validate_merge(const MergeProblem& problem, Backend backend);
 
 }  // namespace tileattn::host
